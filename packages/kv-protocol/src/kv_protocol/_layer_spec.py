@@ -1,0 +1,100 @@
+"""Per-layer KV specifications: the lifetime kind and the KV geometry of one layer."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ._errors import LayerKindError, LayoutError
+
+__all__ = ["KVGeometry", "LayerKind", "LayerSpec"]
+
+
+class LayerKind(enum.Enum):
+    """How long a layer's KV must live.
+
+    ``FULL`` keeps every token, ``SLIDING`` only the trailing ``window`` tokens, ``STATE``
+    (recurrent or linear attention) keeps a fixed-size state and stores nothing in a KV pool.
+    """
+
+    FULL = "full"
+    SLIDING = "sliding"
+    STATE = "state"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVGeometry:
+    """The shape of one token's K (or V) in one layer: ``n_kv_heads x head_dim`` of ``dtype``."""
+
+    n_kv_heads: int
+    head_dim: int
+    dtype: mx.Dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K *and* V for one token of one layer."""
+        return 2 * self.n_kv_heads * self.head_dim * self.dtype.size
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """What the KV cache must know about one model layer.
+
+    ``window`` is required for (and only for) ``SLIDING`` layers and counts the keys a query
+    sees, itself included: the query at position ``p`` attends to positions
+    ``p - window + 1 .. p``. ``n_kv_heads`` and ``head_dim`` are required for attention
+    layers and may be ``None`` for ``STATE`` layers.
+    """
+
+    layer_id: int
+    kind: LayerKind
+    window: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    dtype: mx.Dtype = mx.float32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_id, int) or isinstance(self.layer_id, bool):
+            raise LayoutError(f"layer_id must be an int, got {self.layer_id!r}")
+        if self.layer_id < 0:
+            raise LayoutError(f"layer_id must be >= 0, got {self.layer_id}")
+        if not isinstance(self.kind, LayerKind):
+            raise LayoutError(f"kind must be a LayerKind, got {self.kind!r}")
+        if self.kind is LayerKind.SLIDING:
+            if self.window is None or isinstance(self.window, bool) or self.window < 1:
+                raise LayoutError(
+                    f"window must be an int >= 1 for SLIDING layer {self.layer_id}, "
+                    f"got {self.window!r}"
+                )
+        elif self.window is not None:
+            raise LayoutError(
+                f"window must be None for {self.kind.name} layer {self.layer_id}, "
+                f"got {self.window!r}"
+            )
+        for name in ("n_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is None:
+                if self.kind is not LayerKind.STATE:
+                    raise LayoutError(
+                        f"{name} is required for {self.kind.name} layer {self.layer_id}"
+                    )
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LayoutError(
+                    f"{name} must be a positive int for layer {self.layer_id}, got {value!r}"
+                )
+        if not isinstance(self.dtype, mx.Dtype):
+            raise LayoutError(f"dtype must be an mlx dtype, got {self.dtype!r}")
+
+    @property
+    def is_attention(self) -> bool:
+        """True for layers that store K/V (``FULL`` and ``SLIDING``)."""
+        return self.kind is not LayerKind.STATE
+
+    @property
+    def geometry(self) -> KVGeometry:
+        """The KV geometry of an attention layer; a ``LayerKindError`` for a ``STATE`` layer."""
+        if self.n_kv_heads is None or self.head_dim is None:
+            raise LayerKindError(f"layer {self.layer_id} is a STATE layer and stores no K/V")
+        return KVGeometry(n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, dtype=self.dtype)

@@ -1,0 +1,316 @@
+"""The typed contracts between the kv-* packages.
+
+Whatever one package hands another goes through one of these protocols, so that each package
+can be swapped or tested alone. Shapes follow mlx-lm: per-request caches hold
+``(B, n_kv_heads, S, head_dim)``; pools are *slot addressed* and *head major*: a layer's key
+buffer is ``(n_kv_heads, num_pages * page_size, head_dim)`` and token slot
+``page * page_size + offset_in_page`` is column ``slot`` of it. Page 0 of every sub-pool is a
+reserved null page: padding entries of page tables point to it and it is never allocated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+from ._layout import CacheLayout
+from ._rope import RopeConfig
+
+__all__ = [
+    "DecodeKVCache",
+    "KVCache",
+    "KVPool",
+    "KernelSet",
+    "LayerTransferCounter",
+    "MaskSpec",
+    "OffsetCache",
+    "PageAllocator",
+    "PagedDecodeAttention",
+    "RopeScatterKernel",
+]
+
+#: What ``make_mask`` returns: no mask, mlx's fused causal mask, or a boolean keep-mask.
+MaskSpec = mx.array | Literal["causal"] | None
+
+
+@runtime_checkable
+class OffsetCache(Protocol):
+    """The part of mlx-lm's cache protocol a model container needs to build its masks."""
+
+    @property
+    def offset(self) -> Any:
+        """Absolute number of tokens processed so far (an ``int`` for a single request)."""
+        ...
+
+    @property
+    def state(self) -> Any:
+        """Everything needed to rebuild the cache (arrays), safe to hand to ``mx.eval``."""
+        ...
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ) -> MaskSpec:
+        """The attention mask for ``N`` new queries at the current offset."""
+        ...
+
+
+@runtime_checkable
+class KVCache(OffsetCache, Protocol):
+    """mlx-lm's per-request, per-layer KV cache protocol (mlx-lm >= 0.32)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store new ``(B, H, L, D)`` keys/values; return the keys/values attention sees now."""
+        ...
+
+    def is_trimmable(self) -> bool:
+        """True if ``trim`` can move the cache back."""
+        ...
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens (speculative decoding); returns the number dropped."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of device memory the cache's arrays occupy."""
+        ...
+
+    def empty(self) -> bool:
+        """True while the cache holds no data."""
+        ...
+
+
+@runtime_checkable
+class DecodeKVCache(OffsetCache, Protocol):
+    """A per-request cache with the single-token decode path used by batched decode."""
+
+    def write_token(self, keys: mx.array, values: mx.array) -> None:
+        """Append one token's ``(1, H, 1, D)`` key and value and advance ``offset`` by one."""
+        ...
+
+    def get_kv(self, window: int | None = None) -> tuple[mx.array, mx.array]:
+        """The ``(1, H, S, D)`` keys/values held, limited to the trailing ``window`` if given."""
+        ...
+
+
+@runtime_checkable
+class PageAllocator(Protocol):
+    """A refcounted allocator of fixed-size pages with a reserved null page 0."""
+
+    @property
+    def num_pages(self) -> int:
+        """Pages managed, the null page included."""
+        ...
+
+    @property
+    def num_free(self) -> int:
+        """Pages that can be allocated now."""
+        ...
+
+    def alloc(self, n: int) -> list[int]:
+        """Allocate ``n`` pages atomically (all or none) with refcount 1 each."""
+        ...
+
+    def incref(self, pages: Sequence[int]) -> None:
+        """Add one owner to each allocated page (prefix sharing)."""
+        ...
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop one owner of each page; a page returns to the free list at refcount 0.
+
+        Freeing a page that is free already or that this allocator does not own raises and
+        changes nothing.
+        """
+        ...
+
+    def refcount(self, page: int) -> int:
+        """Current owner count of ``page`` (0 when free)."""
+        ...
+
+
+@runtime_checkable
+class LayerTransferCounter(Protocol):
+    """A layer-wise transfer hook: KV arrives layer by layer while the model computes."""
+
+    def wait_until(self, layer_id: int) -> None:
+        """Block until the transfer of global layer ``layer_id`` is complete."""
+        ...
+
+
+@runtime_checkable
+class KVPool(Protocol):
+    """A paged KV pool with one sub-pool per (lifetime, geometry) group of attention layers.
+
+    Requests are ``int`` ids. A request *reserves* token positions ``0 .. seq_len - 1``;
+    sliding sub-pools may release pages whose tokens have left every window, so a slot query
+    for such a position fails. Every method taking a ``layer_id`` takes the model's global
+    layer id and translates it through the layout, failing with the layout's error for a layer
+    of the wrong kind.
+    """
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The layout the pool was built for."""
+        ...
+
+    def add_request(self, request_id: int) -> None:
+        """Register a new request holding no tokens."""
+        ...
+
+    def free_request(self, request_id: int) -> None:
+        """Release every page of the request and forget it."""
+        ...
+
+    def has_request(self, request_id: int) -> bool:
+        """True while ``request_id`` is registered."""
+        ...
+
+    def seq_len(self, request_id: int) -> int:
+        """Token positions reserved so far for the request."""
+        ...
+
+    def reserve(self, request_id: int, n_tokens: int) -> dict[str, mx.array]:
+        """Reserve ``n_tokens`` more positions, atomically over all sub-pools.
+
+        Returns the new tokens' int32 slots per sub-pool name. On shortage raises
+        ``PoolExhaustedError`` and nothing changes. Sliding sub-pools may release pages that
+        the queries of the new tokens can no longer see.
+        """
+        ...
+
+    def can_reserve(self, demands: dict[int, int]) -> bool:
+        """True if reserving ``demands[request_id]`` more tokens for each request would fit."""
+        ...
+
+    def sub_pool_of(self, layer_id: int) -> str:
+        """Name of the sub-pool that stores ``layer_id``."""
+        ...
+
+    def page_size(self, layer_id: int) -> int:
+        """Tokens per page in the sub-pool of ``layer_id``."""
+        ...
+
+    def token_slots(self, request_id: int, layer_id: int, start: int, stop: int) -> mx.array:
+        """int32 slots of token positions ``start .. stop - 1`` of the request for that layer."""
+        ...
+
+    def batch_page_table(self, request_ids: Sequence[int], sub_pool: str) -> mx.array:
+        """``(B, max_pages)`` int32 logical page tables, padded and unheld entries = page 0.
+
+        Entry ``[b, j]`` is the physical page holding positions ``j * page_size ..
+        (j + 1) * page_size - 1`` of request ``b``.
+        """
+        ...
+
+    def batch_slots(
+        self, request_ids: Sequence[int], sub_pool: str, positions: Sequence[int]
+    ) -> mx.array:
+        """``(B,)`` int32 slots of ``positions[b]`` of each request ``b`` in the sub-pool."""
+        ...
+
+    def get_key_buffer(self, layer_id: int) -> mx.array:
+        """The layer's key buffer ``(n_kv_heads, num_slots, head_dim)``."""
+        ...
+
+    def get_value_buffer(self, layer_id: int) -> mx.array:
+        """The layer's value buffer ``(n_kv_heads, num_slots, head_dim)``."""
+        ...
+
+    def replace_buffers(self, layer_id: int, keys: mx.array, values: mx.array) -> None:
+        """Rebind the layer's buffers to arrays a kernel produced (same shape and dtype)."""
+        ...
+
+    def set_kv(self, layer_id: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Write token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``."""
+        ...
+
+    def get_kv(self, layer_id: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """Read token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``."""
+        ...
+
+
+@runtime_checkable
+class RopeScatterKernel(Protocol):
+    """Fused RoPE on q and k plus the write of rotated k and raw v into slot-addressed pools.
+
+    Pools are head-major ``(n_kv_heads, num_slots, head_dim)``; a negative slot rotates but
+    does not write.
+    """
+
+    @property
+    def name(self) -> str:
+        """Backend name (``reference``, ``metal``, ``cuda`` ...)."""
+        ...
+
+    def supports(self, rope: RopeConfig) -> bool:
+        """True if the kernel computes exactly this RoPE variant."""
+        ...
+
+    def __call__(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        positions: mx.array,
+        slots: mx.array,
+        k_pool: mx.array,
+        v_pool: mx.array,
+        *,
+        rope: RopeConfig,
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Rotate q ``(T, Hq, D)`` and k ``(T, Hkv, D)`` at ``positions (T,)``.
+
+        Returns ``(q_rot, k_rot, k_pool_new, v_pool_new)``.
+        """
+        ...
+
+
+@runtime_checkable
+class PagedDecodeAttention(Protocol):
+    """One decode query per request attending to its own tokens through a page table."""
+
+    @property
+    def name(self) -> str:
+        """Backend name."""
+        ...
+
+    def __call__(
+        self,
+        q: mx.array,
+        k_pool: mx.array,
+        v_pool: mx.array,
+        page_table: mx.array,
+        seq_lens: mx.array,
+        *,
+        page_size: int,
+        scale: float,
+        window: int | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        """Attention output ``(B, Hq, 1, D)`` for q ``(B, Hq, 1, D)``.
+
+        ``k_pool``/``v_pool`` are ``(Hkv, num_slots, D)``; ``page_table (B, max_pages)``
+        maps each request's logical pages to physical ones; ``seq_lens (B,)`` int32 counts the
+        valid tokens of each request *including* the one being decoded (its K/V is already in
+        the pool). With ``window``, request ``b`` sees only positions
+        ``seq_lens[b] - window .. seq_lens[b] - 1``. ``sinks (Hq,)`` adds one learned logit
+        per head to the softmax denominator.
+        """
+        ...
+
+
+@runtime_checkable
+class KernelSet(Protocol):
+    """The kernels batched decode uses: ``rope is None`` means RoPE is not fused."""
+
+    @property
+    def rope(self) -> RopeScatterKernel | None:
+        """The fused RoPE + pool-scatter kernel, or ``None``."""
+        ...
+
+    @property
+    def attention(self) -> PagedDecodeAttention:
+        """The paged decode attention."""
+        ...
