@@ -50,9 +50,13 @@ class OffsetCache(Protocol):
         ...
 
     def make_mask(
-        self, N: int, return_array: bool = False, window_size: int | None = None
+        self, N: int, *, return_array: bool = False, window_size: int | None = None
     ) -> MaskSpec:
-        """The attention mask for ``N`` new queries at the current offset."""
+        """The attention mask for ``N`` new queries at the current offset.
+
+        ``return_array`` and ``window_size`` are keyword-only here because mlx-lm's own
+        caches order them differently; mlx-lm's mask helpers pass them by keyword.
+        """
         ...
 
 

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from kv_protocol import (
+    KVCacheError,
+    LayerKind,
+    UnsupportedModelError,
+    layout_from_model,
+)
+from tools.tiny_models import ARCHITECTURES, build_tiny_model
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("num_layers", [4, 6])
+def test_layout_matches_the_models_own_make_cache(arch: str, num_layers: int) -> None:
+    model = build_tiny_model(arch, window=8 if num_layers == 4 else 12, num_layers=num_layers)
+    layout = layout_from_model(model)
+    caches = make_prompt_cache(model)
+    assert layout.num_layers == len(caches)
+    for spec, cache in zip(layout.specs, caches, strict=True):
+        if isinstance(cache, RotatingKVCache):
+            assert spec.kind is LayerKind.SLIDING
+            assert spec.window == cache.max_size
+        else:
+            assert type(cache) is KVCache
+            assert spec.kind is LayerKind.FULL
+            assert spec.window is None
+        assert spec.n_kv_heads == 2
+        assert spec.head_dim == 16
+        assert spec.dtype == mx.float32
+    assert layout.full_layer_ids and layout.sliding_layer_ids
+
+
+def test_plain_llama_without_windows_is_all_full() -> None:
+    model = build_tiny_model("llama", layer_types=None, sliding_window=None)
+    layout = layout_from_model(model)
+    assert all(s.kind is LayerKind.FULL for s in layout.specs)
+    assert all(isinstance(c, KVCache) for c in make_prompt_cache(model))
+
+
+def test_per_layer_geometry_and_dtype_override() -> None:
+    model = build_tiny_model("gpt_oss", dtype=mx.bfloat16)
+    assert layout_from_model(model).specs[0].dtype == mx.bfloat16
+    assert layout_from_model(model, dtype=mx.float16).specs[1].dtype == mx.float16
+
+
+def test_a_sliding_window_mapped_to_no_layer_is_refused() -> None:
+    model: Any = build_tiny_model("llama", layer_types=None, sliding_window=32)
+    # mlx-lm's llama always sets per-layer `use_sliding`; drop it to model a config that
+    # declares `sliding_window` without saying which layers it applies to.
+    for layer in model.model.layers:
+        del layer.use_sliding
+    model.model.layer_types = None
+    model.args.layer_types = None
+    with pytest.raises(UnsupportedModelError, match="declares sliding_window=32") as info:
+        layout_from_model(model)
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, KVCacheError)
+
+
+def test_a_model_without_layers_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match="cannot find the decoder layers"):
+        layout_from_model(object())
