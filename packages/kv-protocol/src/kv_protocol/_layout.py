@@ -12,6 +12,10 @@ from ._layer_spec import KVGeometry, LayerKind, LayerSpec
 __all__ = ["CacheLayout"]
 
 
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
 def _dense(ids: tuple[int, ...]) -> Mapping[int, int]:
     return MappingProxyType({layer_id: index for index, layer_id in enumerate(ids)})
 
@@ -159,6 +163,6 @@ class CacheLayout:
             window = f" window={spec.window}" if spec.window is not None else ""
             lines.append(
                 f"  layer {spec.layer_id:3d}  {spec.kind.value:<7s} pool index {index:3d}  "
-                f"{spec.n_kv_heads} kv heads x {spec.head_dim} {spec.dtype}{window}"
+                f"{spec.n_kv_heads} kv heads x {spec.head_dim} {_dtype_name(spec.dtype)}{window}"
             )
         return "\n".join(lines)
