@@ -1,0 +1,135 @@
+"""A refcounted page allocator with a reserved null page 0."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from kv_protocol import InvalidPageError, PoolExhaustedError, RequestStateError
+
+__all__ = ["PageAllocator"]
+
+
+class PageAllocator:
+    """Fixed-size pages ``1 .. num_pages - 1`` with reference counts; page 0 is never handed out.
+
+    ``alloc`` and ``free`` are O(1) per page (a LIFO free list and a refcount list). Every
+    operation validates its whole argument before changing anything, so a failed call (a
+    shortage, a double free, a foreign page) leaves the allocator exactly as it was.
+    """
+
+    def __init__(self, num_pages: int, *, name: str = "pool") -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise RequestStateError(
+                f"PageAllocator {name!r} needs num_pages >= 1 (page 0 is the null page), "
+                f"got {num_pages!r}"
+            )
+        self._name = name
+        self._num_pages = num_pages
+        self._refcounts = [0] * num_pages
+        # Popping from the end hands out low page ids first.
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def name(self) -> str:
+        """The sub-pool name used in error messages."""
+        return self._name
+
+    @property
+    def num_pages(self) -> int:
+        """Pages managed, the null page included."""
+        return self._num_pages
+
+    @property
+    def num_free(self) -> int:
+        """Pages that can be allocated now."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Pages currently held by at least one owner (the null page excluded)."""
+        return self._num_pages - 1 - len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        """Allocate ``n`` pages atomically (all or none) with refcount 1 each."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise RequestStateError(f"alloc needs a page count >= 0, got {n!r}")
+        if n > len(self._free):
+            raise PoolExhaustedError(
+                sub_pool=self._name, pages_requested=n, pages_free=len(self._free)
+            )
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        pages.reverse()
+        refcounts = self._refcounts
+        for page in pages:
+            refcounts[page] = 1
+        return pages
+
+    def _check_owned(self, pages: Sequence[int], what: str) -> Counter[int]:
+        counts: Counter[int] = Counter()
+        for page in pages:
+            if isinstance(page, bool) or not isinstance(page, int):
+                raise InvalidPageError(
+                    f"{what} in sub-pool {self._name!r}: page ids must be ints, got {page!r}"
+                )
+            if page == 0:
+                raise InvalidPageError(
+                    f"{what} in sub-pool {self._name!r}: page 0 is the reserved null page and "
+                    "is never allocated"
+                )
+            if not 0 < page < self._num_pages:
+                raise InvalidPageError(
+                    f"{what} in sub-pool {self._name!r}: page {page} is not owned by this "
+                    f"allocator (valid pages are 1..{self._num_pages - 1})"
+                )
+            counts[page] += 1
+        for page, times in counts.items():
+            held = self._refcounts[page]
+            if held == 0:
+                raise InvalidPageError(
+                    f"{what} in sub-pool {self._name!r}: page {page} is free (double free or "
+                    "never allocated)"
+                )
+            if what == "free" and times > held:
+                raise InvalidPageError(
+                    f"free in sub-pool {self._name!r}: page {page} is freed {times} times but "
+                    f"has only {held} owner(s)"
+                )
+        return counts
+
+    def incref(self, pages: Sequence[int]) -> None:
+        """Add one owner to each allocated page (prefix sharing); all-or-nothing."""
+        counts = self._check_owned(pages, "incref")
+        for page, times in counts.items():
+            self._refcounts[page] += times
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop one owner of each page; a page returns to the free list at refcount 0.
+
+        Freeing a page that is free already, page 0, or a page outside this allocator raises
+        ``InvalidPageError`` and changes nothing.
+        """
+        counts = self._check_owned(pages, "free")
+        refcounts = self._refcounts
+        for page, times in counts.items():
+            left = refcounts[page] - times
+            refcounts[page] = left
+            if left == 0:
+                self._free.append(page)
+
+    def refcount(self, page: int) -> int:
+        """Current owner count of ``page`` (0 when free); ``InvalidPageError`` for a foreign id."""
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self._num_pages:
+            raise InvalidPageError(
+                f"page {page!r} is not a page of sub-pool {self._name!r} "
+                f"(valid pages are 0..{self._num_pages - 1})"
+            )
+        return self._refcounts[page]
+
+    def __repr__(self) -> str:
+        return (
+            f"PageAllocator(name={self._name!r}, num_pages={self._num_pages}, free={self.num_free})"
+        )
