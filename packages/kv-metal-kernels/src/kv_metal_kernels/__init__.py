@@ -1,1 +1,44 @@
-"""Placeholder."""
+"""Fused RoPE + pool scatter and paged decode attention for MLX (reference, Metal, CUDA).
+
+Pools are slot-addressed and head-major, ``(n_kv_heads, num_slots, head_dim)`` with
+``slot = page * page_size + offset_in_page`` (page 0 is the null page). ``select_kernels``
+returns the :class:`KernelSet` batched decode uses.
+"""
+
+from ._native import (
+    NATIVE_BACKENDS,
+    NativePagedAttention,
+    NativeRopeScatter,
+    backend_available,
+    native_backend,
+)
+from ._paged_reference import ReferencePagedAttention, window_page_count
+from ._rope_reference import ReferenceRopeScatter, rope_tokens
+from ._scatter import scatter_token_rows
+from ._select import (
+    ATTENTION_ENV,
+    FUSED_ROPE_ENV,
+    KernelSet,
+    paged_decode_attention,
+    rope_config_from_module,
+    select_kernels,
+)
+
+__all__ = [
+    "ATTENTION_ENV",
+    "FUSED_ROPE_ENV",
+    "KernelSet",
+    "NATIVE_BACKENDS",
+    "NativePagedAttention",
+    "NativeRopeScatter",
+    "ReferencePagedAttention",
+    "ReferenceRopeScatter",
+    "backend_available",
+    "native_backend",
+    "paged_decode_attention",
+    "rope_config_from_module",
+    "rope_tokens",
+    "scatter_token_rows",
+    "select_kernels",
+    "window_page_count",
+]

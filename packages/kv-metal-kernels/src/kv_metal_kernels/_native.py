@@ -1,0 +1,244 @@
+"""Native (Metal / CUDA) backends built on MLX's JIT custom kernels."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, cast
+
+import mlx.core as mx
+
+from kv_protocol import KernelUnavailableError, RopeConfig
+
+from ._scatter import scatter_token_rows
+from ._sources import (
+    CUDA_PAGED_SOURCE,
+    CUDA_ROPE_SOURCE,
+    METAL_PAGED_SOURCE,
+    METAL_ROPE_SOURCE,
+    PAGED_SIMD_GROUPS,
+)
+from ._validate import (
+    check_paged_attention_args,
+    check_paged_attention_values,
+    check_rope_scatter_args,
+    check_rope_scatter_values,
+)
+
+__all__ = [
+    "NATIVE_BACKENDS",
+    "NativePagedAttention",
+    "NativeRopeScatter",
+    "backend_available",
+    "native_backend",
+    "require_backend",
+]
+
+#: The native backends this package implements.
+NATIVE_BACKENDS = ("metal", "cuda")
+
+_Kernel = Callable[..., list[mx.array]]
+_KERNELS: dict[tuple[str, str], _Kernel] = {}
+
+
+def backend_available(backend: str) -> bool:
+    """True if this MLX build can run the ``metal`` or ``cuda`` custom kernels here."""
+    try:
+        if backend == "metal":
+            return bool(mx.metal.is_available())
+        if backend == "cuda":
+            return bool(mx.cuda.is_available())
+    except (AttributeError, RuntimeError):
+        return False
+    return False
+
+
+def native_backend() -> str | None:
+    """The native backend of this machine (``metal`` or ``cuda``), or ``None``."""
+    for backend in NATIVE_BACKENDS:
+        if backend_available(backend):
+            return backend
+    return None
+
+
+def require_backend(backend: str) -> None:
+    """Raise :class:`kv_protocol.KernelUnavailableError` unless ``backend`` can run here."""
+    if backend not in NATIVE_BACKENDS:
+        raise KernelUnavailableError(
+            f"unknown native kernel backend {backend!r}; expected one of {NATIVE_BACKENDS}"
+        )
+    if backend_available(backend):
+        return
+    found = native_backend()
+    here = f"this machine's native backend is {found!r}" if found else "no GPU back-end"
+    if backend == "metal":
+        need = "an MLX build with the Metal back-end (macOS on Apple silicon)"
+    else:
+        need = "an MLX build with the CUDA back-end (mlx[cuda12] or mlx[cuda13]) and an NVIDIA GPU"
+    raise KernelUnavailableError(
+        f"kernel backend {backend!r} is not available: it needs {need}, and this MLX "
+        f"build has {here}"
+    )
+
+
+def _kernel(backend: str, kind: str) -> _Kernel:
+    """Build (once per process) the JIT kernel ``kind`` (``rope`` or ``paged``)."""
+    key = (backend, kind)
+    cached = _KERNELS.get(key)
+    if cached is not None:
+        return cached
+    if kind == "rope":
+        inputs = ["q", "k", "positions", "params"]
+        outputs = ["q_rot", "k_rot"]
+        source = METAL_ROPE_SOURCE if backend == "metal" else CUDA_ROPE_SOURCE
+    else:
+        inputs = ["q", "k_pool", "v_pool", "page_table", "seq_lens", "sinks", "params"]
+        outputs = ["out"]
+        source = METAL_PAGED_SOURCE if backend == "metal" else CUDA_PAGED_SOURCE
+    name = f"kv_{kind}"
+    built: Any
+    if backend == "metal":
+        built = mx.fast.metal_kernel(
+            name=name, input_names=inputs, output_names=outputs, source=source
+        )
+    else:
+        built = mx.fast.cuda_kernel(
+            name=name, input_names=inputs, output_names=outputs, source=source
+        )
+    kernel = cast(_Kernel, built)
+    _KERNELS[key] = kernel
+    return kernel
+
+
+class NativeRopeScatter:
+    """RoPE + pool scatter on the GPU: one JIT kernel rotates q and k, then the pool write.
+
+    The rotation of all q and k heads is one kernel launch computing exactly
+    ``mx.fast.rope``'s formula in float32. MLX custom kernels cannot write into an input
+    buffer, so the pool write is MLX's scatter (see :func:`scatter_token_rows`), which MLX
+    runs in place when the old pool buffer is no longer referenced; a negative slot (or one
+    past the pool end) writes nothing. Supports every :class:`kv_protocol.RopeConfig`:
+    both styles, partial rotary ``dims``, float ``base``, linear ``scale``; f16, bf16, f32.
+    """
+
+    def __init__(self, backend: str, *, validate: bool = False) -> None:
+        require_backend(backend)
+        self._backend = backend
+        self._validate = validate
+
+    @property
+    def name(self) -> str:
+        """Backend name: ``metal`` or ``cuda``."""
+        return self._backend
+
+    def supports(self, rope: RopeConfig) -> bool:
+        """True for every :class:`kv_protocol.RopeConfig` (frequencies from ``base``)."""
+        return isinstance(rope, RopeConfig)
+
+    def __call__(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        positions: mx.array,
+        slots: mx.array,
+        k_pool: mx.array,
+        v_pool: mx.array,
+        *,
+        rope: RopeConfig,
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Return ``(q_rot, k_rot, k_pool_new, v_pool_new)``; see the class docstring."""
+        check_rope_scatter_args(q, k, v, positions, slots, k_pool, v_pool, rope)
+        if self._validate:
+            check_rope_scatter_values(positions, slots, k_pool.shape[1])
+        t, hq, d = q.shape
+        hkv = k.shape[1]
+        if t == 0:
+            return q, k, k_pool, v_pool
+        params = mx.array([rope.scale, math.log2(rope.base)], dtype=mx.float32)
+        q_rot, k_rot = _kernel(self._backend, "rope")(
+            inputs=[q, k, positions, params],
+            template=[
+                ("T", q.dtype),
+                ("D", d),
+                ("DIMS", rope.dims),
+                ("HQ", hq),
+                ("HKV", hkv),
+                ("TRADITIONAL", bool(rope.traditional)),
+            ],
+            grid=(d // 2, hq + hkv, t),
+            threadgroup=(d // 2, 1, 1),
+            output_shapes=[q.shape, k.shape],
+            output_dtypes=[q.dtype, k.dtype],
+            stream=mx.gpu,
+        )
+        k_new = scatter_token_rows(k_pool, slots, k_rot)
+        v_new = scatter_token_rows(v_pool, slots, v)
+        return q_rot, k_rot, k_new, v_new
+
+
+class NativePagedAttention:
+    """Paged decode attention reading K/V through the page table inside one JIT kernel.
+
+    One threadgroup (Metal) / block (CUDA) of 8 x 32 threads per (query head, request);
+    no gathered copy of K/V is made. Same contract as :class:`ReferencePagedAttention`;
+    ``seq_lens`` must be >= 1 (a request with no visible key returns zeros).
+    """
+
+    def __init__(self, backend: str, *, validate: bool = False) -> None:
+        require_backend(backend)
+        self._backend = backend
+        self._validate = validate
+
+    @property
+    def name(self) -> str:
+        """Backend name: ``metal`` or ``cuda``."""
+        return self._backend
+
+    def __call__(
+        self,
+        q: mx.array,
+        k_pool: mx.array,
+        v_pool: mx.array,
+        page_table: mx.array,
+        seq_lens: mx.array,
+        *,
+        page_size: int,
+        scale: float,
+        window: int | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        """Attention output ``(B, Hq, 1, D)``; see :class:`kv_protocol.PagedDecodeAttention`."""
+        check_paged_attention_args(
+            q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window, sinks
+        )
+        if self._validate:
+            check_paged_attention_values(page_table, seq_lens, page_size, k_pool.shape[1])
+        b, hq, _, d = q.shape
+        if b == 0:
+            return mx.zeros_like(q)
+        hkv = k_pool.shape[0]
+        has_sinks = sinks is not None
+        sink_arr = (
+            sinks.astype(mx.float32) if sinks is not None else mx.zeros((1,), dtype=mx.float32)
+        )
+        params = mx.array([float(scale)], dtype=mx.float32)
+        threads = 32 * PAGED_SIMD_GROUPS
+        (out,) = _kernel(self._backend, "paged")(
+            inputs=[q, k_pool, v_pool, page_table, seq_lens, sink_arr, params],
+            template=[
+                ("T", q.dtype),
+                ("D", d),
+                ("HQ", hq),
+                ("HKV", hkv),
+                ("PS", page_size),
+                ("WINDOW", 0 if window is None else window),
+                ("HAS_SINKS", has_sinks),
+            ],
+            grid=(threads, hq, b),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[q.shape],
+            output_dtypes=[q.dtype],
+            stream=mx.gpu,
+        )
+        return out

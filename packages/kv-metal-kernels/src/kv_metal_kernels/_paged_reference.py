@@ -1,0 +1,172 @@
+"""The reference paged decode attention: gather through the page table, then fused SDPA."""
+
+from __future__ import annotations
+
+import math
+from typing import cast
+
+import mlx.core as mx
+
+from kv_protocol import ShapeMismatchError
+
+from ._validate import check_paged_attention_args, check_paged_attention_values
+
+__all__ = ["ReferencePagedAttention", "window_page_count"]
+
+
+def window_page_count(window: int, page_size: int) -> int:
+    """Pages that can hold the trailing ``window`` tokens: ``ceil(window / page_size) + 1``."""
+    return -(-window // page_size) + 1
+
+
+def _gather_pages(pool: mx.array, pages: mx.array, page_size: int) -> mx.array:
+    """``(H, num_slots, D)`` pool and ``(B, n)`` page ids -> ``(B, H, n * page_size, D)``."""
+    h, num_slots, d = pool.shape
+    b, n = pages.shape
+    paged = pool.reshape(h, num_slots // page_size, page_size, d)
+    # Head-major gather keeps each page a contiguous block (measured fastest on CPU).
+    return paged[:, pages].reshape(h, b, n * page_size, d).swapaxes(0, 1)
+
+
+def _attend(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    page_table: mx.array,
+    seq_lens: mx.array,
+    *,
+    n_cols: int,
+    page_size: int,
+    scale: float,
+    window: int | None,
+    sinks: mx.array | None,
+) -> mx.array:
+    """One SDPA call for the rows of ``q``, reading at most ``n_cols`` page-table columns."""
+    max_pages = page_table.shape[1]
+    lens = seq_lens[:, None]
+    if window is not None and window_page_count(window, page_size) < n_cols:
+        n = window_page_count(window, page_size)
+        start_page = mx.maximum(seq_lens - window, 0) // page_size
+        cols = start_page[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
+        in_table = cols < max_pages
+        pages = mx.take_along_axis(page_table, mx.minimum(cols, max_pages - 1), axis=1)
+        offsets = mx.arange(page_size, dtype=mx.int32)
+        pos = (cols[:, :, None] * page_size + offsets).reshape(cols.shape[0], n * page_size)
+        keep = (pos < lens) & (pos >= lens - window)
+        keep = keep & mx.repeat(in_table, page_size, axis=1)
+    else:
+        pages = page_table[:, :n_cols]
+        pos = mx.arange(n_cols * page_size, dtype=mx.int32)[None, :]
+        keep = pos < lens
+        if window is not None:
+            keep = keep & (pos >= lens - window)
+    keys = _gather_pages(k_pool, pages, page_size)
+    values = _gather_pages(v_pool, pages, page_size)
+    return mx.fast.scaled_dot_product_attention(
+        q,
+        keys,
+        values,
+        scale=scale,
+        mask=keep[:, None, None, :],
+        sinks=None if sinks is None else sinks.astype(q.dtype),
+    )
+
+
+class ReferencePagedAttention:
+    """Paged decode attention as gather + one ``mx.fast.scaled_dot_product_attention``.
+
+    For request ``b`` the keys are positions ``0 .. seq_lens[b] - 1`` (or the trailing
+    ``window`` of them), read through ``page_table[b]``; everything else in the gathered
+    block is masked, so null-page entries are never attended. Sliding layers gather only
+    the ``ceil(window / page_size) + 1`` table entries that can cover the window, so their
+    cost is O(window), not O(context).
+
+    ``buckets`` (default 4): for full-attention layers the requests are sorted by length
+    and split into up to ``buckets`` groups, one SDPA call each, when that cuts the
+    gathered area by at least a quarter (ragged batches; measured 0.7x of one call on CPU).
+    This, and trimming the gather to the longest request, reads ``seq_lens`` back to the
+    host (a tiny sync). ``buckets=0`` never reads ``seq_lens`` back and makes one call over
+    every page-table column. ``validate=True`` also checks index values (a device sync).
+    """
+
+    def __init__(self, *, buckets: int = 4, validate: bool = False) -> None:
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0:
+            raise ShapeMismatchError(f"buckets must be an int >= 0, got {buckets!r}")
+        self._buckets = buckets
+        self._validate = validate
+
+    @property
+    def name(self) -> str:
+        """Backend name: ``reference``."""
+        return "reference"
+
+    def __call__(
+        self,
+        q: mx.array,
+        k_pool: mx.array,
+        v_pool: mx.array,
+        page_table: mx.array,
+        seq_lens: mx.array,
+        *,
+        page_size: int,
+        scale: float,
+        window: int | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        """Attention output ``(B, Hq, 1, D)``; see :class:`kv_protocol.PagedDecodeAttention`."""
+        check_paged_attention_args(
+            q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window, sinks
+        )
+        if self._validate:
+            check_paged_attention_values(page_table, seq_lens, page_size, k_pool.shape[1])
+        b = q.shape[0]
+        if b == 0:
+            return mx.zeros_like(q)
+        max_pages = page_table.shape[1]
+
+        def run(rows_q: mx.array, table: mx.array, lens: mx.array, n_cols: int) -> mx.array:
+            return _attend(
+                rows_q,
+                k_pool,
+                v_pool,
+                table,
+                lens,
+                n_cols=n_cols,
+                page_size=page_size,
+                scale=float(scale),
+                window=window,
+                sinks=sinks,
+            )
+
+        if self._buckets == 0:
+            return run(q, page_table, seq_lens, max_pages)
+
+        host_lens = [int(n) for n in cast(list[int], seq_lens.tolist())]
+
+        def cols_for(n_tokens: int) -> int:
+            return max(1, min(max_pages, math.ceil(n_tokens / page_size)))
+
+        n_all = cols_for(max(host_lens))
+        sliding = window is not None and window_page_count(window, page_size) < n_all
+        order = sorted(range(b), key=host_lens.__getitem__)
+        groups = _split(order, self._buckets)
+        grouped_area = sum(len(g) * cols_for(host_lens[g[-1]]) for g in groups)
+        if sliding or len(groups) < 2 or grouped_area > 0.75 * b * n_all:
+            return run(q, page_table, seq_lens, n_all)
+        outs = []
+        for group in groups:
+            rows = mx.array(group, dtype=mx.int32)
+            n_cols = cols_for(host_lens[group[-1]])
+            outs.append(run(q[rows], page_table[rows], seq_lens[rows], n_cols))
+        inverse = [0] * b
+        for new_index, old_index in enumerate(order):
+            inverse[old_index] = new_index
+        return mx.concatenate(outs, axis=0)[mx.array(inverse, dtype=mx.int32)]
+
+
+def _split(order: list[int], buckets: int) -> list[list[int]]:
+    """Split ``order`` into up to ``buckets`` contiguous groups of near-equal size."""
+    n = len(order)
+    count = max(1, min(buckets, n // 2))
+    bounds = [round(i * n / count) for i in range(count + 1)]
+    return [order[bounds[i] : bounds[i + 1]] for i in range(count) if bounds[i] < bounds[i + 1]]

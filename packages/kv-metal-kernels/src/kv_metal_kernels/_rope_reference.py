@@ -1,0 +1,72 @@
+"""The reference RoPE + pool-scatter backend: plain MLX ops, runs on every device."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kv_protocol import RopeConfig
+
+from ._scatter import scatter_token_rows
+from ._validate import check_rope_scatter_args, check_rope_scatter_values
+
+__all__ = ["ReferenceRopeScatter", "rope_tokens"]
+
+
+def rope_tokens(x: mx.array, positions: mx.array, rope: RopeConfig) -> mx.array:
+    """Rotate token-major ``x (T, H, D)``, token ``t`` at ``positions[t]`` (``mx.fast.rope``)."""
+    t, h, d = x.shape
+    # mx.fast.rope takes one offset per leading row: make each token its own row of length 1.
+    out = mx.fast.rope(
+        x.reshape(t, h, 1, d),
+        rope.dims,
+        traditional=rope.traditional,
+        base=rope.base,
+        scale=rope.scale,
+        offset=positions,
+    )
+    return out.reshape(t, h, d)
+
+
+class ReferenceRopeScatter:
+    """RoPE on q and k plus the pool write, as MLX ops (``mx.fast.rope`` and a scatter).
+
+    Every RoPE variant :class:`kv_protocol.RopeConfig` can describe is supported. Pools are
+    head-major ``(n_kv_heads, num_slots, head_dim)``; a slot that is negative (or, without
+    ``validate``, past the pool end) rotates but writes nothing. With ``validate=True`` the
+    index values are also checked (a device sync) and a slot past the end, a negative
+    position or two tokens writing one slot raise.
+    """
+
+    def __init__(self, *, validate: bool = False) -> None:
+        self._validate = validate
+
+    @property
+    def name(self) -> str:
+        """Backend name: ``reference``."""
+        return "reference"
+
+    def supports(self, rope: RopeConfig) -> bool:
+        """True for every :class:`kv_protocol.RopeConfig`."""
+        return isinstance(rope, RopeConfig)
+
+    def __call__(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        positions: mx.array,
+        slots: mx.array,
+        k_pool: mx.array,
+        v_pool: mx.array,
+        *,
+        rope: RopeConfig,
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Return ``(q_rot, k_rot, k_pool_new, v_pool_new)``; see the class docstring."""
+        check_rope_scatter_args(q, k, v, positions, slots, k_pool, v_pool, rope)
+        if self._validate:
+            check_rope_scatter_values(positions, slots, k_pool.shape[1])
+        q_rot = rope_tokens(q, positions, rope)
+        k_rot = rope_tokens(k, positions, rope)
+        k_new = scatter_token_rows(k_pool, slots, k_rot)
+        v_new = scatter_token_rows(v_pool, slots, v)
+        return q_rot, k_rot, k_new, v_new

@@ -1,0 +1,196 @@
+"""Kernel selection: the ``KernelSet`` batched decode uses and the env-driven choice."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kv_protocol import (
+    KernelUnavailableError,
+    PagedDecodeAttention,
+    RopeConfig,
+    RopeScatterKernel,
+)
+
+from ._native import NativePagedAttention, NativeRopeScatter, native_backend, require_backend
+from ._paged_reference import ReferencePagedAttention
+from ._rope_reference import ReferenceRopeScatter
+
+__all__ = [
+    "ATTENTION_ENV",
+    "FUSED_ROPE_ENV",
+    "KernelSet",
+    "paged_decode_attention",
+    "rope_config_from_module",
+    "select_kernels",
+]
+
+#: Environment variable choosing the fused RoPE + scatter backend.
+FUSED_ROPE_ENV = "KV_FUSED_ROPE"
+#: Environment variable choosing the paged decode attention backend.
+ATTENTION_ENV = "KV_PAGED_ATTENTION"
+
+_FUSED_CHOICES = ("off", "auto", "reference", "metal", "cuda")
+_ATTENTION_CHOICES = ("auto", "reference", "metal", "cuda")
+
+logger = logging.getLogger("kv_metal_kernels")
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelSet:
+    """The kernels of batched decode (``kv_protocol.KernelSet``); ``rope is None`` = unfused."""
+
+    attention: PagedDecodeAttention
+    rope: RopeScatterKernel | None = None
+
+
+def rope_config_from_module(module: object) -> tuple[RopeConfig | None, str]:
+    """Describe a model's rope module as a :class:`kv_protocol.RopeConfig` if one fits.
+
+    Returns ``(config, "")`` for a plain ``mlx.nn.RoPE`` (dims, traditional, base, scale),
+    else ``(None, reason)``: precomputed frequencies (mlx-lm's YaRN, Llama 3, SuScaled,
+    proportional RoPE keep a ``_freqs`` array), an ``mscale`` other than 1, or any other
+    rope class (e.g. dynamic NTK scaling, whose frequencies depend on the offset).
+    """
+    cls = type(module).__name__
+    if module is None:
+        return None, "the attention module has no rope"
+    if getattr(module, "_freqs", None) is not None:
+        return None, f"{cls} uses precomputed frequencies (_freqs), not a base"
+    mscale = getattr(module, "mscale", 1.0)
+    if isinstance(mscale, (int, float)) and float(mscale) != 1.0:
+        return None, f"{cls} scales its output by mscale={mscale}"
+    if not isinstance(module, nn.RoPE) or type(module).__call__ is not nn.RoPE.__call__:
+        return None, f"{cls} is not a plain mlx.nn.RoPE"
+    dims = getattr(module, "dims", None)
+    base = getattr(module, "base", None)
+    if base is None:
+        return None, f"{cls} has no base frequency"
+    try:
+        config = RopeConfig(
+            dims=int(dims) if dims is not None else 0,
+            traditional=bool(getattr(module, "traditional", False)),
+            base=float(base),
+            scale=float(getattr(module, "scale", 1.0)),
+        )
+    except ValueError as err:
+        return None, f"{cls} cannot be described: {err}"
+    return config, ""
+
+
+def _choice(value: str | None, env: str, default: str, choices: tuple[str, ...]) -> str:
+    if value is None:
+        value = os.environ.get(env, "").strip().lower() or default
+        source = f"environment variable {env}"
+    else:
+        value = value.strip().lower()
+        source = "argument"
+    if value not in choices:
+        raise KernelUnavailableError(
+            f"unknown kernel backend {value!r} from {source}; expected one of {choices}"
+        )
+    return value
+
+
+def select_kernels(
+    rope: RopeConfig | None = None,
+    *,
+    fused_rope: str | None = None,
+    attention: str | None = None,
+    rope_unsupported_reason: str = "",
+    validate: bool = False,
+) -> KernelSet:
+    """Choose the kernels for this machine and configuration.
+
+    ``fused_rope`` (default: env ``KV_FUSED_ROPE``, else ``off``): ``off`` leaves RoPE
+    unfused (``rope=None``); ``auto`` takes the native backend of this machine (Metal or
+    CUDA), else ``reference``; ``reference``, ``metal``, ``cuda`` name one. ``attention``
+    (default: env ``KV_PAGED_ATTENTION``, else ``reference``) chooses the paged decode
+    attention the same way (``auto``, ``reference``, ``metal``, ``cuda``). Naming a backend
+    this machine lacks raises :class:`kv_protocol.KernelUnavailableError` saying what is
+    missing. When fusion is asked for but ``rope`` is ``None`` (the model's RoPE cannot be
+    described, e.g. YaRN; pass :func:`rope_config_from_module`'s reason as
+    ``rope_unsupported_reason``) or the kernel does not support ``rope``, RoPE stays unfused
+    and one log line says why.
+    """
+    fused = _choice(fused_rope, FUSED_ROPE_ENV, "off", _FUSED_CHOICES)
+    attn = _choice(attention, ATTENTION_ENV, "reference", _ATTENTION_CHOICES)
+    native = native_backend()
+    if attn == "auto":
+        attn = native or "reference"
+    attention_kernel: PagedDecodeAttention
+    if attn == "reference":
+        attention_kernel = ReferencePagedAttention(validate=validate)
+    else:
+        require_backend(attn)
+        attention_kernel = NativePagedAttention(attn, validate=validate)
+
+    if fused == "off":
+        return KernelSet(attention=attention_kernel, rope=None)
+    if fused == "auto":
+        fused = native or "reference"
+    rope_kernel: RopeScatterKernel
+    if fused == "reference":
+        rope_kernel = ReferenceRopeScatter(validate=validate)
+    else:
+        require_backend(fused)
+        rope_kernel = NativeRopeScatter(fused, validate=validate)
+    if rope is None:
+        why = rope_unsupported_reason or "no RoPE configuration was given"
+        _log_once(f"fused RoPE + pool scatter ({fused}) disabled, using unfused RoPE: {why}")
+        return KernelSet(attention=attention_kernel, rope=None)
+    if not rope_kernel.supports(rope):
+        _log_once(
+            f"fused RoPE + pool scatter ({fused}) disabled, using unfused RoPE: the kernel "
+            f"does not support {rope}"
+        )
+        return KernelSet(attention=attention_kernel, rope=None)
+    return KernelSet(attention=attention_kernel, rope=rope_kernel)
+
+
+def paged_decode_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    page_table: mx.array,
+    seq_lens: mx.array,
+    *,
+    page_size: int,
+    scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+    backend: str = "reference",
+) -> mx.array:
+    """Functional form of :class:`kv_protocol.PagedDecodeAttention` for one call.
+
+    ``backend`` is ``reference`` (default), ``auto``, ``metal`` or ``cuda``; see
+    :class:`ReferencePagedAttention` for the semantics.
+    """
+    choice = _choice(backend, ATTENTION_ENV, "reference", _ATTENTION_CHOICES)
+    if choice == "auto":
+        choice = native_backend() or "reference"
+    kernel: PagedDecodeAttention = (
+        ReferencePagedAttention() if choice == "reference" else NativePagedAttention(choice)
+    )
+    return kernel(
+        q,
+        k_pool,
+        v_pool,
+        page_table,
+        seq_lens,
+        page_size=page_size,
+        scale=scale,
+        window=window,
+        sinks=sinks,
+    )

@@ -1,0 +1,286 @@
+"""Kernel bodies for ``mx.fast.metal_kernel`` and ``mx.fast.cuda_kernel`` (JIT, no build step).
+
+MLX generates each kernel's signature from the input and output names; the bodies below use
+``T`` (float dtype) and integer/bool template constants passed at call time. All arithmetic is
+float32.
+
+RoPE (``ROPE_*``): one thread per (pair ``j`` of head_dim / 2, head ``h`` of q then k, token
+``t``). Pairs ``j < DIMS / 2`` are rotated (half-split: ``x[j], x[j + DIMS / 2]``; traditional:
+``x[2j], x[2j + 1]``) by ``theta = scale * position * 2 ** (-j / (DIMS / 2) * log2(base))``,
+the formula of ``mx.fast.rope``; the other threads copy the pass-through features
+``DIMS ..`` two at a time. ``params = [scale, log2(base)]``.
+
+Paged decode (``PAGED_*``): one threadgroup / block of ``NSG`` simd groups / warps per
+(query head, request). Warp ``w`` walks the request's visible positions ``w, w + NSG, ...``,
+finds each key through ``page_table`` (never materialising a gathered copy) and keeps an
+online-softmax state; the warps' states are merged at the end, with the optional sink logit
+in the denominator. ``params = [scale]``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CUDA_PAGED_SOURCE",
+    "CUDA_ROPE_SOURCE",
+    "METAL_PAGED_SOURCE",
+    "METAL_ROPE_SOURCE",
+    "PAGED_SIMD_GROUPS",
+]
+
+#: Simd groups (Metal) / warps (CUDA) of 32 threads per (query head, request).
+PAGED_SIMD_GROUPS = 8
+
+METAL_ROPE_SOURCE = """
+    const uint j = thread_position_in_grid.x;
+    const uint h = thread_position_in_grid.y;
+    const uint t = thread_position_in_grid.z;
+    constexpr uint HALF = DIMS / 2;
+    if (j >= D / 2 || h >= HQ + HKV) {
+        return;
+    }
+    const bool is_q = h < HQ;
+    const uint row = is_q ? (t * HQ + h) * D : (t * HKV + (h - HQ)) * D;
+    const device T* src = is_q ? q : k;
+    device T* dst = is_q ? q_rot : k_rot;
+    if (j < HALF) {
+        const uint i1 = TRADITIONAL ? 2 * j : j;
+        const uint i2 = TRADITIONAL ? 2 * j + 1 : j + HALF;
+        const float p = params[0] * static_cast<float>(positions[t]);
+        const float theta = p * metal::exp2(-(static_cast<float>(j) / HALF) * params[1]);
+        const float c = metal::fast::cos(theta);
+        const float s = metal::fast::sin(theta);
+        const float x1 = static_cast<float>(src[row + i1]);
+        const float x2 = static_cast<float>(src[row + i2]);
+        dst[row + i1] = static_cast<T>(x1 * c - x2 * s);
+        dst[row + i2] = static_cast<T>(x1 * s + x2 * c);
+    } else {
+        const uint e = DIMS + 2 * (j - HALF);
+        dst[row + e] = src[row + e];
+        dst[row + e + 1] = src[row + e + 1];
+    }
+"""
+
+CUDA_ROPE_SOURCE = """
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    const int h = blockIdx.y * blockDim.y + threadIdx.y;
+    const int t = blockIdx.z * blockDim.z + threadIdx.z;
+    constexpr int HALF = DIMS / 2;
+    if (j >= D / 2 || h >= HQ + HKV || t >= positions_shape[0]) {
+        return;
+    }
+    const bool is_q = h < HQ;
+    const long row = is_q ? (long(t) * HQ + h) * D : (long(t) * HKV + (h - HQ)) * D;
+    const T* src = is_q ? q : k;
+    T* dst = is_q ? q_rot : k_rot;
+    if (j < HALF) {
+        const int i1 = TRADITIONAL ? 2 * j : j;
+        const int i2 = TRADITIONAL ? 2 * j + 1 : j + HALF;
+        const float p = params[0] * static_cast<float>(positions[t]);
+        const float theta = p * exp2f(-(static_cast<float>(j) / HALF) * params[1]);
+        float s;
+        float c;
+        sincosf(theta, &s, &c);
+        const float x1 = static_cast<float>(src[row + i1]);
+        const float x2 = static_cast<float>(src[row + i2]);
+        dst[row + i1] = static_cast<T>(x1 * c - x2 * s);
+        dst[row + i2] = static_cast<T>(x1 * s + x2 * c);
+    } else {
+        const int e = DIMS + 2 * (j - HALF);
+        dst[row + e] = src[row + e];
+        dst[row + e + 1] = src[row + e + 1];
+    }
+"""
+
+METAL_PAGED_SOURCE = """
+    constexpr int NSG = @NSG@;
+    constexpr int EPT = (D + 31) / 32;
+    threadgroup float tg_m[NSG];
+    threadgroup float tg_l[NSG];
+    threadgroup float tg_acc[NSG * D];
+    const int head = threadgroup_position_in_grid.y;
+    const int b = threadgroup_position_in_grid.z;
+    const int sg = simdgroup_index_in_threadgroup;
+    const int lane = thread_index_in_simdgroup;
+    const int kvh = head / (HQ / HKV);
+    const int max_pages = page_table_shape[1];
+    const long num_slots = k_pool_shape[1];
+    const int len = seq_lens[b];
+    const int start = WINDOW > 0 ? metal::max(len - WINDOW, 0) : 0;
+    const float neg_inf = -metal::numeric_limits<float>::infinity();
+
+    float qv[EPT];
+    float acc[EPT];
+    for (int e = 0; e < EPT; ++e) {
+        const int dd = lane + 32 * e;
+        qv[e] = dd < D ? static_cast<float>(q[(long(b) * HQ + head) * D + dd]) * params[0] : 0.0f;
+        acc[e] = 0.0f;
+    }
+    float m = neg_inf;
+    float l = 0.0f;
+    for (int pos = start + sg; pos < len; pos += NSG) {
+        const int col = pos / PS;
+        if (col >= max_pages) {
+            break;
+        }
+        const int page = page_table[long(b) * max_pages + col];
+        const long slot = long(page) * PS + pos % PS;
+        if (page < 0 || slot >= num_slots) {
+            continue;
+        }
+        const long base = (long(kvh) * num_slots + slot) * D;
+        float dot = 0.0f;
+        for (int e = 0; e < EPT; ++e) {
+            const int dd = lane + 32 * e;
+            if (dd < D) {
+                dot += qv[e] * static_cast<float>(k_pool[base + dd]);
+            }
+        }
+        dot = metal::simd_sum(dot);
+        const float m_new = metal::max(m, dot);
+        const float corr = metal::exp(m - m_new);
+        const float p = metal::exp(dot - m_new);
+        l = l * corr + p;
+        for (int e = 0; e < EPT; ++e) {
+            const int dd = lane + 32 * e;
+            if (dd < D) {
+                acc[e] = acc[e] * corr + p * static_cast<float>(v_pool[base + dd]);
+            }
+        }
+        m = m_new;
+    }
+
+    if (lane == 0) {
+        tg_m[sg] = m;
+        tg_l[sg] = l;
+    }
+    for (int e = 0; e < EPT; ++e) {
+        const int dd = lane + 32 * e;
+        if (dd < D) {
+            tg_acc[sg * D + dd] = acc[e];
+        }
+    }
+    threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+    if (sg != 0) {
+        return;
+    }
+    const float sink = HAS_SINKS ? static_cast<float>(sinks[head]) : neg_inf;
+    float mx_all = sink;
+    for (int i = 0; i < NSG; ++i) {
+        mx_all = metal::max(mx_all, tg_m[i]);
+    }
+    float denom = HAS_SINKS ? metal::exp(sink - mx_all) : 0.0f;
+    float w[NSG];
+    for (int i = 0; i < NSG; ++i) {
+        w[i] = tg_m[i] == neg_inf ? 0.0f : metal::exp(tg_m[i] - mx_all);
+        denom += tg_l[i] * w[i];
+    }
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+    for (int e = 0; e < EPT; ++e) {
+        const int dd = lane + 32 * e;
+        if (dd < D) {
+            float o = 0.0f;
+            for (int i = 0; i < NSG; ++i) {
+                o += tg_acc[i * D + dd] * w[i];
+            }
+            out[(long(b) * HQ + head) * D + dd] = static_cast<T>(o * inv);
+        }
+    }
+""".replace("@NSG@", str(PAGED_SIMD_GROUPS))
+
+CUDA_PAGED_SOURCE = """
+    constexpr int NSG = @NSG@;
+    constexpr int EPT = (D + 31) / 32;
+    const int head = blockIdx.y;
+    const int b = blockIdx.z;
+    const int sg = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int kvh = head / (HQ / HKV);
+    const int max_pages = page_table_shape[1];
+    const long num_slots = k_pool_shape[1];
+    const int len = seq_lens[b];
+    const int start = WINDOW > 0 ? max(len - WINDOW, 0) : 0;
+    const float neg_inf = __int_as_float(0xff800000);
+
+    float qv[EPT];
+    float acc[EPT];
+    for (int e = 0; e < EPT; ++e) {
+        const int dd = lane + 32 * e;
+        qv[e] = dd < D ? static_cast<float>(q[(long(b) * HQ + head) * D + dd]) * params[0] : 0.0f;
+        acc[e] = 0.0f;
+    }
+    float m = neg_inf;
+    float l = 0.0f;
+    for (int pos = start + sg; pos < len; pos += NSG) {
+        const int col = pos / PS;
+        if (col >= max_pages) {
+            break;
+        }
+        const int page = page_table[long(b) * max_pages + col];
+        const long slot = long(page) * PS + pos % PS;
+        if (page < 0 || slot >= num_slots) {
+            continue;
+        }
+        const long base = (long(kvh) * num_slots + slot) * D;
+        float dot = 0.0f;
+        for (int e = 0; e < EPT; ++e) {
+            const int dd = lane + 32 * e;
+            if (dd < D) {
+                dot += qv[e] * static_cast<float>(k_pool[base + dd]);
+            }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        }
+        const float m_new = fmaxf(m, dot);
+        const float corr = expf(m - m_new);
+        const float p = expf(dot - m_new);
+        l = l * corr + p;
+        for (int e = 0; e < EPT; ++e) {
+            const int dd = lane + 32 * e;
+            if (dd < D) {
+                acc[e] = acc[e] * corr + p * static_cast<float>(v_pool[base + dd]);
+            }
+        }
+        m = m_new;
+    }
+
+    __shared__ float tg_m[NSG];
+    __shared__ float tg_l[NSG];
+    __shared__ float tg_acc[NSG * D];
+    if (lane == 0) {
+        tg_m[sg] = m;
+        tg_l[sg] = l;
+    }
+    for (int e = 0; e < EPT; ++e) {
+        const int dd = lane + 32 * e;
+        if (dd < D) {
+            tg_acc[sg * D + dd] = acc[e];
+        }
+    }
+    __syncthreads();
+    if (sg != 0) {
+        return;
+    }
+    const float sink = HAS_SINKS ? static_cast<float>(sinks[head]) : neg_inf;
+    float mx_all = sink;
+    for (int i = 0; i < NSG; ++i) {
+        mx_all = fmaxf(mx_all, tg_m[i]);
+    }
+    float denom = HAS_SINKS ? expf(sink - mx_all) : 0.0f;
+    float w[NSG];
+    for (int i = 0; i < NSG; ++i) {
+        w[i] = tg_m[i] == neg_inf ? 0.0f : expf(tg_m[i] - mx_all);
+        denom += tg_l[i] * w[i];
+    }
+    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+    for (int e = 0; e < EPT; ++e) {
+        const int dd = lane + 32 * e;
+        if (dd < D) {
+            float o = 0.0f;
+            for (int i = 0; i < NSG; ++i) {
+                o += tg_acc[i * D + dd] * w[i];
+            }
+            out[(long(b) * HQ + head) * D + dd] = static_cast<T>(o * inv);
+        }
+    }
+""".replace("@NSG@", str(PAGED_SIMD_GROUPS))
