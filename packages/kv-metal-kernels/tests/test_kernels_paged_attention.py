@@ -1,0 +1,342 @@
+"""Paged decode attention against a dense per-request softmax oracle, native against reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_metal_kernels import (
+    NATIVE_BACKENDS,
+    NativePagedAttention,
+    ReferencePagedAttention,
+    backend_available,
+    paged_decode_attention,
+    window_page_count,
+)
+from kv_protocol import KernelUnavailableError, PagedDecodeAttention, ShapeMismatchError
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+TOL = {"float32": 2e-5, "float16": 5e-3, "bfloat16": 3e-2}
+GARBAGE = 300.0  # what unreferenced pages, the null page and released pages hold
+
+
+@dataclass
+class Batch:
+    q: mx.array
+    k_pool: mx.array
+    v_pool: mx.array
+    page_table: mx.array
+    seq_lens: mx.array
+    page_size: int
+    scale: float
+    window: int | None
+    sinks: mx.array | None
+    dtype_name: str
+
+
+def make_batch(
+    rng: np.random.Generator,
+    *,
+    lens: list[int],
+    hkv: int,
+    ratio: int,
+    d: int,
+    page_size: int,
+    window: int | None,
+    with_sinks: bool,
+    dtype_name: str,
+    extra_cols: int = 1,
+) -> Batch:
+    b = len(lens)
+    need = [-(-n // page_size) for n in lens]
+    max_pages = max(need) + extra_cols
+    num_pages = sum(need) + 3
+    k = np.full((hkv, num_pages, page_size, d), GARBAGE, np.float32)
+    v = np.full((hkv, num_pages, page_size, d), -GARBAGE, np.float32)
+    table = np.zeros((b, max_pages), np.int32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    for i, n in enumerate(lens):
+        first_visible = 0 if window is None else max(n - window, 0)
+        for col in range(need[i]):
+            page = int(free.pop())
+            table[i, col] = page
+            k[:, page] = rng.standard_normal((hkv, page_size, d))
+            v[:, page] = rng.standard_normal((hkv, page_size, d))
+            # A sliding layer's pool has released pages wholly before the window.
+            if (col + 1) * page_size <= first_visible:
+                table[i, col] = 0
+    dtype = DTYPES[dtype_name]
+    hq = hkv * ratio
+    sinks = mx.array(rng.standard_normal(hq).astype(np.float32)) if with_sinks else None
+    return Batch(
+        q=mx.array(rng.standard_normal((b, hq, 1, d)).astype(np.float32)).astype(dtype),
+        k_pool=mx.array(k.reshape(hkv, num_pages * page_size, d)).astype(dtype),
+        v_pool=mx.array(v.reshape(hkv, num_pages * page_size, d)).astype(dtype),
+        page_table=mx.array(table),
+        seq_lens=mx.array(np.array(lens, np.int32)),
+        page_size=page_size,
+        scale=float(d) ** -0.5,
+        window=window,
+        sinks=None if sinks is None else sinks.astype(dtype),
+        dtype_name=dtype_name,
+    )
+
+
+@st.composite
+def batches(draw: st.DrawFn, max_len: int = 70, max_b: int = 6) -> Batch:
+    hkv = draw(st.sampled_from([1, 2, 4]))
+    ratio = draw(st.sampled_from([1, 2, 4, 8]))
+    lens = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_b))
+    return make_batch(
+        np.random.default_rng(draw(st.integers(0, 2**31 - 1))),
+        lens=lens,
+        hkv=hkv,
+        ratio=ratio,
+        d=draw(st.sampled_from([64, 80, 128])),
+        page_size=draw(st.sampled_from([1, 4, 16])),
+        window=draw(st.none() | st.integers(1, 40)),
+        with_sinks=draw(st.booleans()),
+        dtype_name=draw(st.sampled_from(sorted(DTYPES))),
+        extra_cols=draw(st.integers(0, 3)),
+    )
+
+
+def dense_oracle(batch: Batch) -> np.ndarray:
+    """Per request, per head: softmax over exactly its visible tokens, in float64."""
+    q = np.array(batch.q.astype(mx.float32), np.float64)
+    k = np.array(batch.k_pool.astype(mx.float32), np.float64)
+    v = np.array(batch.v_pool.astype(mx.float32), np.float64)
+    table = np.array(batch.page_table)
+    sinks = None if batch.sinks is None else np.array(batch.sinks.astype(mx.float32), np.float64)
+    b, hq, _, d = q.shape
+    ratio = hq // k.shape[0]
+    out = np.zeros((b, hq, 1, d))
+    ps = batch.page_size
+    for i, n in enumerate(np.array(batch.seq_lens).tolist()):
+        first = 0 if batch.window is None else max(n - batch.window, 0)
+        slots = [int(table[i, p // ps]) * ps + p % ps for p in range(first, n)]
+        for h in range(hq):
+            keys = k[h // ratio, slots]
+            scores = batch.scale * keys @ q[i, h, 0]
+            top = scores.max() if sinks is None else max(scores.max(), sinks[h])
+            weights = np.exp(scores - top)
+            denom = weights.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+            out[i, h, 0] = weights @ v[h // ratio, slots] / denom
+    return out
+
+
+def run(kernel: PagedDecodeAttention, batch: Batch) -> mx.array:
+    return kernel(
+        batch.q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.page_table,
+        batch.seq_lens,
+        page_size=batch.page_size,
+        scale=batch.scale,
+        window=batch.window,
+        sinks=batch.sinks,
+    )
+
+
+def f32(x: mx.array) -> np.ndarray:
+    return np.array(x.astype(mx.float32))
+
+
+@settings(max_examples=60)
+@given(batches())
+def test_reference_matches_dense_softmax(batch: Batch) -> None:
+    for kernel in (ReferencePagedAttention(), ReferencePagedAttention(buckets=0)):
+        out = run(kernel, batch)
+        assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+        tol = TOL[batch.dtype_name]
+        np.testing.assert_allclose(f32(out), dense_oracle(batch), atol=tol, rtol=tol)
+
+
+def test_bucketed_calls_equal_one_call_on_a_ragged_batch() -> None:
+    rng = np.random.default_rng(3)
+    lens = [5, 300, 17, 290, 33, 250, 9, 260, 120, 8, 270, 40]
+    batch = make_batch(
+        rng,
+        lens=lens,
+        hkv=2,
+        ratio=4,
+        d=64,
+        page_size=16,
+        window=None,
+        with_sinks=True,
+        dtype_name="float32",
+    )
+    bucketed = run(ReferencePagedAttention(buckets=4), batch)
+    single = run(ReferencePagedAttention(buckets=0), batch)
+    np.testing.assert_allclose(f32(bucketed), f32(single), atol=1e-6)
+    np.testing.assert_allclose(f32(bucketed), dense_oracle(batch), atol=2e-5)
+
+
+def test_sliding_layer_reads_only_the_window_pages() -> None:
+    """Pages before the window are released (null page 0 holds garbage) and not read."""
+    rng = np.random.default_rng(4)
+    batch = make_batch(
+        rng,
+        lens=[1000, 37, 129],
+        hkv=1,
+        ratio=2,
+        d=64,
+        page_size=16,
+        window=128,
+        with_sinks=False,
+        dtype_name="float32",
+    )
+    table = np.array(batch.page_table)
+    assert (table[0, : (1000 - 128) // 16] == 0).all()
+    out = run(ReferencePagedAttention(), batch)
+    np.testing.assert_allclose(f32(out), dense_oracle(batch), atol=2e-5)
+    assert window_page_count(128, 16) == 9
+
+
+def test_functional_form_and_auto_backend() -> None:
+    batch = make_batch(
+        np.random.default_rng(5),
+        lens=[3, 20],
+        hkv=2,
+        ratio=2,
+        d=64,
+        page_size=4,
+        window=8,
+        with_sinks=True,
+        dtype_name="float32",
+    )
+    out = paged_decode_attention(
+        batch.q,
+        batch.k_pool,
+        batch.v_pool,
+        batch.page_table,
+        batch.seq_lens,
+        page_size=batch.page_size,
+        scale=batch.scale,
+        window=batch.window,
+        sinks=batch.sinks,
+        backend="auto",
+    )
+    np.testing.assert_allclose(f32(out), dense_oracle(batch), atol=5e-4)
+
+
+def _args() -> dict[str, object]:
+    return {
+        "q": mx.zeros((2, 4, 1, 64)),
+        "k_pool": mx.zeros((2, 32, 64)),
+        "v_pool": mx.zeros((2, 32, 64)),
+        "page_table": mx.zeros((2, 3), dtype=mx.int32),
+        "seq_lens": mx.array([1, 2], dtype=mx.int32),
+        "page_size": 8,
+        "scale": 0.125,
+    }
+
+
+BAD = [
+    ("q", mx.zeros((2, 4, 2, 64)), "for decode"),
+    ("k_pool", mx.zeros((2, 32, 32)), "does not match q head_dim"),
+    ("v_pool", mx.zeros((2, 16, 64)), "same shape"),
+    ("q", mx.zeros((2, 3, 1, 64)), "multiple of kv heads"),
+    ("q", mx.zeros((2, 4, 1, 64), dtype=mx.float16), "share one dtype"),
+    ("page_table", mx.zeros((3, 3), dtype=mx.int32), "page_table must be"),
+    ("page_table", mx.zeros((2, 3), dtype=mx.int64), "page_table must be int32"),
+    ("seq_lens", mx.array([1, 2, 3], dtype=mx.int32), "one entry per request"),
+    ("seq_lens", mx.array([1.0, 2.0]), "seq_lens must be int32"),
+    ("page_size", 5, "whole number of pages"),
+    ("page_size", 0, "page_size must be an int >= 1"),
+    ("window", 0, "window must be None or an int >= 1"),
+    ("sinks", mx.zeros((2,)), "one logit per query head"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "message"), BAD)
+def test_bad_inputs_raise(name: str, value: object, message: str) -> None:
+    args = _args()
+    args[name] = value
+    if name == "k_pool":
+        args["v_pool"] = value
+    with pytest.raises(ShapeMismatchError, match=message):
+        ReferencePagedAttention()(**args)  # type: ignore[arg-type]
+
+
+def test_validate_mode_checks_index_values() -> None:
+    kernel = ReferencePagedAttention(validate=True)
+    args = _args()
+    args["seq_lens"] = mx.array([0, 2], dtype=mx.int32)
+    with pytest.raises(ShapeMismatchError, match="seq_lens must be >= 1"):
+        kernel(**args)  # type: ignore[arg-type]
+    args["seq_lens"] = mx.array([1, 25], dtype=mx.int32)
+    with pytest.raises(ShapeMismatchError, match="needs more pages"):
+        kernel(**args)  # type: ignore[arg-type]
+    args["seq_lens"] = mx.array([1, 2], dtype=mx.int32)
+    args["page_table"] = mx.array([[4, 0, 0], [1, 0, 0]], dtype=mx.int32)
+    with pytest.raises(ShapeMismatchError, match=r"entries must lie in 0 \.\. 3"):
+        kernel(**args)  # type: ignore[arg-type]
+
+
+def test_reference_satisfies_the_protocol() -> None:
+    assert isinstance(ReferencePagedAttention(), PagedDecodeAttention)
+    with pytest.raises(ShapeMismatchError):
+        ReferencePagedAttention(buckets=-1)
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+def test_native_attention_unavailable_is_a_clear_error(backend: str) -> None:
+    if backend_available(backend):
+        pytest.skip(f"{backend} is available on this machine")
+    with pytest.raises(KernelUnavailableError, match="is not available"):
+        NativePagedAttention(backend)
+
+
+def _native_params() -> list[object]:
+    return [
+        pytest.param(
+            b,
+            marks=pytest.mark.skipif(
+                not backend_available(b), reason=f"no {b} back-end in this MLX build / machine"
+            ),
+        )
+        for b in NATIVE_BACKENDS
+    ]
+
+
+@pytest.mark.parametrize("backend", _native_params())
+@settings(max_examples=80)
+@given(batch=batches(max_len=300, max_b=8))
+def test_native_matches_reference_and_dense(backend: str, batch: Batch) -> None:
+    got = run(NativePagedAttention(backend), batch)
+    want = run(ReferencePagedAttention(), batch)
+    tol = TOL[batch.dtype_name]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(f32(got), f32(want), atol=2 * tol, rtol=2 * tol)
+    np.testing.assert_allclose(f32(got), dense_oracle(batch), atol=2 * tol, rtol=2 * tol)
+
+
+@pytest.mark.parametrize("backend", _native_params())
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_native_long_context_gqa(backend: str, d: int) -> None:
+    rng = np.random.default_rng(d)
+    batch = make_batch(
+        rng,
+        lens=[4096, 1, 2500, 777],
+        hkv=8,
+        ratio=8 if d == 64 else 4,
+        d=d,
+        page_size=16,
+        window=None,
+        with_sinks=d == 64,
+        dtype_name="bfloat16",
+    )
+    got = run(NativePagedAttention(backend), batch)
+    want = run(ReferencePagedAttention(), batch)
+    np.testing.assert_allclose(f32(got), f32(want), atol=3e-2, rtol=3e-2)
+    batch.window = 128
+    got = run(NativePagedAttention(backend), batch)
+    want = run(ReferencePagedAttention(), batch)
+    np.testing.assert_allclose(f32(got), f32(want), atol=3e-2, rtol=3e-2)
