@@ -407,10 +407,10 @@ def mlx_lm_greedy(model: Any, prompt: Sequence[int], max_tokens: int, chunk: int
         logits = model(mx.array(tokens[start : start + step])[None], cache=cache)
     assert logits is not None
     out: list[int] = []
-    token = int(mx.argmax(logits[0, -1]).item())
+    token = int(mx.argmax(logits[0, -1]))
     while True:
         out.append(token)
         if len(out) == max_tokens:
             return out
         logits = model(mx.array([[token]]), cache=cache)
-        token = int(mx.argmax(logits[0, -1]).item())
+        token = int(mx.argmax(logits[0, -1]))

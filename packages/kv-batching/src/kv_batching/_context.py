@@ -269,6 +269,17 @@ class BatchedDecodeContext:
             )
         return name
 
+    def pool_layer(self, layer_id: int) -> int:
+        """The id under which the pool addresses attention layer ``layer_id``."""
+        index_map = self.attention_pool_index_by_layer
+        index = index_map.get(layer_id) if index_map is not None else None
+        if index is None:
+            raise LayerKindError(
+                f"{layer_id=} not in attention_pool_index_by_layer: "
+                f"{index_map.keys() if index_map is not None else '{}'}"
+            )
+        return index
+
     def window(self, layer_id: int) -> int | None:
         """The sliding window of ``layer_id`` per the layout, ``None`` for a full layer."""
         spec = self.layout.spec(layer_id)

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -152,7 +152,7 @@ class _Request:
 
 
 def pages_in_use(pool: object) -> dict[str, int] | None:
-    """Pages in use per sub-pool if the pool can tell (``memory_report()`` or ``pages_in_use()``)."""
+    """Pages in use per sub-pool, if the pool tells (``memory_report()`` / ``pages_in_use()``)."""
     report = getattr(pool, "memory_report", None)
     if callable(report):
         subs = getattr(report(), "sub_pools", None)
@@ -405,7 +405,7 @@ class DecodeEngine:
         )
         tokens = mx.array([[r.generated[-1]] for r in batch], dtype=mx.int32)
         logits = self.model(tokens, cache=batched_layer_caches(ctx))
-        chosen: list[int] = self._sample(logits[:, -1, :], batch).tolist()
+        chosen = cast(list[int], self._sample(logits[:, -1, :], batch).tolist())
         for request, token in zip(batch, chosen, strict=True):
             self._emit(request, token, produced)
         elapsed = time.perf_counter() - start
@@ -475,7 +475,7 @@ class DecodeEngine:
             if request.generated:
                 mx.eval(logits)
             else:
-                first: list[int] = self._sample(logits[:, -1, :], [request]).tolist()
+                first = cast(list[int], self._sample(logits[:, -1, :], [request]).tolist())
                 self._emit(request, first[0], produced)
 
     def _sample(self, logits: mx.array, batch: Sequence[_Request]) -> mx.array:
@@ -505,12 +505,12 @@ def sample_top_p(
     Row ``b`` keeps the smallest set of most likely tokens whose probability reaches
     ``top_ps[b]`` (the most likely token always stays) and samples from it.
     """
-    scaled = logits.astype(mx.float32) / mx.array(temperatures, dtype=mx.float32)[:, None]
+    scaled = logits.astype(mx.float32) / mx.array(list(temperatures), dtype=mx.float32)[:, None]
     order = mx.argsort(-scaled, axis=-1)
     ranked = mx.take_along_axis(scaled, order, axis=-1)
     probs = mx.softmax(ranked, axis=-1)
     before = mx.cumsum(probs, axis=-1) - probs
-    keep = before < mx.array(top_ps, dtype=mx.float32)[:, None]
+    keep = before < mx.array(list(top_ps), dtype=mx.float32)[:, None]
     masked = mx.where(keep, ranked, mx.array(-mx.inf, dtype=mx.float32))
     choice = mx.random.categorical(masked, key=key)
     return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]

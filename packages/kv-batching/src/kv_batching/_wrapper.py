@@ -149,8 +149,8 @@ def _rope_config(rope: Any) -> RopeConfig | None:
 def _max_rel_err(a: mx.array, b: mx.array) -> float:
     a32 = a.astype(mx.float32)
     b32 = b.astype(mx.float32)
-    scale = float(mx.max(mx.abs(b32)).item()) + 1e-6
-    return float(mx.max(mx.abs(a32 - b32)).item()) / scale
+    scale = float(mx.max(mx.abs(b32))) + 1e-6
+    return float(mx.max(mx.abs(a32 - b32))) / scale
 
 
 def _tolerance(dtype: mx.Dtype) -> float:
@@ -383,7 +383,7 @@ class BatchedAttention(nn.Module):
             )
         inner: Any = self.inner
         sub_pool = ctx.sub_pool(layer_id)
-        pool_layer = ctx.attention_pool_index_by_layer[layer_id]
+        pool_layer = ctx.pool_layer(layer_id)
         slots = ctx.new_token_slots[sub_pool]
         q, k, v = _project(inner, spec, x)
 
