@@ -1,0 +1,531 @@
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_pool import HybridKVPool, LayerDoneCounter, PageAllocator
+from kv_protocol import (
+    CacheLayout,
+    CacheStateError,
+    KVCacheError,
+    KVPool,
+    LayerKind,
+    LayerSpec,
+    LayerTransferCounter,
+    LayoutError,
+    PoolExhaustedError,
+    RequestStateError,
+    ShapeMismatchError,
+    TransferTimeoutError,
+    UnknownRequestError,
+)
+from kv_protocol import PageAllocator as PageAllocatorProtocol
+
+
+def tl(a: mx.array) -> Any:
+    """``a.tolist()`` typed loosely (mlx's stub types it as a scalar-or-list union)."""
+    return a.tolist()
+
+
+def sliding(
+    i: int, window: int, heads: int = 2, dim: int = 4, dtype: mx.Dtype = mx.float32
+) -> LayerSpec:
+    return LayerSpec(
+        layer_id=i,
+        kind=LayerKind.SLIDING,
+        window=window,
+        n_kv_heads=heads,
+        head_dim=dim,
+        dtype=dtype,
+    )
+
+
+def full(i: int, heads: int = 2, dim: int = 4, dtype: mx.Dtype = mx.float32) -> LayerSpec:
+    return LayerSpec(layer_id=i, kind=LayerKind.FULL, n_kv_heads=heads, head_dim=dim, dtype=dtype)
+
+
+def gpt_oss_like(n_layers: int = 4, window: int = 4) -> CacheLayout:
+    return CacheLayout([sliding(i, window) if i % 2 == 0 else full(i) for i in range(n_layers)])
+
+
+MIXED = CacheLayout(
+    [
+        sliding(0, 4, heads=1, dim=8),
+        full(1, heads=2, dim=4),
+        LayerSpec(layer_id=2, kind=LayerKind.STATE),
+        sliding(3, 4, heads=1, dim=8),
+        full(4, heads=3, dim=2),
+    ]
+)
+
+
+def test_satisfies_protocols() -> None:
+    pool: KVPool = HybridKVPool(gpt_oss_like(), num_pages=8, page_size=2)
+    assert isinstance(pool, KVPool)
+    assert isinstance(HybridKVPool(MIXED, num_pages=4), KVPool)
+    concrete = HybridKVPool(gpt_oss_like(), num_pages=8, page_size=2)
+    assert isinstance(concrete.allocator("full"), PageAllocatorProtocol)
+    assert isinstance(concrete.allocator("full"), PageAllocator)
+    counter: LayerTransferCounter = LayerDoneCounter(4)
+    assert isinstance(counter, LayerTransferCounter)
+
+
+def test_sub_pool_names_and_geometry() -> None:
+    pool = HybridKVPool(gpt_oss_like(window=128), num_pages=4)
+    assert pool.sub_pool_names == ("sliding-w128", "full")
+    assert pool.sub_pool_of(0) == "sliding-w128" and pool.sub_pool_of(3) == "full"
+    assert HybridKVPool.sub_pool_groups(MIXED) == {
+        "sliding-w4-1x8": (0, 3),
+        "full-2x4": (1,),
+        "full-3x2": (4,),
+    }
+    dtypes = CacheLayout([full(0), full(1, dtype=mx.bfloat16)])
+    assert list(HybridKVPool.sub_pool_groups(dtypes)) == ["full-2x4-float32", "full-2x4-bfloat16"]
+    pool = HybridKVPool(
+        MIXED,
+        num_pages={"sliding-w4-1x8": 3, "full-2x4": 5, "full-3x2": 4},
+        page_size={"sliding-w4-1x8": 2, "full-2x4": 4, "full-3x2": 8},
+    )
+    assert pool.get_key_buffer(0).shape == (1, 6, 8)
+    assert pool.get_value_buffer(3).shape == (1, 6, 8)
+    assert pool.get_key_buffer(1).shape == (2, 20, 4)
+    assert pool.get_key_buffer(4).shape == (3, 32, 2)
+    assert pool.page_size(4) == 8 and pool.page_size(0) == 2
+
+
+def test_constructor_errors() -> None:
+    layout = gpt_oss_like()
+    with pytest.raises(LayoutError, match="missing"):
+        HybridKVPool(layout, num_pages={"full": 4})
+    with pytest.raises(LayoutError, match="page_size"):
+        HybridKVPool(layout, num_pages=4, page_size=0)
+    with pytest.raises(LayoutError, match="num_pages"):
+        HybridKVPool(layout, num_pages=1)
+    with pytest.raises(LayoutError, match="nothing to pool"):
+        HybridKVPool(CacheLayout([LayerSpec(layer_id=0, kind=LayerKind.STATE)]), num_pages=4)
+
+
+def test_layer_id_translation_raises_the_layouts_exact_errors() -> None:
+    pool = HybridKVPool(MIXED, num_pages=4)
+    full_keys = MIXED.full_attention_layer_id_mapping.keys()
+    sliding_keys = MIXED.sliding_layer_id_mapping.keys()
+    attention_keys = MIXED.attention_index_by_layer.keys()
+    for layer_id in (0, 2, 3, 99):
+        with pytest.raises(ValueError) as info:
+            pool.get_full_kv_buffers(layer_id)
+        assert str(info.value) == f"{layer_id=} not in full attention layers: {full_keys}"
+    for layer_id in (1, 2, 4, 99):
+        with pytest.raises(ValueError) as info:
+            pool.get_sliding_kv_buffers(layer_id)
+        assert str(info.value) == f"{layer_id=} not in sliding window layers: {sliding_keys}"
+    slots = mx.array([1], dtype=mx.int32)
+    kv = mx.zeros((1, 1, 8))
+    for layer_id in (2, 5, -1):
+        expected = f"{layer_id=} not in attention layers: {attention_keys}"
+        for call in (
+            lambda i: pool.get_key_buffer(i),
+            lambda i: pool.get_value_buffer(i),
+            lambda i: pool.set_kv(i, slots, kv, kv),
+            lambda i: pool.get_kv(i, slots),
+            lambda i: pool.sub_pool_of(i),
+            lambda i: pool.page_size(i),
+            lambda i: pool.replace_buffers(i, kv, kv),
+        ):
+            with pytest.raises(ValueError) as info:
+                call(layer_id)
+            assert str(info.value) == expected
+    assert pool.get_full_kv_buffers(4)[0].shape == (3, 64, 2)
+    assert pool.get_sliding_kv_buffers(3)[1].shape == (1, 64, 8)
+
+
+def test_request_errors() -> None:
+    pool = HybridKVPool(gpt_oss_like(), num_pages=8, page_size=2)
+    pool.add_request(7)
+    with pytest.raises(RequestStateError, match="already registered"):
+        pool.add_request(7)
+    for call in (
+        lambda: pool.reserve(8, 1),
+        lambda: pool.free_request(8),
+        lambda: pool.seq_len(8),
+        lambda: pool.fork_request(8, 9, 0),
+        lambda: pool.batch_page_table([7, 8], "full"),
+        lambda: pool.can_reserve({8: 1}),
+    ):
+        with pytest.raises(UnknownRequestError, match="unknown request id 8"):
+            call()
+    with pytest.raises(KeyError):
+        pool.seq_len(8)
+    with pytest.raises(RequestStateError):
+        pool.reserve(7, -1)
+    with pytest.raises(KVCacheError, match="unknown sub-pool"):
+        pool.batch_page_table([7], "nope")
+    pool.reserve(7, 3)
+    with pytest.raises(RequestStateError, match="holds 3"):
+        pool.fork_request(7, 9, 4)
+    pool.add_request(9)
+    with pytest.raises(RequestStateError, match="registered"):
+        pool.fork_request(7, 9, 1)
+    with pytest.raises(RequestStateError):
+        pool.token_slots(7, 1, 2, 4)
+    assert not pool.has_request(8) and pool.has_request(7)
+
+
+# seq_len after each single-token reserve -> first held logical page (window 4, page size 2)
+RELEASE_TABLE = [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 1), (7, 1), (8, 2), (9, 2), (10, 3)]
+
+
+def test_sliding_release_table() -> None:
+    pool = HybridKVPool(gpt_oss_like(window=4), num_pages=32, page_size=2)
+    pool.add_request(0)
+    for seq_len, first in RELEASE_TABLE:
+        pool.reserve(0, 1)
+        assert pool.seq_len(0) == seq_len
+        table = tl(pool.page_table(0, "sliding-w4"))
+        assert len(table) == math.ceil(seq_len / 2)
+        assert table[:first] == [0] * first and 0 not in table[first:]
+        assert len(pool.held_pages(0, "sliding-w4")) <= math.ceil(4 / 2) + 1
+        assert len(pool.held_pages(0, "full")) == math.ceil(seq_len / 2)
+    with pytest.raises(CacheStateError, match="released"):
+        pool.token_slots(0, 0, 5, 10)
+    with pytest.raises(CacheStateError, match="released"):
+        pool.batch_slots([0], "sliding-w4", [5])
+    assert pool.token_slots(0, 0, 6, 10).shape == (4,)
+    assert pool.token_slots(0, 1, 0, 10).shape == (10,)
+
+
+def test_prefill_chunk_holds_more_while_it_runs() -> None:
+    pool = HybridKVPool(gpt_oss_like(window=4), num_pages=32, page_size=2)
+    pool.add_request(0)
+    pool.reserve(0, 10)
+    assert len(pool.held_pages(0, "sliding-w4")) == 5
+    pool.reserve(0, 1)  # old seq_len 10: the new query sees 7..10
+    assert tl(pool.page_table(0, "sliding-w4"))[:3] == [0, 0, 0]
+    assert len(pool.held_pages(0, "sliding-w4")) == 3
+    free_before = pool.num_free_pages("sliding-w4")
+    pool.free_request(0)
+    assert pool.num_free_pages("sliding-w4") == free_before + 3
+    assert pool.num_free_pages("full") == 31
+
+
+def test_reserve_is_atomic_across_sub_pools() -> None:
+    layout = gpt_oss_like(window=4)
+    pool = HybridKVPool(layout, num_pages={"sliding-w4": 32, "full": 4}, page_size=2)
+    pool.add_request(0)
+    pool.reserve(0, 4)
+    before = (tl(pool.page_table(0, "sliding-w4")), pool.num_free_pages("sliding-w4"))
+    assert not pool.can_reserve({0: 4})
+    with pytest.raises(PoolExhaustedError) as info:
+        pool.reserve(0, 4)
+    assert info.value.sub_pool == "full"
+    assert info.value.pages_requested == 2 and info.value.pages_free == 1
+    assert pool.seq_len(0) == 4
+    assert (tl(pool.page_table(0, "sliding-w4")), pool.num_free_pages("sliding-w4")) == before
+    assert pool.can_reserve({0: 2})
+
+
+def test_release_makes_room_in_the_same_reserve() -> None:
+    # 4 usable sliding pages: a request at 8 tokens holds 4; its next reserve frees 2 first.
+    pool = HybridKVPool(
+        gpt_oss_like(window=2), num_pages={"sliding-w2": 5, "full": 32}, page_size=2
+    )
+    pool.add_request(0)
+    pool.reserve(0, 8)
+    assert pool.num_free_pages("sliding-w2") == 0
+    assert pool.can_reserve({0: 3})
+    pool.reserve(0, 3)
+    assert len(pool.held_pages(0, "sliding-w2")) == 3
+
+
+def test_batch_page_table_and_slots() -> None:
+    pool = HybridKVPool(gpt_oss_like(window=4), num_pages=32, page_size=2)
+    for rid, n in ((3, 5), (1, 1), (2, 0)):
+        pool.add_request(rid)
+        pool.reserve(rid, n)
+    table = pool.batch_page_table([3, 1, 2], "full")
+    assert table.dtype == mx.int32 and table.shape == (3, 3)
+    assert tl(table[0]) == tl(pool.page_table(3, "full"))
+    assert tl(table[1])[1:] == [0, 0] and tl(table[2]) == [0, 0, 0]
+    assert pool.batch_page_table([2], "full").shape == (1, 1)
+    assert pool.batch_page_table([], "full").shape == (0, 1)
+    slots = pool.batch_slots([3, 1], "full", [4, 0])
+    assert slots.dtype == mx.int32
+    assert tl(slots) == [
+        pool.token_slots(3, 1, 4, 5).item(),
+        pool.token_slots(1, 1, 0, 1).item(),
+    ]
+    with pytest.raises(ShapeMismatchError):
+        pool.batch_slots([3], "full", [0, 1])
+    with pytest.raises(RequestStateError):
+        pool.batch_slots([1], "full", [1])
+
+
+def _gather(pool: HybridKVPool, layer: int, rid: int) -> tuple[np.ndarray, np.ndarray]:
+    """Read a request's tokens through its page table, as a paged kernel would."""
+    size = pool.page_size(layer)
+    table = pool.batch_page_table([rid], pool.sub_pool_of(layer))
+    out = []
+    for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+        h, slots, d = buf.shape
+        pages = buf.reshape(h, slots // size, size, d)[:, table[0]]  # (H, P, size, D)
+        out.append(np.array(pages.reshape(h, -1, d).transpose(1, 0, 2)))  # (P*size, H, D)
+    return out[0], out[1]
+
+
+@given(
+    chunks=st.lists(st.integers(1, 7), min_size=1, max_size=5),
+    sizes=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4)),
+)
+def test_round_trip_through_page_tables(chunks: list[int], sizes: tuple[int, int, int]) -> None:
+    names = list(HybridKVPool.sub_pool_groups(MIXED))
+    page_size = dict(zip(names, sizes, strict=True))
+    pool = HybridKVPool(MIXED, num_pages=64, page_size=page_size)
+    rng = np.random.default_rng(len(chunks) * 31 + sum(sizes))
+    dense = {}
+    for rid in (0, 1):
+        pool.add_request(rid)
+        pool.reserve(rid, rid)  # offset the two requests' pages
+        for layer in MIXED.attention_layer_ids:
+            g = MIXED.geometry(layer)
+            dense[rid, layer] = rng.standard_normal((2, 40, g.n_kv_heads, g.head_dim)).astype(
+                np.float32
+            )
+        for layer in MIXED.attention_layer_ids:
+            k, v = dense[rid, layer][:, :rid]
+            slots = pool.token_slots(rid, layer, 0, rid)
+            pool.set_kv(layer, slots, mx.array(k), mx.array(v))
+    for n in chunks:
+        for rid in (0, 1):
+            start = pool.seq_len(rid)
+            new_slots = pool.reserve(rid, n)
+            for layer in MIXED.attention_layer_ids:
+                k, v = dense[rid, layer][:, start : start + n]
+                pool.set_kv(layer, new_slots[pool.sub_pool_of(layer)], mx.array(k), mx.array(v))
+    for rid in (0, 1):
+        seq_len = pool.seq_len(rid)
+        for layer in MIXED.attention_layer_ids:
+            k, v = _gather(pool, layer, rid)
+            window = MIXED.window(layer)
+            size = pool.page_size(layer)
+            first = 0
+            if window is not None:
+                first = tl(pool.page_table(rid, pool.sub_pool_of(layer))).count(0) * size
+                # what the last chunk's queries need is still there
+                assert first <= max(0, seq_len - chunks[-1] - window + 1)
+            np.testing.assert_array_equal(k[first:seq_len], dense[rid, layer][0, first:seq_len])
+            np.testing.assert_array_equal(v[first:seq_len], dense[rid, layer][1, first:seq_len])
+            slots = pool.token_slots(rid, layer, first, seq_len)
+            gk, gv = pool.get_kv(layer, slots)
+            np.testing.assert_array_equal(np.array(gk), dense[rid, layer][0, first:seq_len])
+            np.testing.assert_array_equal(np.array(gv), dense[rid, layer][1, first:seq_len])
+
+
+def test_set_kv_and_replace_buffers_check_shapes() -> None:
+    pool = HybridKVPool(gpt_oss_like(), num_pages=8, page_size=2)
+    slots = mx.array([2, 3], dtype=mx.int32)
+    good = mx.ones((2, 2, 4))
+    bad_inputs = [
+        (slots, mx.ones((2, 4, 2)), good, "must be \\(T, n_kv_heads, head_dim\\) = \\(2, 2, 4\\)"),
+        (slots, good, mx.ones((3, 2, 4)), "values"),
+        (slots, good.astype(mx.bfloat16), good, "float32"),
+        (slots.astype(mx.float32), good, good, "integer dtype"),
+        (slots.reshape(1, 2), good, good, "1-D"),
+    ]
+    for s, k, v, message in bad_inputs:
+        before = np.array(pool.get_key_buffer(1))
+        with pytest.raises(ShapeMismatchError, match=message):
+            pool.set_kv(1, s, k, v)
+        np.testing.assert_array_equal(np.array(pool.get_key_buffer(1)), before)
+    buf = pool.get_key_buffer(1)
+    with pytest.raises(ShapeMismatchError, match="replace_buffers"):
+        pool.replace_buffers(1, buf[:, :4], buf)
+    with pytest.raises(ShapeMismatchError):
+        pool.replace_buffers(1, buf, buf.astype(mx.float16))
+    new_k, new_v = mx.full(buf.shape, 2.0), mx.full(buf.shape, 3.0)
+    pool.replace_buffers(1, new_k, new_v)
+    assert pool.get_key_buffer(1) is new_k and pool.get_value_buffer(1) is new_v
+    assert pool.get_key_buffer(3) is not new_k
+
+
+def test_fork_shares_whole_pages_and_copies_the_tail() -> None:
+    pool = HybridKVPool(gpt_oss_like(window=4), num_pages=16, page_size=4)
+    pool.add_request(0)
+    slots = pool.reserve(0, 10)
+    values = mx.arange(10 * 8, dtype=mx.float32).reshape(10, 2, 4)
+    for layer in range(4):
+        pool.set_kv(layer, slots[pool.sub_pool_of(layer)], values + layer, -values)
+    pool.fork_request(0, 1, 10)
+    parent, child = tl(pool.page_table(0, "full")), tl(pool.page_table(1, "full"))
+    assert parent[:2] == child[:2] and parent[2] != child[2]
+    assert [pool.allocator("full").refcount(p) for p in parent] == [2, 2, 1]
+    # sliding: only the pages the child's next query (position 10, window 4) sees: 7..9
+    assert tl(pool.page_table(1, "sliding-w4"))[0] == 0
+    for layer in range(4):
+        k, _ = pool.get_kv(layer, pool.token_slots(1, layer, 8, 10))
+        np.testing.assert_array_equal(np.array(k), np.array(values[8:10] + layer))
+    # writes of the child into its tail copy leave the parent's page alone
+    child_new = pool.reserve(1, 1)
+    pool.set_kv(1, child_new["full"], mx.full((1, 2, 4), -7.0), mx.zeros((1, 2, 4)))
+    parent_new = pool.reserve(0, 1)
+    pool.set_kv(1, parent_new["full"], mx.full((1, 2, 4), 7.0), mx.zeros((1, 2, 4)))
+    assert tl(pool.get_kv(1, pool.token_slots(0, 1, 10, 11))[0])[0][0][0] == 7.0
+    assert tl(pool.get_kv(1, pool.token_slots(1, 1, 10, 11))[0])[0][0][0] == -7.0
+    pool.free_request(0)
+    assert [pool.allocator("full").refcount(p) for p in child[:2]] == [1, 1]
+    pool.free_request(1)
+    assert pool.num_free_pages("full") == 15 and pool.num_free_pages("sliding-w4") == 15
+
+
+def test_fork_refuses_released_positions() -> None:
+    pool = HybridKVPool(gpt_oss_like(window=2), num_pages=32, page_size=2)
+    pool.add_request(0)
+    for _ in range(12):
+        pool.reserve(0, 1)
+    before = pool.memory_report()
+    with pytest.raises(RequestStateError, match="released"):
+        pool.fork_request(0, 1, 4)
+    assert pool.memory_report() == before and not pool.has_request(1)
+    pool.fork_request(0, 1, 11)
+    assert pool.seq_len(1) == 11
+
+
+def test_set_kv_writes_in_place() -> None:
+    # A single-token write must not copy the whole buffer (MLX donates it when unshared).
+    pool = HybridKVPool(gpt_oss_like(), num_pages=4096, page_size=16)
+    pool.add_request(0)
+    slots = pool.reserve(0, 1)["full"]
+    mx.eval(pool.get_key_buffer(1), pool.get_value_buffer(1))
+    kv = mx.ones((1, 2, 4))
+    mx.eval(kv, slots)
+    buffer_bytes = pool.get_key_buffer(1).nbytes
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for _ in range(3):
+        pool.set_kv(1, slots, kv, kv)
+        mx.eval(pool.get_key_buffer(1), pool.get_value_buffer(1))
+    assert mx.get_peak_memory() - base < buffer_bytes // 4
+    assert tl(pool.get_kv(1, slots)[0]) == [[[1.0] * 4] * 2]
+
+
+def test_from_budget_fits_the_stated_workload() -> None:
+    layout = gpt_oss_like(window=8)
+    kwargs = {"max_context": 40, "concurrency": 3, "page_size": 4, "prefill_chunk": 8}
+    need = HybridKVPool.required_bytes(layout, **kwargs)
+    pages = HybridKVPool.pages_per_request(layout, max_context=40, page_size=4, prefill_chunk=8)
+    assert pages == {"sliding-w8": math.ceil((8 - 1 + 8) / 4) + 1, "full": 10}
+    pool = HybridKVPool.from_budget(layout, need, **kwargs)
+    assert pool.memory_report().bytes_total == need
+    for rid in range(3):
+        pool.add_request(rid)
+    for _ in range(5):
+        for rid in range(3):
+            pool.reserve(rid, 8)
+    assert pool.num_free_pages("full") == 0
+    bigger = HybridKVPool.from_budget(layout, 3 * need, **kwargs)
+    assert bigger.sub_pool_spec("full").num_pages == 3 * (3 * 10 + 1)
+    assert bigger.memory_report().bytes_total <= 3 * need
+    with pytest.raises(PoolExhaustedError):
+        HybridKVPool.from_budget(layout, 100, **kwargs)
+    with pytest.raises(RequestStateError):
+        HybridKVPool.from_budget(layout, need, max_context=40, concurrency=0)
+
+
+def test_memory_report() -> None:
+    layout = gpt_oss_like(window=4)  # 2 sliding + 2 full layers, 2 heads x 4, fp32
+    pool = HybridKVPool(layout, num_pages=33, page_size=2)
+    report = pool.memory_report()
+    per_page = 2 * 2 * (2 * 2 * 4 * 4)  # page_size * layers * bytes_per_token
+    assert [s.bytes_per_page for s in report.sub_pools] == [per_page, per_page]
+    assert report.bytes_total == 2 * 33 * per_page and report.bytes_used == 0
+    assert report.used_fraction_of_full is None
+    assert report.full_capacity_tokens == 64
+    pool.add_request(0)
+    for _ in range(20):
+        pool.reserve(0, 1)
+    report = pool.memory_report()
+    sliding_rep, full_rep = report.sub_pools
+    assert (sliding_rep.pages_used, full_rep.pages_used) == (2, 10)  # positions 16..19
+    assert sliding_rep.pages_used + sliding_rep.pages_free == 32
+    assert report.tokens == 20 and report.num_requests == 1
+    assert report.full_equivalent_bytes == 20 * layout.full_kv_bytes_per_token()
+    assert report.bytes_used == 12 * per_page
+    assert report.saving_bytes == report.full_equivalent_bytes - 12 * per_page
+    assert report.used_fraction_of_full == pytest.approx(12 / 20)  # 20 pages of 2 layers x 2 tokens
+    assert "sliding-w4" in report.format()
+
+
+def test_layer_done_counter_blocks_until_marked() -> None:
+    counter = LayerDoneCounter(4, timeout=5.0)
+    seen: list[float] = []
+
+    def reader() -> None:
+        counter.wait_until(2)
+        seen.append(time.monotonic())
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    counter.mark_done(0)
+    time.sleep(0.05)
+    assert not seen and thread.is_alive()
+    marked = time.monotonic()
+    counter.mark_done(2)
+    thread.join(5)
+    assert seen and seen[0] >= marked
+    assert counter.is_done(2) and not counter.is_done(1)
+    with pytest.raises(TransferTimeoutError):
+        counter.wait_until(1, timeout=0.01)
+    with pytest.raises(KVCacheError):
+        counter.mark_done(9)
+    counter.reset()
+    assert not counter.is_done(2)
+    counter.mark_all_done()
+    counter.wait_until(3)
+
+
+class SpyCounter:
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+
+    def wait_until(self, layer_id: int) -> None:
+        self.ids.append(layer_id)
+
+
+def test_buffer_accessors_wait_on_the_global_layer_id() -> None:
+    pool = HybridKVPool(MIXED, num_pages=4, page_size=2)
+    spy = SpyCounter()
+    pool.register_layer_transfer_counter(spy)
+    assert pool.layer_transfer_counter is spy
+    slots = mx.array([2], dtype=mx.int32)
+    pool.get_key_buffer(4)
+    pool.get_value_buffer(3)
+    pool.get_kv(1, slots)
+    pool.set_kv(0, slots, mx.zeros((1, 1, 8)), mx.zeros((1, 1, 8)))
+    pool.get_full_kv_buffers(4)
+    assert spy.ids == [4, 3, 1, 0, 4, 4]
+    with pytest.raises(ValueError):
+        pool.get_key_buffer(2)  # STATE layer: the layout error, no wait
+    assert len(spy.ids) == 6
+
+    counter = LayerDoneCounter(MIXED.attention_layer_ids, timeout=0.05)
+    pool.register_layer_transfer_counter(counter)
+    with pytest.raises(TransferTimeoutError):
+        pool.get_key_buffer(3)
+    got: list[tuple[int, ...]] = []
+    thread = threading.Thread(target=lambda: got.append(pool.get_key_buffer(3).shape))
+    counter = LayerDoneCounter(MIXED.attention_layer_ids, timeout=5)
+    pool.register_layer_transfer_counter(counter)
+    thread.start()
+    time.sleep(0.05)
+    assert not got
+    counter.mark_done(3)
+    thread.join(5)
+    assert got == [(1, 8, 8)]
+    pool.register_layer_transfer_counter(None)
+    pool.get_key_buffer(0)
