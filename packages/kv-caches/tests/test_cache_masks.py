@@ -7,11 +7,11 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from kv_protocol import CacheStateError, KVCacheError, OffsetCache
 from mlx_lm.models.base import create_attention_mask as mlx_lm_container_mask
 from mlx_lm.models.cache import KVCache
 
 from kv_caches import AttentionOffsetCache, causal_band_mask, make_attention_mask
+from kv_protocol import CacheStateError, KVCacheError, OffsetCache
 
 
 def assert_same_mask(ours: Any, theirs: Any) -> None:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kv_protocol import CacheStateError, DecodeKVCache, KVCache, LayoutError, ShapeMismatchError
 from mlx_lm.models.cache import KVCache as MlxLmKVCache
 
 from kv_caches import ContiguousAttentionKVCache
+from kv_protocol import CacheStateError, DecodeKVCache, KVCache, LayoutError, ShapeMismatchError
 
 H, D = 2, 4
 

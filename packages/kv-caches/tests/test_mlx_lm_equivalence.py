@@ -6,7 +6,6 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from kv_protocol import LayerKind, layout_from_model
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from kv_caches import (
@@ -14,6 +13,7 @@ from kv_caches import (
     QuantizedAttentionKVCache,
     WindowedAttentionKVCache,
 )
+from kv_protocol import LayerKind, layout_from_model
 from tools.tiny_models import build_tiny_model
 
 DECODE_STEPS = 40
@@ -48,14 +48,14 @@ def run(
         pos += size
     assert out is not None
     tokens: list[int] = []
-    token = mx.argmax(out[0, -1]).item()
+    token = int(mx.argmax(out[0, -1]))
     for _ in range(steps):
-        tokens.append(int(token))
+        tokens.append(token)
         out = model(mx.array([[token]]), cache=caches)
         mx.eval(out, [c.state for c in caches])
         logits.append(out[0])
-        token = mx.argmax(out[0, -1]).item()
-    tokens.append(int(token))
+        token = int(mx.argmax(out[0, -1]))
+    tokens.append(token)
     return logits, tokens
 
 
@@ -68,7 +68,7 @@ def assert_same(
     assert len(ref_logits) == len(our_logits)
     for step, (a, b) in enumerate(zip(ref_logits, our_logits, strict=True)):
         assert a.shape == b.shape
-        diff = mx.max(mx.abs(a - b)).item()
+        diff = float(mx.max(mx.abs(a - b)))
         assert diff <= ATOL, f"step {step}: max |logit diff| {diff}"
 
 

@@ -1,4 +1,4 @@
-"""WindowedAttentionKVCache against a contiguous cache's trailing slice and mlx-lm's rotating cache."""
+"""WindowedAttentionKVCache vs a contiguous cache's trailing slice and mlx-lm's rotating cache."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_protocol import CacheStateError, DecodeKVCache, KVCache, ShapeMismatchError
 from mlx_lm.models.cache import RotatingKVCache
 
 from kv_caches import ContiguousAttentionKVCache, WindowedAttentionKVCache, make_attention_mask
+from kv_protocol import CacheStateError, DecodeKVCache, KVCache, ShapeMismatchError
 
 H, D = 2, 4
 FULL_CONTEXT_ERROR = (
