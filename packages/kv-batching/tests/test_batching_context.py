@@ -1,0 +1,267 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_batching import (
+    FUSED_ROPE_MAP_ERROR,
+    BatchedDecodeContext,
+    BatchedLayerCache,
+    PoolAddressing,
+    batched_layer_caches,
+)
+from kv_protocol import (
+    CacheLayout,
+    CacheStateError,
+    KVCacheError,
+    LayerKind,
+    LayerKindError,
+    LayerSpec,
+    RequestStateError,
+    ShapeMismatchError,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from batching_fakes import FakeKernels, FakePagedPool, FakeRope
+
+
+def gpt_oss_like(window: int = 8) -> CacheLayout:
+    specs = []
+    for i in range(4):
+        kind = LayerKind.SLIDING if i % 2 == 0 else LayerKind.FULL
+        specs.append(
+            LayerSpec(
+                layer_id=i,
+                kind=kind,
+                window=window if kind is LayerKind.SLIDING else None,
+                n_kv_heads=2,
+                head_dim=8,
+            )
+        )
+    return CacheLayout(specs)
+
+
+def with_state_layer() -> CacheLayout:
+    return CacheLayout(
+        [
+            LayerSpec(layer_id=0, kind=LayerKind.STATE),
+            LayerSpec(layer_id=1, kind=LayerKind.FULL, n_kv_heads=2, head_dim=8),
+            LayerSpec(layer_id=2, kind=LayerKind.SLIDING, window=4, n_kv_heads=2, head_dim=8),
+        ]
+    )
+
+
+def ctx(seq_lens: list[int], **kwargs: object) -> BatchedDecodeContext:
+    kwargs.setdefault("layout", gpt_oss_like())
+    kwargs.setdefault("aot", FakeKernels())
+    return BatchedDecodeContext(
+        request_ids=tuple(range(len(seq_lens))),
+        seq_lens=tuple(seq_lens),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+# ---------------------------------------------------------------- construction and errors
+
+
+def test_fused_rope_without_full_map_raises_the_exact_error() -> None:
+    with pytest.raises(ValueError) as info:
+        ctx([3, 5], aot=FakeKernels(rope=FakeRope()))
+    assert str(info.value) == (
+        "BatchedDecodeContext requires full_kv_pool_index_by_layer when the fused AOT RoPE "
+        "+ pool-scatter kernel is active"
+    )
+    assert str(info.value) == FUSED_ROPE_MAP_ERROR
+
+
+def test_fused_rope_with_full_map_is_accepted() -> None:
+    layout = gpt_oss_like()
+    c = ctx(
+        [3, 5],
+        aot=FakeKernels(rope=FakeRope()),
+        full_kv_pool_index_by_layer=layout.full_attention_layer_id_mapping,
+    )
+    assert dict(c.full_kv_pool_index_by_layer) == {1: 0, 3: 1}
+
+
+def test_empty_batch_is_a_clear_error() -> None:
+    with pytest.raises(RequestStateError, match="empty batch"):
+        ctx([])
+    with pytest.raises(ValueError, match="empty batch"):
+        BatchedDecodeContext.from_pool(FakePagedPool(gpt_oss_like()), [], FakeKernels())
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "ids", "match"),
+    [
+        ([3, -1], (0, 1), "must be >= 0"),
+        ([3, 1.5], (0, 1), "must be an int"),
+        ([3, 4], (0, 0), "duplicated"),
+        ([3, 4], (0, 1, 2), "one length per request"),
+    ],
+)
+def test_bad_lengths_and_ids(seq_lens: list[object], ids: tuple[int, ...], match: str) -> None:
+    with pytest.raises(RequestStateError, match=match):
+        BatchedDecodeContext(
+            request_ids=ids,
+            seq_lens=tuple(seq_lens),  # type: ignore[arg-type]
+            layout=gpt_oss_like(),
+            aot=FakeKernels(),
+        )
+
+
+def test_attention_map_defaults_to_identity_over_attention_layers() -> None:
+    c = ctx([1], layout=with_state_layer())
+    assert dict(c.attention_pool_index_by_layer or {}) == {1: 1, 2: 2}
+    assert c.pool_layer(2) == 2
+    with pytest.raises(LayerKindError):
+        c.pool_layer(0)
+
+
+def test_maps_naming_non_attention_or_wrong_kind_layers_are_refused() -> None:
+    layout = with_state_layer()
+    with pytest.raises(LayerKindError, match="not an attention layer"):
+        ctx([1], layout=layout, attention_pool_index_by_layer={0: 0})
+    with pytest.raises(LayerKindError, match="not a full-attention layer"):
+        ctx([1], layout=layout, full_kv_pool_index_by_layer={2: 0})
+    with pytest.raises(LayerKindError, match="not a full-attention layer"):
+        ctx([1], layout=layout, full_kv_pool_index_by_layer={7: 0})
+    with pytest.raises(LayerKindError, match="full-pool index of that layer is 0"):
+        ctx([1], layout=gpt_oss_like(), full_kv_pool_index_by_layer={1: 1, 3: 0})
+    # Errors are also KVCacheError / ValueError for callers catching either.
+    with pytest.raises(KVCacheError):
+        ctx([1], layout=layout, attention_pool_index_by_layer={0: 0})
+
+
+def test_derived_values() -> None:
+    c = ctx([3, 7, 0])
+    assert c.batch_size == 3
+    assert c.offsets.tolist() == [3, 7, 0]
+    assert c.offsets.dtype == mx.int32
+    assert c.max_len == 8
+    assert c.valid_lens.tolist() == [4, 8, 1]
+    assert c.needs_padding
+    assert c.pad_sizes == (4, 0, 7)
+    assert c.positions is not None and c.positions.tolist() == list(range(8))
+    same = ctx([5, 5])
+    assert not same.needs_padding and same.positions is None and same.pad_sizes == (0, 0)
+
+
+# ---------------------------------------------------------------- decode_padding
+
+
+def plain_padding(seq_lens: list[int], window: int | None) -> tuple[list[int], list[list[bool]]]:
+    valid = [s + 1 if window is None else min(s + 1, window) for s in seq_lens]
+    width = max(valid)
+    return [width - v for v in valid], [[j < v for j in range(width)] for v in valid]
+
+
+@given(
+    seq_lens=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    window=st.one_of(st.none(), st.integers(1, 24)),
+)
+def test_decode_padding_matches_plain_python(seq_lens: list[int], window: int | None) -> None:
+    c = ctx(seq_lens)
+    pads, mask = c.decode_padding(window)
+    want_pads, want_mask = plain_padding(seq_lens, window)
+    assert pads == want_pads
+    if not any(want_pads):
+        assert mask is None
+    else:
+        assert mask is not None
+        assert mask.dtype == mx.bool_
+        assert mask.shape == (len(seq_lens), 1, 1, len(want_mask[0]))
+        assert mask[:, 0, 0, :].tolist() == want_mask
+    if window is None:
+        assert pads == list(c.pad_sizes)
+
+
+def test_decode_padding_is_memoised_per_window() -> None:
+    c = ctx([2, 9, 4])
+    first = c.decode_padding(4)
+    again = c.decode_padding(4)
+    assert first[1] is again[1]
+    assert c.decode_padding(None)[1] is c.decode_padding(None)[1]
+    assert c.decode_padding(None)[0] == [7, 0, 5]
+    # Every request past the window: no padding, no mask.
+    assert c.decode_padding(2) == ([0, 0, 0], None)
+    with pytest.raises(ShapeMismatchError, match="window"):
+        c.decode_padding(0)
+
+
+# ---------------------------------------------------------------- from_pool
+
+
+def test_from_pool_reserves_one_token_and_reads_slots_at_the_old_length() -> None:
+    pool = FakePagedPool(gpt_oss_like(window=4), num_pages=32, page_size=2)
+    for rid, n in ((10, 5), (11, 1), (12, 9)):
+        pool.add_request(rid)
+        pool.reserve(rid, n)
+    c = BatchedDecodeContext.from_pool(pool, [10, 11, 12], FakeKernels())
+    assert c.seq_lens == (5, 1, 9)
+    assert [pool.seq_len(r) for r in (10, 11, 12)] == [6, 2, 10]
+    assert c.addressing is not None and c.addressing.sub_pools == ("sliding", "full")
+    for name in ("full", "sliding"):
+        layer = 1 if name == "full" else 0
+        want = [
+            pool.token_slots(r, layer, s, s + 1).item()
+            for r, s in zip((10, 11, 12), c.seq_lens, strict=True)
+        ]
+        assert c.new_token_slots[name].tolist() == want
+        assert c.page_tables[name].tolist() == pool.batch_page_table([10, 11, 12], name).tolist()
+    assert dict(c.full_kv_pool_index_by_layer) == {1: 0, 3: 1}
+    assert c.sub_pool(2) == "sliding" and c.sub_pool(3) == "full"
+    assert c.window(0) == 4 and c.window(1) is None
+
+
+def test_from_pool_without_room_reserves_nothing() -> None:
+    pool = FakePagedPool(gpt_oss_like(window=64), num_pages=3, page_size=2)
+    pool.add_request(0)
+    pool.add_request(1)
+    pool.reserve(0, 2)
+    pool.reserve(1, 2)
+    before = (pool.seq_len(0), pool.seq_len(1), pool.free_pages())
+    with pytest.raises(CacheStateError, match="nothing was reserved"):
+        BatchedDecodeContext.from_pool(pool, [0, 1], FakeKernels())
+    assert (pool.seq_len(0), pool.seq_len(1), pool.free_pages()) == before
+
+
+def test_from_pool_without_reserve_reads_only() -> None:
+    pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4)
+    pool.add_request(3)
+    pool.reserve(3, 5)
+    c = BatchedDecodeContext.from_pool(pool, [3], FakeKernels(), reserve=False)
+    assert c.seq_lens == (5,) and pool.seq_len(3) == 5
+
+
+def test_pool_addressing() -> None:
+    pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4, sliding_page_size=2)
+    plan = PoolAddressing.from_pool(pool)
+    assert dict(plan.sub_pool_by_layer) == {0: "sliding", 1: "full", 2: "sliding", 3: "full"}
+    assert dict(plan.page_size_by_layer) == {0: 2, 1: 4, 2: 2, 3: 4}
+
+
+# ---------------------------------------------------------------- the layer cache shim
+
+
+def test_batched_layer_cache_is_a_data_free_shim() -> None:
+    c = ctx([4, 9])
+    shims = batched_layer_caches(c)
+    assert [s.layer_id for s in shims] == [0, 1, 2, 3]
+    shim = shims[1]
+    assert isinstance(shim, BatchedLayerCache)
+    assert shim.offset == 9
+    assert shim.state == ()
+    assert shim.make_mask(1) is None
+    assert shim.make_mask(1, window_size=4, return_array=True) is None
+    assert shim.empty() and shim.nbytes == 0 and not shim.is_trimmable() and shim.trim(3) == 0
+    with pytest.raises(CacheStateError, match="single-token"):
+        shim.make_mask(3)
+    with pytest.raises(CacheStateError, match="not patched"):
+        shim.update_and_fetch(mx.zeros((2, 2, 1, 8)), mx.zeros((2, 2, 1, 8)))
+    assert "layer_id=1" in repr(shim)
