@@ -60,7 +60,7 @@ class ToyAttention(nn.Module):
         key_factor: float = 1.0,
         sliding: bool | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.q_proj = nn.Linear(16, 4 * 4, bias=False)
         self.k_proj = nn.Linear(16, 2 * 4, bias=False)
         self.v_proj = nn.Linear(16, 2 * 4, bias=False)
@@ -92,13 +92,13 @@ class ToyAttention(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, attn: nn.Module) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.self_attn = attn
 
 
 class Toy(nn.Module):
     def __init__(self, *attns: nn.Module) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.layers = [Block(a) for a in attns]
 
 
