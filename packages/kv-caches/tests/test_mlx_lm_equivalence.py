@@ -135,3 +135,18 @@ def test_full_model_contiguous_matches_mlx_lm_kvcache() -> None:
         DECODE_STEPS,
     )
     assert_same(reference, ours)
+
+
+def test_mlx_lm_generate_step_runs_on_our_caches() -> None:
+    from mlx_lm.generate import generate_step
+
+    model = build_tiny_model("gemma3_text", window=8)
+    prompt = mx.random.randint(0, 256, (40,), key=mx.random.key(1))
+
+    def tokens(caches: list[Any]) -> list[int]:
+        steps = generate_step(
+            prompt, model, max_tokens=30, prompt_cache=caches, prefill_step_size=16
+        )
+        return [int(token) for token, _ in steps]
+
+    assert tokens(our_caches(model)) == tokens(make_prompt_cache(model))
