@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from kv_batching import DecodeEngine
 from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import select_kernels
 from kv_pool import HybridKVPool
 from kv_protocol import KVCache, KVPool, layout_from_model
-from tests.test_engine_equivalence import mlx_lm_alone
 from tools.tiny_models import build_tiny_model
+
+
+def mlx_lm_alone(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    prompt_cache = make_prompt_cache(model)
+    logits = model(mx.array(prompt)[None], cache=prompt_cache)
+    out: list[int] = []
+    while len(out) < max_tokens:
+        out.append(int(mx.argmax(logits[0, -1])))
+        logits = model(mx.array([[out[-1]]]), cache=prompt_cache)
+    return out
 
 
 def prefill_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
