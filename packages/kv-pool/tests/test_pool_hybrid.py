@@ -529,3 +529,36 @@ def test_buffer_accessors_wait_on_the_global_layer_id() -> None:
     assert got == [(1, 8, 8)]
     pool.register_layer_transfer_counter(None)
     pool.get_key_buffer(0)
+
+
+def test_reserve_batch_matches_reserve_and_is_atomic() -> None:
+    layout = gpt_oss_like(window=4)
+    one = HybridKVPool(layout, num_pages=64, page_size=2)
+    many = HybridKVPool(layout, num_pages=64, page_size=2)
+    for pool in (one, many):
+        for rid, n in ((5, 3), (6, 0), (7, 8)):
+            pool.add_request(rid)
+            pool.reserve(rid, n)
+    for n in (1, 1, 3, 0, 1):
+        got = many.reserve_batch([7, 5, 6], n)
+        want = [one.reserve(rid, n) for rid in (7, 5, 6)]
+        for name in many.sub_pool_names:
+            assert got[name].shape == (3, n) and got[name].dtype == mx.int32
+            assert tl(got[name]) == [tl(w[name]) for w in want]
+            for rid in (5, 6, 7):
+                assert tl(many.page_table(rid, name)) == tl(one.page_table(rid, name))
+    assert many.reserve_batch([], 1)["full"].shape == (0, 1)
+    with pytest.raises(RequestStateError, match="repeated"):
+        many.reserve_batch([5, 5])
+    with pytest.raises(UnknownRequestError):
+        many.reserve_batch([5, 99])
+    small = HybridKVPool(layout, num_pages={"sliding-w4": 64, "full": 4}, page_size=2)
+    for rid in (0, 1):
+        small.add_request(rid)
+        small.reserve(rid, 2)
+    before = [tl(small.page_table(r, n)) for r in (0, 1) for n in small.sub_pool_names]
+    with pytest.raises(PoolExhaustedError) as info:
+        small.reserve_batch([0, 1], 3)  # 2 pages each, 1 free in "full"
+    assert info.value.sub_pool == "full" and info.value.pages_requested == 4
+    assert [tl(small.page_table(r, n)) for r in (0, 1) for n in small.sub_pool_names] == before
+    assert small.seq_len(0) == small.seq_len(1) == 2

@@ -222,6 +222,47 @@ class PoolMachine(RuleBasedStateMachine):
         child = data.draw(st.sampled_from(fresh)) if fresh else parent
         self.fork(parent, child, frac)
 
+    @precondition(lambda self: bool(self.model))
+    @rule(n=st.integers(min_value=0, max_value=3))
+    def decode_batch(self, n: int) -> None:
+        """All live requests at once through reserve_batch: atomic over the batch."""
+        rids = sorted(self.model)
+        plans = {rid: self.reserve_plan(self.model[rid], n) for rid in rids}
+        short = [
+            name
+            for name in NAMES
+            if sum(plans[r][name][1] for r in rids)
+            > self.model_free(name) + sum(plans[r][name][2] for r in rids)
+        ]
+        if short:
+            event("reserve_batch: pool exhausted")
+            self.expect_unchanged(PoolExhaustedError, lambda: self.pool.reserve_batch(rids, n))
+            return
+        starts = {rid: self.model[rid].seq_len for rid in rids}
+        slots = self.pool.reserve_batch(rids, n)
+        for b, rid in enumerate(rids):
+            req = self.model[rid]
+            for name in NAMES:
+                cut, add, _ = plans[rid][name]
+                for j in range(cut):
+                    req.pages[name][j] = None
+                for _ in range(add):
+                    req.pages[name].append(self.next_prov)
+                    self.next_prov += 1
+            req.seq_len += n
+            req.last_n = n
+            if n:
+                row = {name: slots[name][b] for name in NAMES}
+                for name in NAMES:
+                    assert slots[name].shape == (len(rids), n)
+                    expected = self.pool.token_slots(rid, LAYERS[name][0], starts[rid], req.seq_len)
+                    assert tl(row[name]) == tl(expected)
+                self.write(rid, row, starts[rid], n)
+        if len(rids) > 1:
+            self.expect_unchanged(
+                RequestStateError, lambda: self.pool.reserve_batch([rids[0], rids[0]], 1)
+            )
+
     @rule(parent=RIDS, child=RIDS, frac=st.floats(min_value=0, max_value=1))
     def fork(self, parent: int, child: int, frac: float) -> None:
         if parent not in self.model:

@@ -136,10 +136,13 @@ def _per_group(
 class _SubPool:
     """Buffers, allocator and static facts of one sub-pool."""
 
-    __slots__ = ("allocator", "keys", "spec", "values")
+    __slots__ = ("allocator", "keys", "name", "page_size", "spec", "values", "window")
 
     def __init__(self, spec: SubPoolSpec) -> None:
         self.spec = spec
+        self.name = spec.name
+        self.page_size = spec.page_size
+        self.window = spec.window
         self.allocator = PageAllocator(spec.num_pages, name=spec.name)
         g = spec.geometry
         shape = (g.n_kv_heads, spec.num_slots, g.head_dim)
@@ -190,14 +193,9 @@ class _Request:
         self.tables = [_Table() for _ in range(n_sub_pools)]
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What one reserve does in one sub-pool: release logical pages [old_first, cut), add n_new."""
-
-    cut: int
-    release: list[int]
-    n_new: int
-    reclaim: int
+#: What one reserve does in one sub-pool: release logical pages ``[first_live, cut)`` (the
+#: physical ``release`` list, of which ``reclaim`` return to the free list), then add ``n_new``.
+_Plan = tuple[int, list[int], int, int]
 
 
 class HybridKVPool:
@@ -437,22 +435,44 @@ class HybridKVPool:
 
     def _plan(self, req: _Request, n_tokens: int) -> list[_Plan]:
         old = req.seq_len
-        plans = []
+        new = old + n_tokens
+        plans: list[_Plan] = []
         for pool, table in zip(self._pools, req.tables, strict=True):
-            spec = pool.spec
-            n_new = _cdiv(old + n_tokens, spec.page_size) - table.n_pages
-            cut = table.first_live
-            release: list[int] = []
-            reclaim = 0
-            if spec.window is not None:
+            size = pool.page_size
+            n_new = -(-new // size) - len(table.pages)
+            cut = first = table.first_live
+            window = pool.window
+            if window is not None and old >= window:
                 # Queries at positions >= old see keys >= old - window + 1.
-                cut = max(cut, max(0, old - spec.window + 1) // spec.page_size)
-                if cut > table.first_live:
-                    release = table.pages[table.first_live : cut].tolist()
-                    refcount = pool.allocator.refcount
-                    reclaim = sum(1 for p in release if refcount(p) == 1)
-            plans.append(_Plan(cut=cut, release=release, n_new=n_new, reclaim=reclaim))
+                cut = max(first, (old - window + 1) // size)
+            if cut == first:
+                plans.append((cut, [], n_new, 0))
+                continue
+            release = table.pages[first:cut].tolist()
+            refcount = pool.allocator.refcount
+            reclaim = sum(1 for p in release if refcount(p) == 1)
+            plans.append((cut, release, n_new, reclaim))
         return plans
+
+    def _apply(self, req: _Request, plans: list[_Plan], n_tokens: int) -> None:
+        for pool, table, (cut, release, n_new, _) in zip(
+            self._pools, req.tables, plans, strict=True
+        ):
+            if release:
+                pool.allocator.free(release)
+                table.pages[table.first_live : cut] = array("i", bytes(4 * len(release)))
+                table.first_live = cut
+            if n_new:
+                table.pages.extend(pool.allocator.alloc(n_new))
+        req.seq_len += n_tokens
+
+    def _check_room(self, needs: list[int], room: list[int]) -> None:
+        for pool, need, extra in zip(self._pools, needs, room, strict=True):
+            available = pool.allocator.num_free + extra
+            if need > available:
+                raise PoolExhaustedError(
+                    sub_pool=pool.spec.name, pages_requested=need, pages_free=available
+                )
 
     def reserve(self, request_id: int, n_tokens: int) -> dict[str, mx.array]:
         """Reserve ``n_tokens`` more positions, atomically over all sub-pools.
@@ -465,32 +485,57 @@ class HybridKVPool:
         req = self._request(request_id)
         _check_count(n_tokens, "n_tokens", 0)
         plans = self._plan(req, n_tokens)
-        for pool, plan in zip(self._pools, plans, strict=True):
-            available = pool.allocator.num_free + plan.reclaim
-            if plan.n_new > available:
-                raise PoolExhaustedError(
-                    sub_pool=pool.spec.name, pages_requested=plan.n_new, pages_free=available
-                )
+        self._check_room([p[2] for p in plans], [p[3] for p in plans])
         old = req.seq_len
-        new = old + n_tokens
+        self._apply(req, plans, n_tokens)
         out: dict[str, mx.array] = {}
-        for pool, table, plan in zip(self._pools, req.tables, plans, strict=True):
-            if plan.release:
-                pool.allocator.free(plan.release)
-                table.pages[table.first_live : plan.cut] = array("i", bytes(4 * len(plan.release)))
-                table.first_live = plan.cut
-            if plan.n_new:
-                table.pages.extend(pool.allocator.alloc(plan.n_new))
-            size = pool.spec.page_size
+        for pool, table in zip(self._pools, req.tables, strict=True):
+            size = pool.page_size
             if n_tokens == 1:
-                out[pool.spec.name] = mx.array(
-                    [table.pages[old // size] * size + old % size], dtype=mx.int32
-                )
+                slot = table.pages[old // size] * size + old % size
+                out[pool.name] = mx.array([slot], dtype=mx.int32)
             elif n_tokens == 0:
-                out[pool.spec.name] = mx.zeros((0,), dtype=mx.int32)
+                out[pool.name] = mx.zeros((0,), dtype=mx.int32)
             else:
-                out[pool.spec.name] = _int32(table.slots(old, new, size))
-        req.seq_len = new
+                out[pool.name] = _int32(table.slots(old, old + n_tokens, size))
+        return out
+
+    def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
+        """Reserve ``n_tokens`` more positions for each request, atomically over the batch.
+
+        The decode-step form of :meth:`reserve`: returns ``(B, n_tokens)`` int32 slots per
+        sub-pool, built with one array conversion per sub-pool. Either every request gets its
+        pages or ``PoolExhaustedError`` is raised (pages asked and available summed over the
+        batch) and nothing changes. Repeated ids are a ``RequestStateError``.
+        """
+        _check_count(n_tokens, "n_tokens", 0)
+        reqs = [self._request(r) for r in request_ids]
+        if len(set(request_ids)) != len(reqs):
+            raise RequestStateError(f"reserve_batch got repeated request ids: {list(request_ids)}")
+        plans = [self._plan(req, n_tokens) for req in reqs]
+        width = len(self._pools)
+        self._check_room(
+            [sum(p[i][2] for p in plans) for i in range(width)],
+            [sum(p[i][3] for p in plans) for i in range(width)],
+        )
+        olds = [req.seq_len for req in reqs]
+        for req, plan in zip(reqs, plans, strict=True):
+            self._apply(req, plan, n_tokens)
+        out: dict[str, mx.array] = {}
+        batch = len(reqs)
+        for i, pool in enumerate(self._pools):
+            if batch == 0 or n_tokens == 0:
+                out[pool.name] = mx.zeros((batch, n_tokens), dtype=mx.int32)
+                continue
+            size = pool.page_size
+            flat = array("i")
+            for req, old in zip(reqs, olds, strict=True):
+                table = req.tables[i]
+                if n_tokens == 1:
+                    flat.append(table.pages[old // size] * size + old % size)
+                else:
+                    flat.extend(table.slots(old, old + n_tokens, size))
+            out[pool.name] = _int32(memoryview(flat).cast("B").cast("i", (batch, n_tokens)))
         return out
 
     def can_reserve(self, demands: dict[int, int]) -> bool:
@@ -503,8 +548,8 @@ class HybridKVPool:
         for request_id, n_tokens in demands.items():
             req = self._request(request_id)
             _check_count(n_tokens, "n_tokens", 0)
-            for i, plan in enumerate(self._plan(req, n_tokens)):
-                need[i] += plan.n_new - plan.reclaim
+            for i, (_, _, n_new, reclaim) in enumerate(self._plan(req, n_tokens)):
+                need[i] += n_new - reclaim
         return all(n <= p.allocator.num_free for n, p in zip(need, self._pools, strict=True))
 
     def free_request(self, request_id: int) -> None:
