@@ -1,0 +1,270 @@
+"""Benchmark: kv-batching's DecodeEngine against mlx-lm's BatchGenerator in one process.
+
+Both serve the same workload on the same attention-dominated gpt-oss-like model (random
+fp32 weights; alternating sliding-window / full layers with attention sinks): requests with
+prompts up to ~4k tokens and varied output lengths, at most 16 decoding at once, greedy.
+mlx-lm runs first and its peak KV bytes (the batch caches it holds, summed after every
+step) size the engine's pool: by default the pool gets half of that, so the engine must
+serve the same work in half the KV memory. Reported: throughput (generated tokens per
+second of wall time, prefill included), peak KV bytes, p50/p99 step time, token agreement.
+
+    uv run --no-sync python -m tools.bench_engine            # full run (minutes on CPU)
+    uv run --no-sync python -m tools.bench_engine --quick    # under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from kv_batching import DecodeEngine
+from kv_caches import PoolBackedKVCache
+from kv_metal_kernels import rope_config_from_module, select_kernels
+from kv_pool import HybridKVPool
+from kv_protocol import KVCache, KVPool, layout_from_model
+from tools.tiny_models import build_tiny_model
+
+
+@dataclass
+class RunResult:
+    """What one system did on the workload."""
+
+    name: str
+    seconds: float
+    generated: int
+    peak_kv_bytes: int
+    step_seconds: list[float]
+    tokens: dict[int, list[int]]
+
+    @property
+    def throughput(self) -> float:
+        """Generated tokens per second of wall time."""
+        return self.generated / self.seconds
+
+    def percentile(self, q: float) -> float:
+        """Step time percentile in milliseconds."""
+        ordered = sorted(self.step_seconds)
+        index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+        return 1000 * ordered[index]
+
+
+def build_model(*, num_layers: int, window: int, vocab: int) -> Any:
+    """A gpt-oss-like model whose cost is dominated by attention over long contexts."""
+    return build_tiny_model(
+        "gpt_oss",
+        window=window,
+        num_layers=num_layers,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=32,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+
+
+def workload(
+    n: int, *, max_prompt: int, min_out: int, max_out: int, vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
+    """``n`` (prompt, max_tokens) pairs; prompt lengths log-uniform in 16..max_prompt."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = int(math.exp(rng.uniform(math.log(16), math.log(max_prompt))))
+        out.append(([rng.randrange(vocab) for _ in range(length)], rng.randint(min_out, max_out)))
+    return out
+
+
+def _cache_bytes(caches: Any) -> int:
+    total = 0
+    for cache in caches or []:
+        total += int(getattr(cache, "nbytes", 0) or 0)
+    return total
+
+
+def run_mlx_lm(model: Any, requests: list[tuple[list[int], int]], running: int) -> RunResult:
+    """mlx-lm's BatchGenerator with at most ``running`` sequences decoding."""
+    gen = BatchGenerator(
+        model,
+        completion_batch_size=running,
+        prefill_batch_size=min(8, running),
+        prefill_step_size=512,
+    )
+    uids = gen.insert([p for p, _ in requests], [m for _, m in requests])
+    index = {uid: i for i, uid in enumerate(uids)}
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    remaining = set(uids)
+    steps: list[float] = []
+    peak = 0
+    start = time.perf_counter()
+    while remaining:
+        tic = time.perf_counter()
+        _, responses = gen.next()
+        steps.append(time.perf_counter() - tic)
+        for r in responses:
+            tokens[index[r.uid]].append(r.token)
+            if r.finish_reason is not None:
+                remaining.discard(r.uid)
+        held = _cache_bytes(gen._generation_batch.prompt_cache) + _cache_bytes(
+            gen._prompt_batch.prompt_cache
+        )
+        peak = max(peak, held)
+    seconds = time.perf_counter() - start
+    gen.close()
+    generated = sum(len(t) for t in tokens.values())
+    return RunResult("mlx-lm BatchGenerator", seconds, generated, peak, steps, tokens)
+
+
+def prefill_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
+    """The engine's prefill caches: views onto the pool."""
+    return PoolBackedKVCache(pool, request_id, layer_id)
+
+
+def run_engine(
+    model: Any,
+    requests: list[tuple[list[int], int]],
+    running: int,
+    *,
+    budget_bytes: int,
+    page_size: int,
+    chunk: int,
+    fused: str,
+) -> tuple[RunResult, HybridKVPool, DecodeEngine]:
+    """kv-batching's DecodeEngine on a HybridKVPool of ``budget_bytes``."""
+    layout = layout_from_model(model)
+    longest = max(len(p) + m for p, m in requests)
+    pool = HybridKVPool.from_budget(
+        layout,
+        budget_bytes,
+        max_context=longest,
+        concurrency=running,
+        page_size=page_size,
+        prefill_chunk=chunk,
+    )
+    config, why = rope_config_from_module(model.layers[layout.full_layer_ids[0]].self_attn.rope)
+    kernels = select_kernels(config, fused_rope=fused, rope_unsupported_reason=why)
+    engine = DecodeEngine(
+        model, pool, kernels, prefill_cache, max_running=running, prefill_chunk=chunk
+    )
+    ids = [engine.submit(p, m) for p, m in requests]
+    steps: list[float] = []
+    start = time.perf_counter()
+    while engine.has_work:
+        tic = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - tic)
+    seconds = time.perf_counter() - start
+    out = {i: list(engine.output(rid).tokens) for i, rid in enumerate(ids)}
+    capacity = sum(s.num_pages * s.bytes_per_page for s in pool.memory_report().sub_pools)
+    generated = sum(len(t) for t in out.values())
+    return (
+        RunResult("kv-batching DecodeEngine", seconds, generated, capacity, steps, out),
+        pool,
+        engine,
+    )
+
+
+def memcpy_bandwidth() -> float:
+    """GB/s of a large device copy, measured now (the KV read-bandwidth yardstick)."""
+    a = mx.random.normal((64 * 1024 * 1024 // 4,))
+    mx.eval(a)
+    best = math.inf
+    for _ in range(5):
+        tic = time.perf_counter()
+        b = a + 0
+        mx.eval(b)
+        best = min(best, time.perf_counter() - tic)
+    return 2 * a.nbytes / best / 1e9
+
+
+def main() -> None:
+    """Parse arguments, run both systems, print the comparison."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small workload, under a minute")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--max-prompt", type=int, default=None)
+    parser.add_argument("--running", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--kv-fraction", type=float, default=0.5)
+    parser.add_argument("--fused-rope", default="off", help="off | reference | auto")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    n = args.requests or (16 if args.quick else 48)
+    max_prompt = args.max_prompt or (1024 if args.quick else 3800)
+    min_out, max_out = (8, 48) if args.quick else (16, 192)
+    vocab = 512
+
+    model = build_model(num_layers=args.layers, window=args.window, vocab=vocab)
+    requests = workload(
+        n, max_prompt=max_prompt, min_out=min_out, max_out=max_out, vocab=vocab, seed=args.seed
+    )
+    print(
+        f"workload: {n} requests, prompts {min(len(p) for p, _ in requests)}.."
+        f"{max(len(p) for p, _ in requests)} tokens, outputs {min_out}..{max_out}, "
+        f"at most {args.running} running; model gpt_oss-like {args.layers} layers, "
+        f"window {args.window}, 8 q / 2 kv heads x 64, fp32"
+    )
+    # Warm both paths (JIT / compile) on a throwaway request.
+    run_mlx_lm(model, requests[:1], args.running)
+    base = run_mlx_lm(model, requests, args.running)
+    budget = int(base.peak_kv_bytes * args.kv_fraction)
+    mine, pool, engine = run_engine(
+        model,
+        requests,
+        args.running,
+        budget_bytes=budget,
+        page_size=args.page_size,
+        chunk=args.chunk,
+        fused=args.fused_rope,
+    )
+    agree = sum(
+        sum(a == b for a, b in zip(base.tokens[i], mine.tokens[i], strict=False))
+        for i in base.tokens
+    )
+    total = sum(len(t) for t in base.tokens.values())
+    print(
+        f"\n{'':26s} {'tok/s':>9s} {'peak KV MB':>11s} {'p50 ms':>8s} {'p99 ms':>8s} {'steps':>6s}"
+    )
+    for r in (base, mine):
+        print(
+            f"{r.name:26s} {r.throughput:9.1f} {r.peak_kv_bytes / 2**20:11.2f} "
+            f"{r.percentile(0.5):8.2f} {r.percentile(0.99):8.2f} {len(r.step_seconds):6d}"
+        )
+    print(
+        f"\nratios (engine / mlx-lm): throughput {mine.throughput / base.throughput:.2f}x, "
+        f"peak KV {mine.peak_kv_bytes / base.peak_kv_bytes:.2f}x"
+    )
+    peak_used = engine.stats.peak_pages_used
+    used_bytes = sum(
+        peak_used.get(s.name, 0) * s.bytes_per_page for s in pool.memory_report().sub_pools
+    )
+    stats = engine.stats
+    print(
+        f"engine: pool {pool!r}; peak pages used {peak_used} ({used_bytes / 2**20:.2f} MB); "
+        f"preemptions {stats.preemptions}; max queue {max(stats.queue_length)}; "
+        f"decode {stats.decode_tokens_per_s:.1f} tok/s, prefill {stats.prefill_tokens_per_s:.1f} tok/s"
+    )
+    decode = sorted(stats.decode_step_seconds)
+    print(
+        f"engine decode step: p50 {1000 * statistics.median(decode):.2f} ms, "
+        f"mean batch {statistics.mean(stats.decode_batch_sizes):.1f}"
+    )
+    print(f"greedy token agreement with mlx-lm: {agree}/{total}")
+    print(f"memory-copy bandwidth measured now: {memcpy_bandwidth():.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
