@@ -1,6 +1,9 @@
 """Command-line entry point of the toolkit: ``python -m tools.kv [command] [options]``.
 
 Commands:
+  demo     (the default) serve a batch of prompts through the decode engine on the paged
+           hybrid pool, verify every request against mlx-lm, report throughput and KV memory
+  bench    the engine against mlx-lm's BatchGenerator on the same model and workload
   layout   print the KV-cache layout (layer kinds, pool indices, KV bytes per token) of a
            published model configuration, an embedded tiny architecture or a local mlx-lm
            model directory; nothing is downloaded and no weights are loaded.
@@ -70,6 +73,108 @@ def _layout_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_command(args: argparse.Namespace) -> int:
+    from tools.demo import DemoConfig, DemoError, format_result, result_json, run_demo
+
+    if args.requests < 1 or args.max_tokens < 1 or args.page_size < 1 or args.max_running < 1:
+        raise CliError("--requests, --max-tokens, --page-size and --max-running must be >= 1")
+    if not 1 <= args.min_prompt <= args.max_prompt:
+        raise CliError("need 1 <= --min-prompt <= --max-prompt")
+    if args.budget_mib is not None and args.budget_mib <= 0:
+        raise CliError("--budget-mib must be > 0")
+    config = DemoConfig(
+        arch=args.arch,
+        model_path=args.model,
+        window=args.window,
+        requests=args.requests,
+        min_prompt=args.min_prompt,
+        max_prompt=args.max_prompt,
+        min_tokens=min(args.min_tokens, args.max_tokens),
+        max_tokens=args.max_tokens,
+        page_size=args.page_size,
+        budget_mib=args.budget_mib,
+        max_running=args.max_running,
+        prefill_chunk=args.prefill_chunk,
+        fused_rope=args.fused_rope,
+        seed=args.seed,
+        verify=not args.no_verify,
+        plot=args.plot,
+        progress=not args.json and not args.quiet,
+    )
+    try:
+        result = run_demo(config)
+    except DemoError as exc:
+        raise CliError(str(exc)) from exc
+    print(result_json(result) if args.json else format_result(result))
+    return 1 if result.verified is False else 0
+
+
+def _add_demo_options(demo: argparse.ArgumentParser) -> None:
+    from tools.tiny_models import ARCHITECTURES
+
+    model = demo.add_argument_group("model")
+    model.add_argument(
+        "--arch",
+        choices=ARCHITECTURES,
+        default="gpt_oss",
+        help="embedded tiny random-weight architecture (default: %(default)s)",
+    )
+    model.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a local mlx-lm model directory (config.json + *.safetensors) instead of --arch",
+    )
+    model.add_argument(
+        "--window",
+        type=int,
+        default=32,
+        help="sliding window of the embedded model (default: %(default)s)",
+    )
+    work = demo.add_argument_group("workload")
+    work.add_argument("--requests", type=int, default=16, help="number of prompts (default: 16)")
+    work.add_argument("--min-prompt", type=int, default=8, help="shortest prompt (default: 8)")
+    work.add_argument("--max-prompt", type=int, default=320, help="longest prompt (default: 320)")
+    work.add_argument(
+        "--min-tokens", type=int, default=16, help="fewest tokens to generate (default: 16)"
+    )
+    work.add_argument(
+        "--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)"
+    )
+    work.add_argument("--seed", type=int, default=0, help="workload and model seed (default: 0)")
+    engine = demo.add_argument_group("engine and pool")
+    engine.add_argument(
+        "--page-size", type=int, default=16, help="tokens per pool page (default: 16)"
+    )
+    engine.add_argument(
+        "--budget-mib",
+        type=float,
+        help="KV pool budget in MiB (default: exactly what the workload needs at "
+        "--max-running concurrency)",
+    )
+    engine.add_argument(
+        "--max-running", type=int, default=8, help="requests decoded together (default: 8)"
+    )
+    engine.add_argument(
+        "--prefill-chunk", type=int, default=128, help="prefill chunk in tokens (default: 128)"
+    )
+    engine.add_argument(
+        "--fused-rope",
+        choices=["off", "auto", "reference", "metal", "cuda"],
+        default="off",
+        help="fused RoPE + pool-scatter kernel on full-attention layers (default: off)",
+    )
+    out = demo.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print a JSON report only")
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    out.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="write pages per sub-pool and running requests over the steps (needs matplotlib: "
+        "uv sync --extra plot)",
+    )
+    out.add_argument("--no-verify", action="store_true", help="skip the token check against mlx-lm")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m tools.kv``."""
     from tools.model_configs import REAL_MODEL_CONFIGS
@@ -80,6 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Hybrid KV-cache toolkit for MLX: layouts, demo and benchmark.",
     )
     commands = parser.add_subparsers(dest="command", metavar="command")
+    demo = commands.add_parser(
+        "demo",
+        help="(default) serve prompts through the engine, verify against mlx-lm, report",
+        description="Serve a batch of prompts through DecodeEngine on HybridKVPool, check "
+        "every request's tokens against mlx-lm generating it alone, and report throughput "
+        "and KV memory against a full-KV pool and mlx-lm's caches. Exit status 1 when "
+        "verification fails, 2 on bad input.",
+    )
+    _add_demo_options(demo)
+    demo.set_defaults(handler=_demo_command)
     layout = commands.add_parser(
         "layout",
         help="print the KV layout of a model",
@@ -118,10 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    known = {"demo", "bench", "layout", "-h", "--help"}
+    if not arguments or arguments[0] not in known:
+        arguments.insert(0, "demo")  # the demo is the default command
+    args = parser.parse_args(arguments)
     try:
         status: int = args.handler(args)
     except CliError as exc:

@@ -1,0 +1,402 @@
+"""The main job: serve a batch of prompts through ``DecodeEngine`` on ``HybridKVPool``.
+
+Builds a model (an embedded tiny random-weight hybrid, or a local mlx-lm directory), serves a
+workload of prompts with staggered lengths, checks every request's tokens against mlx-lm
+generating that prompt alone, and reports throughput and KV memory against a pool that stores
+every layer in full and against mlx-lm's own caches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import mlx.nn as nn
+
+from kv_batching import DecodeEngine
+from kv_caches import PoolBackedKVCache
+from kv_metal_kernels import rope_config_from_module, select_kernels
+from kv_pool import HybridKVPool
+from kv_protocol import (
+    CacheLayout,
+    KernelSet,
+    KVCache,
+    KVCacheError,
+    KVPool,
+    LayerKind,
+    attention_module,
+    find_layers,
+    layout_from_model,
+)
+
+__all__ = [
+    "DemoConfig",
+    "DemoError",
+    "DemoResult",
+    "kernels_for_model",
+    "load_local_model",
+    "mlx_lm_kv_bytes",
+    "run_demo",
+]
+
+#: mlx-lm's KVCache / RotatingKVCache grow their buffers in steps of this many tokens.
+MLX_LM_CACHE_STEP = 256
+
+
+class DemoError(Exception):
+    """A user-facing problem (bad path, budget too small ...): one line, no traceback."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Everything the demo run needs; the command line fills it."""
+
+    arch: str = "gpt_oss"
+    model_path: str | None = None
+    window: int = 32
+    requests: int = 16
+    min_prompt: int = 8
+    max_prompt: int = 320
+    min_tokens: int = 16
+    max_tokens: int = 64
+    page_size: int = 16
+    budget_mib: float | None = None
+    max_running: int = 8
+    prefill_chunk: int = 128
+    fused_rope: str = "off"
+    seed: int = 0
+    verify: bool = True
+    plot: str | None = None
+    progress: bool = True
+
+
+@dataclass(kw_only=True)
+class DemoResult:
+    """What the demo measured."""
+
+    model: str
+    layout: str
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    seconds: float
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+    steps: int
+    peak_running: int
+    pool_bytes_total: int
+    peak_kv_bytes: int
+    peak_full_kv_bytes: int
+    peak_mlx_lm_kv_bytes: int
+    peak_pages: dict[str, int]
+    pages_total: dict[str, int]
+    verified: bool | None
+    mismatches: list[int] = field(default_factory=list)
+    mlx_lm_measured_bytes_check: bool | None = None
+
+
+def load_local_model(path: Path) -> nn.Module:
+    """Load a local mlx-lm model directory (config.json + safetensors), nothing downloaded."""
+    if not path.exists():
+        raise DemoError(f"--model {path}: no such directory")
+    if not path.is_dir():
+        raise DemoError(f"--model {path}: not a directory")
+    if not (path / "config.json").is_file():
+        raise DemoError(f"--model {path}: not an mlx-lm model directory (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise DemoError(f"--model {path}: not an mlx-lm model directory (no *.safetensors)")
+    from mlx_lm.utils import load_model
+
+    try:
+        model, _ = load_model(path)
+    except Exception as exc:  # mlx-lm raises many kinds; report them as one line
+        raise DemoError(f"--model {path}: mlx-lm could not load it: {exc}") from exc
+    return model  # type: ignore[no-any-return]
+
+
+def kernels_for_model(model: nn.Module, layout: CacheLayout, fused_rope: str) -> KernelSet:
+    """The kernel set for ``model``: fused RoPE (if asked and supported) on its full layers."""
+    rope_module = None
+    if layout.full_layer_ids:
+        attn = attention_module(find_layers(model)[layout.full_layer_ids[0]])
+        rope_module = getattr(attn, "rope", None)
+    if rope_module is None:
+        return select_kernels(None, fused_rope="off")
+    config, why = rope_config_from_module(rope_module)
+    return select_kernels(config, fused_rope=fused_rope, rope_unsupported_reason=why)
+
+
+def mlx_lm_kv_bytes(layout: CacheLayout, seq_len: int) -> int:
+    """KV bytes mlx-lm's own caches hold for one request of ``seq_len`` tokens.
+
+    ``KVCache`` grows in 256-token steps; ``RotatingKVCache(max_size=window)`` grows in the
+    same steps up to ``window`` (decode steady state).
+    """
+    if seq_len <= 0:
+        return 0
+    capacity = math.ceil(seq_len / MLX_LM_CACHE_STEP) * MLX_LM_CACHE_STEP
+    total = 0
+    for layer_id in layout.attention_layer_ids:
+        spec = layout.spec(layer_id)
+        tokens = capacity if spec.kind is LayerKind.FULL else min(capacity, spec.window or 0)
+        total += tokens * spec.geometry.bytes_per_token
+    return total
+
+
+def _paged_full_bytes(layout: CacheLayout, seq_len: int, page_size: int) -> int:
+    pages = math.ceil(seq_len / page_size)
+    return pages * page_size * layout.full_kv_bytes_per_token()
+
+
+def _workload(config: DemoConfig, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(config.seed)
+    work = []
+    for _ in range(config.requests):
+        length = rng.randint(config.min_prompt, config.max_prompt)
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        work.append((prompt, rng.randint(config.min_tokens, config.max_tokens)))
+    return work
+
+
+def _vocab_size(model: nn.Module) -> int:
+    args = getattr(model, "args", None)
+    vocab = getattr(args, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > 0:
+        return vocab
+    raise DemoError("cannot determine the model's vocab_size from model.args")
+
+
+class _Progress:
+    """A one-line text progress bar on a stream (no-op when disabled)."""
+
+    def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
+        self.total = max(total, 1)
+        self.stream = stream
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.last_draw = 0.0
+
+    def update(self, done: int, label: str) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self.last_draw < 0.1 and done < self.total):
+            return
+        self.last_draw = now
+        width = 30
+        filled = int(width * min(done, self.total) / self.total)
+        rate = done / max(time.perf_counter() - self.start, 1e-9)
+        self.stream.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} tokens "
+            f"{rate:7.1f} tok/s  {label:<24s}"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
+    """Serve the workload, verify it against mlx-lm, and measure throughput and KV memory."""
+    from tools.reference import mlx_lm_greedy
+    from tools.tiny_models import build_tiny_model
+
+    if config.model_path is not None:
+        model = load_local_model(Path(config.model_path))
+        name = config.model_path
+    else:
+        model = build_tiny_model(config.arch, window=config.window, seed=config.seed)
+        name = f"tiny random-weight {config.arch} (window {config.window})"
+    try:
+        layout = layout_from_model(model)
+    except KVCacheError as exc:
+        raise DemoError(f"{name}: {exc}") from exc
+    work = _workload(config, _vocab_size(model))
+    max_context = max(len(p) + n for p, n in work)
+    concurrency = min(config.max_running, len(work))
+    if config.budget_mib is None:
+        budget = HybridKVPool.required_bytes(
+            layout,
+            max_context=max_context,
+            concurrency=concurrency,
+            page_size=config.page_size,
+            prefill_chunk=config.prefill_chunk,
+        )
+    else:
+        budget = int(config.budget_mib * 2**20)
+        one = HybridKVPool.required_bytes(
+            layout,
+            max_context=max_context,
+            concurrency=1,
+            page_size=config.page_size,
+            prefill_chunk=config.prefill_chunk,
+        )
+        if budget < one:
+            raise DemoError(
+                f"--budget-mib {config.budget_mib:g} is too small for one request of "
+                f"{max_context} tokens: it needs at least {one / 2**20:.3f} MiB"
+            )
+    try:
+        pool = HybridKVPool.from_budget(
+            layout,
+            budget,
+            max_context=max_context,
+            concurrency=concurrency,
+            page_size=config.page_size,
+            prefill_chunk=config.prefill_chunk,
+        )
+        kernels = kernels_for_model(model, layout, config.fused_rope)
+    except KVCacheError as exc:
+        raise DemoError(str(exc)) from exc
+
+    def prefill_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
+        return PoolBackedKVCache(pool, request_id, layer_id)
+
+    engine = DecodeEngine(
+        model,
+        pool,
+        kernels,
+        prefill_cache,
+        max_running=config.max_running,
+        prefill_chunk=config.prefill_chunk,
+        seed=config.seed,
+    )
+    total_tokens = sum(n for _, n in work)
+    progress = _Progress(total_tokens, stream, config.progress)
+    ids = [engine.submit(prompt, n) for prompt, n in work]
+    pages_total = {s.name: s.num_pages for s in pool.memory_report().sub_pools}
+    peak = {"kv": 0, "full": 0, "mlx": 0}
+    generated = 0
+    start = time.perf_counter()
+    while engine.has_work:
+        for tokens in engine.step().values():
+            generated += len(tokens)
+        report = pool.memory_report()
+        lens = [pool.seq_len(rid) for rid in pool.request_ids]
+        peak["kv"] = max(peak["kv"], report.bytes_used)
+        peak["full"] = max(
+            peak["full"], sum(_paged_full_bytes(layout, n, config.page_size) for n in lens)
+        )
+        peak["mlx"] = max(peak["mlx"], sum(mlx_lm_kv_bytes(layout, n) for n in lens))
+        progress.update(generated, f"running {engine.num_running:2d} queued {engine.num_queued}")
+    seconds = time.perf_counter() - start
+    progress.close()
+    outputs = [list(engine.output(rid).tokens) for rid in ids]
+    stats = engine.stats
+
+    verified: bool | None = None
+    mismatches: list[int] = []
+    measured_check: bool | None = None
+    if config.verify:
+        if stream is not None and config.progress:
+            stream.write("verifying every request against mlx-lm generating it alone ...\n")
+        measured_check = True
+        for index, ((prompt, n), mine) in enumerate(zip(work, outputs, strict=True)):
+            ref = mlx_lm_greedy(model, prompt, n, prefill_chunk=config.prefill_chunk)
+            if ref.tokens != mine:
+                mismatches.append(index)
+            if ref.kv_bytes > mlx_lm_kv_bytes(layout, len(prompt) + n):
+                measured_check = False
+        verified = not mismatches
+    if config.plot:
+        _plot(engine, config.plot)
+    return DemoResult(
+        model=name,
+        layout=layout.describe(),
+        requests=len(work),
+        prompt_tokens=sum(len(p) for p, _ in work),
+        generated_tokens=sum(len(o) for o in outputs),
+        seconds=seconds,
+        decode_tokens_per_s=stats.decode_tokens_per_s,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        steps=stats.steps,
+        peak_running=max(stats.running, default=0),
+        pool_bytes_total=pool.memory_report().bytes_total,
+        peak_kv_bytes=peak["kv"],
+        peak_full_kv_bytes=peak["full"],
+        peak_mlx_lm_kv_bytes=peak["mlx"],
+        peak_pages=stats.peak_pages_used,
+        pages_total=pages_total,
+        verified=verified,
+        mismatches=mismatches,
+        mlx_lm_measured_bytes_check=measured_check,
+    )
+
+
+def _plot(engine: DecodeEngine, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise DemoError(
+            "--plot needs matplotlib: install the optional extra with `uv sync --extra plot`"
+        ) from exc
+    stats = engine.stats
+    fig, (ax_pages, ax_running) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    names = sorted({name for sample in stats.pages_used for name in sample})
+    steps = list(range(1, len(stats.pages_used) + 1))
+    for name in names:
+        ax_pages.plot(steps, [s.get(name, 0) for s in stats.pages_used], label=name)
+    ax_pages.set_ylabel("pages in use")
+    ax_pages.legend(loc="upper left")
+    ax_pages.set_title("KV pages per sub-pool")
+    ax_running.plot(range(1, len(stats.running) + 1), stats.running, label="running")
+    ax_running.plot(range(1, len(stats.queue_length) + 1), stats.queue_length, label="queued")
+    ax_running.set_xlabel("engine step")
+    ax_running.set_ylabel("requests")
+    ax_running.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_result(result: DemoResult) -> str:
+    """The human-readable report of a demo run."""
+    mib = 2**20
+
+    def ratio(a: int, b: int) -> str:
+        return f"{100 * a / b:.1f}%" if b else "n/a"
+
+    lines = [
+        f"model: {result.model}",
+        result.layout,
+        f"requests: {result.requests}  prompt tokens: {result.prompt_tokens}  "
+        f"generated tokens: {result.generated_tokens}  engine steps: {result.steps}  "
+        f"peak running: {result.peak_running}",
+        f"time: {result.seconds:.2f} s  decode: {result.decode_tokens_per_s:.1f} tok/s  "
+        f"prefill: {result.prefill_tokens_per_s:.1f} tok/s",
+        f"KV at peak: {result.peak_kv_bytes / mib:.3f} MiB in the hybrid pool; "
+        f"{result.peak_full_kv_bytes / mib:.3f} MiB with every layer full "
+        f"({ratio(result.peak_kv_bytes, result.peak_full_kv_bytes)}); "
+        f"{result.peak_mlx_lm_kv_bytes / mib:.3f} MiB in mlx-lm's caches "
+        f"({ratio(result.peak_kv_bytes, result.peak_mlx_lm_kv_bytes)})",
+        f"pool buffers: {result.pool_bytes_total / mib:.3f} MiB",
+        "pages per sub-pool (peak used / total): "
+        + ", ".join(
+            f"{name} {result.peak_pages.get(name, 0)}/{total}"
+            for name, total in result.pages_total.items()
+        ),
+    ]
+    if result.verified is None:
+        lines.append("verification: skipped (--no-verify)")
+    elif result.verified:
+        lines.append(f"verification: PASSED ({result.requests} requests token-identical to mlx-lm)")
+    else:
+        lines.append(
+            f"verification: FAILED for requests {result.mismatches} (tokens differ from mlx-lm)"
+        )
+    return "\n".join(lines)
+
+
+def result_json(result: DemoResult) -> str:
+    """The machine-readable report of a demo run."""
+    data: dict[str, Any] = asdict(result)
+    return json.dumps(data, indent=2, sort_keys=True)
