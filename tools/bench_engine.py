@@ -255,7 +255,8 @@ def main() -> None:
     print(
         f"engine: pool {pool!r}; peak pages used {peak_used} ({used_bytes / 2**20:.2f} MB); "
         f"preemptions {stats.preemptions}; max queue {max(stats.queue_length)}; "
-        f"decode {stats.decode_tokens_per_s:.1f} tok/s, prefill {stats.prefill_tokens_per_s:.1f} tok/s"
+        f"decode {stats.decode_tokens_per_s:.1f} tok/s, "
+        f"prefill {stats.prefill_tokens_per_s:.1f} tok/s"
     )
     decode = sorted(stats.decode_step_seconds)
     print(
