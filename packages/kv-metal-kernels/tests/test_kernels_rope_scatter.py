@@ -16,6 +16,7 @@ from kv_metal_kernels import (
     NativeRopeScatter,
     ReferenceRopeScatter,
     backend_available,
+    plan_scatter,
     scatter_token_rows,
 )
 from kv_protocol import KernelUnavailableError, RopeConfig, ShapeMismatchError
@@ -57,10 +58,10 @@ def cases(draw: st.DrawFn, max_tokens: int = 6) -> Case:
     num_slots = draw(st.integers(t, 24))
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
-    # Distinct in-range slots; some tokens skip (-1) or point past the end (never written).
+    # Distinct in-range slots; some tokens skip (negative slot: rotate, do not write).
     slots = rng.permutation(num_slots)[:t].astype(np.int32)
     skip = rng.random(t) < 0.3
-    slots[skip] = rng.choice([-1, -7, num_slots, num_slots + 5], size=int(skip.sum()))
+    slots[skip] = rng.choice([-1, -7], size=int(skip.sum()))
     positions = rng.integers(0, 2048, size=t).astype(np.int32)
 
     def arr(*shape: int) -> mx.array:
@@ -117,11 +118,11 @@ def rope_float64(x: np.ndarray, positions: np.ndarray, rope: RopeConfig) -> np.n
 
 
 def scatter_oracle(pool: mx.array, slots: mx.array, rows: mx.array) -> np.ndarray:
-    """Plain index assignment, token by token, skipping slots outside the pool."""
+    """Plain index assignment, token by token, skipping negative slots."""
     out = np.array(pool.astype(mx.float32))
     values = np.array(rows.astype(mx.float32))
     for t, slot in enumerate(np.array(slots).tolist()):
-        if 0 <= slot < out.shape[1]:
+        if slot >= 0:
             out[:, slot, :] = values[t]
     return out
 
@@ -179,12 +180,14 @@ def test_reference_float32_matches_the_formula(case: Case) -> None:
     )
 
 
-def test_negative_and_out_of_range_slots_leave_the_pool_bit_identical() -> None:
+def test_negative_slots_leave_the_pool_bit_identical() -> None:
     rng = np.random.default_rng(0)
     pool = mx.array(rng.standard_normal((2, 8, 64)).astype(np.float32)).astype(mx.bfloat16)
     before = np.array(pool.view(mx.uint16))
     k = mx.array(rng.standard_normal((3, 2, 64)).astype(np.float32)).astype(mx.bfloat16)
-    slots = mx.array([-1, 8, -100], dtype=mx.int32)
+    pool = mx.where(mx.arange(8)[None, :, None] == 3, -0.0, pool).astype(mx.bfloat16)
+    before = np.array(pool.view(mx.uint16))
+    slots = mx.array([-1, -2, -100], dtype=mx.int32)
     positions = mx.array([5, 6, 7], dtype=mx.int32)
     _, _, k_new, v_new = ReferenceRopeScatter()(
         k, k, k, positions, slots, pool, pool, rope=RopeConfig(dims=64)
@@ -193,13 +196,17 @@ def test_negative_and_out_of_range_slots_leave_the_pool_bit_identical() -> None:
     np.testing.assert_array_equal(np.array(v_new.view(mx.uint16)), before)
 
 
-def test_slot_zero_written_together_with_skipped_tokens() -> None:
+def test_scatter_plan_and_rows() -> None:
     pool = mx.zeros((1, 4, 2))
     rows = mx.array([[[1.0, 1.0]], [[2.0, 2.0]], [[3.0, 3.0]]])
-    out = scatter_token_rows(pool, mx.array([-1, 0, -1], dtype=mx.int32), rows)
+    plan = plan_scatter(mx.array([-1, 0, -1], dtype=mx.int32), 4)
+    assert plan.tokens == (1,) and plan.slots == (0,) and not plan.writes_all
+    out = scatter_token_rows(pool, plan, rows)
     np.testing.assert_array_equal(np.array(out)[0, :, 0], [2.0, 0.0, 0.0, 0.0])
-    out = scatter_token_rows(pool, mx.array([3, -1, 1], dtype=mx.int32), rows)
+    out = scatter_token_rows(pool, plan_scatter([3, -1, 1], 4), rows)
     np.testing.assert_array_equal(np.array(out)[0, :, 0], [0.0, 3.0, 0.0, 1.0])
+    assert plan_scatter([2, 0, 1], 4).writes_all
+    assert scatter_token_rows(pool, plan_scatter([-1, -1, -1], 4), rows) is pool
 
 
 @settings(max_examples=15)
@@ -276,21 +283,23 @@ def test_rotary_dims_must_fit_and_be_even() -> None:
         RopeConfig(dims=63)
 
 
-def test_validate_mode_catches_slot_past_the_end_and_duplicates() -> None:
-    kernel = ReferenceRopeScatter(validate=True)
+def test_slot_past_the_end_and_duplicates_raise_before_any_work() -> None:
     args = _good_args()
     args["slots"] = mx.array([1, 8], dtype=mx.int32)
-    with pytest.raises(ShapeMismatchError, match="past the end of the pool"):
-        kernel(**args, rope=RopeConfig(dims=64))
+    with pytest.raises(ShapeMismatchError, match="slot 8 of token 1 is past the end"):
+        ReferenceRopeScatter()(**args, rope=RopeConfig(dims=64))
     args["slots"] = mx.array([3, 3], dtype=mx.int32)
-    with pytest.raises(ShapeMismatchError, match="same pool slot"):
-        kernel(**args, rope=RopeConfig(dims=64))
+    with pytest.raises(ShapeMismatchError, match="same pool slot 3"):
+        ReferenceRopeScatter()(**args, rope=RopeConfig(dims=64))
     args["slots"] = mx.array([-1, -1], dtype=mx.int32)
-    kernel(**args, rope=RopeConfig(dims=64))
-    # Without validate the out-of-range slot is simply not written.
-    args["slots"] = mx.array([1, 8], dtype=mx.int32)
-    _, _, k_new, _ = ReferenceRopeScatter()(**args, rope=RopeConfig(dims=64))
-    assert k_new.shape == (2, 8, 64)
+    ReferenceRopeScatter()(**args, rope=RopeConfig(dims=64))
+
+
+def test_validate_mode_checks_positions() -> None:
+    args = _good_args()
+    args["positions"] = mx.array([0, -3], dtype=mx.int32)
+    with pytest.raises(ShapeMismatchError, match="positions must be >= 0"):
+        ReferenceRopeScatter(validate=True)(**args, rope=RopeConfig(dims=64))
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
@@ -346,3 +355,25 @@ def test_native_large_batch_and_positions(backend: str) -> None:
     assert_close(got[0], want[0], 2e-3)
     assert_close(got[2], want[2], 2e-3)
     assert math.isfinite(float(mx.abs(got[0]).max()))
+
+
+def test_pool_write_is_in_place_when_the_old_buffer_is_released() -> None:
+    """A decode step must not copy the pool: peak memory grows by far less than a pool."""
+    h, num_slots, d, t = 8, 16384, 64, 8
+    pools = [mx.zeros((h, num_slots, d)), mx.zeros((h, num_slots, d))]
+    q = mx.ones((t, 16, d))
+    k = mx.ones((t, h, d))
+    positions = mx.arange(t, dtype=mx.int32)
+    slots = mx.array([5, -1, 9, 100, 2000, 7, -1, 16383], dtype=mx.int32)
+    mx.eval(pools, q, k, positions, slots)
+    kernel = ReferenceRopeScatter()
+    pool_bytes = pools[0].nbytes
+    for _ in range(2):
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        out = kernel(q, k, k, positions, slots, pools[0], pools[1], rope=RopeConfig(dims=d))
+        pools = [out[2], out[3]]
+        del out
+        mx.eval(pools)
+        assert mx.get_peak_memory() - base < pool_bytes // 4
+    np.testing.assert_array_equal(np.array(pools[1][:, 16383]), np.ones((h, d), np.float32))

@@ -187,3 +187,10 @@ def test_kernel_set_is_frozen_dataclass() -> None:
     kernels = KernelSet(attention=ReferencePagedAttention(), rope=ReferenceRopeScatter())
     assert isinstance(kernels, KernelSetProtocol)
     assert kernels.rope is not None and kernels.rope.supports(ROPE)
+
+
+def test_static_protocol_conformance() -> None:
+    # These assignments are checked by mypy --strict against the kv_protocol Protocols.
+    kernel_set: KernelSetProtocol = select_kernels(ROPE, fused_rope="reference")
+    rope_kernel: RopeScatterKernel = ReferenceRopeScatter()
+    assert kernel_set.rope is not None and rope_kernel.name == kernel_set.rope.name

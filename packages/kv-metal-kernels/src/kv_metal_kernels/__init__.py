@@ -14,7 +14,7 @@ from ._native import (
 )
 from ._paged_reference import ReferencePagedAttention, window_page_count
 from ._rope_reference import ReferenceRopeScatter, rope_tokens
-from ._scatter import scatter_token_rows
+from ._scatter import ScatterPlan, plan_scatter, scatter_token_rows
 from ._select import (
     ATTENTION_ENV,
     FUSED_ROPE_ENV,
@@ -33,9 +33,11 @@ __all__ = [
     "NativeRopeScatter",
     "ReferencePagedAttention",
     "ReferenceRopeScatter",
+    "ScatterPlan",
     "backend_available",
     "native_backend",
     "paged_decode_attention",
+    "plan_scatter",
     "rope_config_from_module",
     "rope_tokens",
     "scatter_token_rows",

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from kv_protocol import KernelUnavailableError, RopeConfig
 
-from ._scatter import scatter_token_rows
+from ._scatter import plan_scatter, scatter_token_rows
 from ._sources import (
     CUDA_PAGED_SOURCE,
     CUDA_ROPE_SOURCE,
@@ -116,9 +116,10 @@ class NativeRopeScatter:
     The rotation of all q and k heads is one kernel launch computing exactly
     ``mx.fast.rope``'s formula in float32. MLX custom kernels cannot write into an input
     buffer, so the pool write is MLX's scatter (see :func:`scatter_token_rows`), which MLX
-    runs in place when the old pool buffer is no longer referenced; a negative slot (or one
-    past the pool end) writes nothing. Supports every :class:`kv_protocol.RopeConfig`:
-    both styles, partial rotary ``dims``, float ``base``, linear ``scale``; f16, bf16, f32.
+    runs in place when the old pool buffer is no longer referenced; a negative slot writes
+    nothing, and slots are checked on the host as in :class:`ReferenceRopeScatter`. Supports
+    every :class:`kv_protocol.RopeConfig`: both styles, partial rotary ``dims``, float
+    ``base``, linear ``scale``; f16, bf16, f32.
     """
 
     def __init__(self, backend: str, *, validate: bool = False) -> None:
@@ -149,8 +150,9 @@ class NativeRopeScatter:
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Return ``(q_rot, k_rot, k_pool_new, v_pool_new)``; see the class docstring."""
         check_rope_scatter_args(q, k, v, positions, slots, k_pool, v_pool, rope)
+        plan = plan_scatter(slots, k_pool.shape[1])
         if self._validate:
-            check_rope_scatter_values(positions, slots, k_pool.shape[1])
+            check_rope_scatter_values(positions)
         t, hq, d = q.shape
         hkv = k.shape[1]
         if t == 0:
@@ -172,8 +174,8 @@ class NativeRopeScatter:
             output_dtypes=[q.dtype, k.dtype],
             stream=mx.gpu,
         )
-        k_new = scatter_token_rows(k_pool, slots, k_rot)
-        v_new = scatter_token_rows(v_pool, slots, v)
+        k_new = scatter_token_rows(k_pool, plan, k_rot)
+        v_new = scatter_token_rows(v_pool, plan, v)
         return q_rot, k_rot, k_new, v_new
 
 

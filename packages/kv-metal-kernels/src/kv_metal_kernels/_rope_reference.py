@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from kv_protocol import RopeConfig
 
-from ._scatter import scatter_token_rows
+from ._scatter import plan_scatter, scatter_token_rows
 from ._validate import check_rope_scatter_args, check_rope_scatter_values
 
 __all__ = ["ReferenceRopeScatter", "rope_tokens"]
@@ -31,10 +31,10 @@ class ReferenceRopeScatter:
     """RoPE on q and k plus the pool write, as MLX ops (``mx.fast.rope`` and a scatter).
 
     Every RoPE variant :class:`kv_protocol.RopeConfig` can describe is supported. Pools are
-    head-major ``(n_kv_heads, num_slots, head_dim)``; a slot that is negative (or, without
-    ``validate``, past the pool end) rotates but writes nothing. With ``validate=True`` the
-    index values are also checked (a device sync) and a slot past the end, a negative
-    position or two tokens writing one slot raise.
+    head-major ``(n_kv_heads, num_slots, head_dim)``; a negative slot rotates but writes
+    nothing (the pool keeps its exact bits). ``slots`` are read on the host (see
+    :func:`plan_scatter`): a slot past the pool end or two tokens writing one slot raise
+    before any work. ``validate=True`` also checks that positions are >= 0 (a device sync).
     """
 
     def __init__(self, *, validate: bool = False) -> None:
@@ -63,10 +63,11 @@ class ReferenceRopeScatter:
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Return ``(q_rot, k_rot, k_pool_new, v_pool_new)``; see the class docstring."""
         check_rope_scatter_args(q, k, v, positions, slots, k_pool, v_pool, rope)
+        plan = plan_scatter(slots, k_pool.shape[1])
         if self._validate:
-            check_rope_scatter_values(positions, slots, k_pool.shape[1])
+            check_rope_scatter_values(positions)
         q_rot = rope_tokens(q, positions, rope)
         k_rot = rope_tokens(k, positions, rope)
-        k_new = scatter_token_rows(k_pool, slots, k_rot)
-        v_new = scatter_token_rows(v_pool, slots, v)
+        k_new = scatter_token_rows(k_pool, plan, k_rot)
+        v_new = scatter_token_rows(v_pool, plan, v)
         return q_rot, k_rot, k_new, v_new

@@ -1,35 +1,74 @@
-"""Writing token rows into head-major, slot-addressed pools without a device sync."""
+"""Writing token rows into head-major, slot-addressed pools, in place where MLX can."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
 import mlx.core as mx
 
-__all__ = ["scatter_token_rows"]
+from kv_protocol import ShapeMismatchError
+
+__all__ = ["ScatterPlan", "plan_scatter", "scatter_token_rows"]
 
 
-def scatter_token_rows(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
-    """Return ``pool`` with ``rows[t]`` written at column ``slots[t]``.
+@dataclass(frozen=True)
+class ScatterPlan:
+    """Which tokens are written where: ``tokens[i]`` goes to pool column ``slots[i]``."""
 
-    ``pool`` is ``(H, num_slots, D)``, ``rows`` is token-major ``(T, H, D)`` and ``slots``
-    is int32 ``(T,)``. A slot outside ``0 .. num_slots - 1`` (negative = "do not write")
-    writes nothing, so an out-of-range slot can never write out of bounds. The result is a
-    new array in MLX's functional sense; MLX performs the scatter in place when ``pool`` is
-    not referenced elsewhere by the time the graph runs.
+    num_tokens: int
+    tokens: tuple[int, ...]
+    slots: tuple[int, ...]
+
+    @property
+    def writes_all(self) -> bool:
+        """True when every token is written, in order (no row selection needed)."""
+        return len(self.tokens) == self.num_tokens
+
+
+def plan_scatter(slots: mx.array | Sequence[int], num_slots: int) -> ScatterPlan:
+    """Read the ``(T,)`` slots on the host and check them; negative slots are skipped.
+
+    Slots are tiny and normally built from host data (a pool's slot queries), so reading
+    them costs nothing; only slots computed lazily on a device make this wait for them.
+    A slot ``>= num_slots`` or two tokens writing one slot raise
+    :class:`kv_protocol.ShapeMismatchError` before anything is written.
     """
-    num_slots = pool.shape[1]
-    t = slots.shape[0]
-    if t == 0:
+    values = cast(list[int], slots.tolist()) if isinstance(slots, mx.array) else list(slots)
+    tokens: list[int] = []
+    targets: list[int] = []
+    seen: set[int] = set()
+    for t, slot in enumerate(values):
+        slot = int(slot)
+        if slot < 0:
+            continue
+        if slot >= num_slots:
+            raise ShapeMismatchError(
+                f"slot {slot} of token {t} is past the end of the pool "
+                f"(num_slots={num_slots}); expected a negative slot (skip) or "
+                f"0 .. {num_slots - 1}"
+            )
+        if slot in seen:
+            raise ShapeMismatchError(f"two tokens write the same pool slot {slot}")
+        seen.add(slot)
+        tokens.append(t)
+        targets.append(slot)
+    return ScatterPlan(num_tokens=len(values), tokens=tuple(tokens), slots=tuple(targets))
+
+
+def scatter_token_rows(pool: mx.array, plan: ScatterPlan, rows: mx.array) -> mx.array:
+    """Return ``pool (H, num_slots, D)`` with token-major ``rows (T, H, D)`` written per plan.
+
+    Tokens the plan skips are not part of the scatter at all, so the pool's other columns
+    keep their exact bits. The result is a new array in MLX's functional sense; MLX performs
+    the scatter in place when ``pool`` is not referenced elsewhere once the graph runs (the
+    caller rebinds its buffer to the result), so a decode step costs O(T), not O(pool).
+    """
+    if not plan.tokens:
         return pool
     rows = rows.astype(pool.dtype)
-    valid = (slots >= 0) & (slots < num_slots)
-    target = mx.where(valid, slots, 0)
-    # Tokens that must not write are redirected to column 0 and write back the value column 0
-    # has to end with. All such writes carry identical bits, so the order in which the
-    # scatter applies duplicates cannot matter. If a real token also writes column 0 (only
-    # possible when the caller ignores the null-page convention), the last such token wins,
-    # and the redirected writes carry its row too.
-    hits0 = valid & (slots == 0)
-    last_hit = (t - 1) - mx.argmax(hits0[::-1].astype(mx.int32))
-    col0 = mx.where(mx.any(hits0), rows[last_hit], pool[:, 0, :])
-    values = mx.where(valid[:, None, None], rows, col0[None])
-    return mx.put_along_axis(pool, target[None, :, None], values.swapaxes(0, 1), axis=1)
+    if not plan.writes_all:
+        rows = rows[mx.array(plan.tokens, dtype=mx.int32)]
+    index = mx.array(plan.slots, dtype=mx.int32)[None, :, None]
+    return mx.put_along_axis(pool, index, rows.swapaxes(0, 1), axis=1)

@@ -109,26 +109,10 @@ def check_rope_scatter_args(
         raise ShapeMismatchError(f"head_dim must be even, got {d}")
 
 
-def check_rope_scatter_values(positions: mx.array, slots: mx.array, num_slots: int) -> None:
-    """Check index *values* (this reads them back: a device sync, so only in validate mode)."""
-    if positions.size == 0:
-        return
-    lo = int(mx.min(positions))
-    if lo < 0:
-        raise ShapeMismatchError(f"positions must be >= 0, got minimum {lo}")
-    hi = int(mx.max(slots))
-    if hi >= num_slots:
-        raise ShapeMismatchError(
-            f"slot {hi} is past the end of the pool (num_slots={num_slots}); "
-            f"expected -1 (skip) or 0 .. {num_slots - 1}"
-        )
-    valid = slots >= 0
-    written = int(mx.sum(valid))
-    if written:
-        distinct = mx.sort(mx.where(valid, slots, -1 - mx.arange(slots.size, dtype=mx.int32)))
-        duplicate = bool(mx.any(distinct[1:] == distinct[:-1]).item())
-        if duplicate:
-            raise ShapeMismatchError("two tokens write the same pool slot")
+def check_rope_scatter_values(positions: mx.array) -> None:
+    """Check that positions are >= 0 (reads them back: a device sync, validate mode only)."""
+    if positions.size and int(mx.min(positions)) < 0:
+        raise ShapeMismatchError(f"positions must be >= 0, got minimum {int(mx.min(positions))}")
 
 
 def check_paged_attention_args(
