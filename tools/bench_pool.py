@@ -5,19 +5,25 @@ Run: ``uv run --no-sync python -m tools.bench_pool`` (about a minute on a 2-core
 1. **KV bytes**, 32 concurrent requests at 8k and 32k tokens, with the real layer layouts of
    gpt-oss-20b and Gemma-3-27B (read off mlx-lm's own model classes, built lazily; bf16 KV):
    - *pool*: a ``HybridKVPool`` sized by ``from_budget`` for exactly this workload. Each
-     request is prefilled in chunks of ``--chunk`` tokens up to ``N - 1`` and then takes one
-     decode step (``reserve(1)``), so the figure is the steady state between decode steps.
-     Bytes = pages the allocators hold x bytes per page (``memory_report().bytes_used``). The
-     pool's buffers are lazy ``mx.zeros`` and are never evaluated, so nothing is allocated.
-     The peak while the last request's final prefill chunk is reserved is reported too.
+     request in turn is prefilled in chunks of ``--chunk`` tokens up to ``N - 1`` and takes
+     its first decode step (``reserve(1)``), so the figure at N is the state between decode
+     steps. Bytes = pages the allocators hold x bytes per page
+     (``memory_report().bytes_used``). The pool's buffers are lazy ``mx.zeros`` and are never
+     evaluated, so nothing is allocated. Also reported: the peak during the prefills, and the
+     worst share of full KV over the next 16 decode steps (``reserve_batch``), since page
+     rounding makes the share depend on where N falls.
    - *full*: every attention layer keeps all N tokens, ``32 * N * sum(bytes per token)``.
    - *mlx-lm*: mlx-lm's own per-request caches for the same schedule (``KVCache`` on full
      layers, ``RotatingKVCache(max_size=window)`` on sliding ones, as ``make_cache`` builds
      them), measured by building one request's caches with 1 kv head x 8 dims (bf16), feeding
      the same chunks and decode step through ``update_and_fetch``, reading ``nbytes``, and
      scaling by ``(n_kv_heads * head_dim) / 8`` and by 32 requests (the requests are
-     identical and their caches independent).
+     identical and their caches independent); also over the next 16 decode steps.
    - *ideal*: ``(n_full * N + n_swa * min(N, window)) / (n_layers * N)``.
+   A second table runs a *ragged* batch (prompts spread over N/2 .. N, one batched decode
+   step) against mlx-lm's batch caches (``KVCache.merge`` / ``RotatingKVCache.merge`` of the
+   same per-request caches, as its ``BatchGenerator`` does), which pad every row to the
+   longest; measured and scaled the same way.
 2. **Page operations per second** for 10k requests on a gpt-oss-like layout (page size 16,
    window 128): raw allocator alloc/free, and pool ``reserve`` (prefill of 256 tokens, then
    decode steps) and ``free_request``; plus the host cost of ``batch_page_table`` and
@@ -31,8 +37,9 @@ from __future__ import annotations
 
 import argparse
 import time
-from importlib.metadata import version
 from collections.abc import Callable
+from functools import partial
+from importlib.metadata import version
 from typing import Any
 
 import mlx.core as mx
@@ -60,75 +67,170 @@ def schedule(n_tokens: int, chunk: int) -> list[int]:
     return [*steps, 1]
 
 
+#: Decode steps after N over which the worst (largest) share of full KV is also reported:
+#: page and 256-token growth make the share depend on where N falls.
+AFTER = 16
+
+
 def pool_bytes(
     layout: CacheLayout, n_tokens: int, requests: int, chunk: int, page_size: int
-) -> tuple[int, int]:
-    """(steady bytes after the decode step, peak bytes during prefill) held by the pool."""
+) -> tuple[int, int, float]:
+    """Pool bytes held at N, peak bytes in prefill, worst ratio to full over AFTER steps.
+
+    Bytes at N are taken after every request's first decode step.
+    """
     kwargs: dict[str, Any] = {
-        "max_context": n_tokens,
+        "max_context": n_tokens + AFTER,
         "concurrency": requests,
         "page_size": page_size,
         "prefill_chunk": chunk,
     }
     budget = HybridKVPool.required_bytes(layout, **kwargs)
     pool = HybridKVPool.from_budget(layout, budget, **kwargs)
-    steps = schedule(n_tokens, chunk)
     peak = 0
     for rid in range(requests):
+        # each request: chunked prefill, then its first decode step (as an engine runs it)
         pool.add_request(rid)
-        for n in steps[:-1]:
+        for n in schedule(n_tokens, chunk):
             pool.reserve(rid, n)
             peak = max(peak, pool.memory_report().bytes_used)
-    for rid in range(requests):
-        pool.reserve(rid, steps[-1])
-    return pool.memory_report().bytes_used, peak
+    at_n = pool.memory_report().bytes_used
+    worst = 0.0
+    rids = list(range(requests))
+    for _ in range(AFTER):
+        pool.reserve_batch(rids, 1)
+        report = pool.memory_report()
+        worst = max(worst, report.bytes_used / report.full_equivalent_bytes)
+    return at_n, peak, worst
 
 
-def mlx_lm_bytes(layout: CacheLayout, n_tokens: int, requests: int, chunk: int) -> int:
-    """mlx-lm's per-request caches for the same schedule, measured small and scaled."""
+def mlx_lm_bytes(
+    layout: CacheLayout, n_tokens: int, requests: int, chunk: int
+) -> tuple[int, float]:
+    """mlx-lm's per-request caches for the same schedule, measured small and scaled.
+
+    Returns the bytes at N and the worst ratio to full KV over the next ``AFTER`` steps.
+    """
     heads, dim = 1, 8
-    total = 0
-    per_kind: dict[int | None, int] = {}
+    per_kind: dict[int | None, list[int]] = {}
+    for window in {layout.window(i) for i in layout.attention_layer_ids}:
+        cache: Any = KVCache() if window is None else RotatingKVCache(max_size=window)
+        sizes = []
+        for n in [*schedule(n_tokens, chunk), *([1] * AFTER)]:
+            kv = mx.zeros((1, heads, n, dim), dtype=mx.bfloat16)
+            mx.eval(cache.update_and_fetch(kv, kv))
+            sizes.append(cache.nbytes)
+        per_kind[window] = sizes[-AFTER - 1 :]
+    totals = [0] * (AFTER + 1)
     for layer_id in layout.attention_layer_ids:
-        window = layout.window(layer_id)
-        if window not in per_kind:
-            cache: Any = KVCache() if window is None else RotatingKVCache(max_size=window)
-            for n in schedule(n_tokens, chunk):
-                kv = mx.zeros((1, heads, n, dim), dtype=mx.bfloat16)
-                mx.eval(cache.update_and_fetch(kv, kv))
-            per_kind[window] = cache.nbytes
         g = layout.geometry(layer_id)
         scale = (g.n_kv_heads * g.head_dim * g.dtype.size) / (heads * dim * mx.bfloat16.size)
-        total += int(per_kind[window] * scale)
-    return total * requests
+        for step, size in enumerate(per_kind[layout.window(layer_id)]):
+            totals[step] += int(size * scale) * requests
+    per_token = requests * layout.full_kv_bytes_per_token()
+    worst = max(totals[k] / (per_token * (n_tokens + k)) for k in range(1, AFTER + 1))
+    return totals[0], worst
 
 
 def kv_bytes_table(requests: int, contexts: list[int], chunk: int, page_size: int) -> None:
     """Section 1."""
     print(f"\n## KV bytes: {requests} requests, prefill chunk {chunk}, page size {page_size}\n")
     print(
-        "| model | N | full KV GiB | pool GiB (steady) | pool / full | ideal | pool peak GiB "
-        "| mlx-lm GiB | mlx-lm / full |"
+        "| model | N | full KV GiB | ideal / full | pool GiB | pool / full "
+        f"| pool / full, worst of next {AFTER} steps | pool peak in prefill GiB "
+        f"| mlx-lm GiB | mlx-lm / full | mlx-lm / full, worst of next {AFTER} steps |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, name in MODELS.items():
         layout = real_layout(name)
         n_full = len(layout.full_layer_ids)
         n_swa = len(layout.sliding_layer_ids)
-        windows = {layout.window(i) for i in layout.sliding_layer_ids}
-        (window,) = windows
+        (window,) = {layout.window(i) for i in layout.sliding_layer_ids}
         assert window is not None
         for n_tokens in contexts:
             full = requests * n_tokens * layout.full_kv_bytes_per_token()
-            steady, peak = pool_bytes(layout, n_tokens, requests, chunk, page_size)
-            ours = mlx_lm_bytes(layout, n_tokens, requests, chunk)
+            at_n, peak, worst = pool_bytes(layout, n_tokens, requests, chunk, page_size)
+            theirs, their_worst = mlx_lm_bytes(layout, n_tokens, requests, chunk)
             ideal = (n_full * n_tokens + n_swa * min(n_tokens, window)) / (
                 layout.num_layers * n_tokens
             )
             print(
                 f"| {label} ({n_full} full + {n_swa} SWA, w {window}) | {n_tokens} "
-                f"| {full / GIB:.2f} | {steady / GIB:.2f} | {steady / full:.2%} | {ideal:.2%} "
-                f"| {peak / GIB:.2f} | {ours / GIB:.2f} | {ours / full:.2%} |"
+                f"| {full / GIB:.2f} | {ideal:.2%} | {at_n / GIB:.2f} | {at_n / full:.2%} "
+                f"| {worst:.2%} | {peak / GIB:.2f} | {theirs / GIB:.2f} | {theirs / full:.2%} "
+                f"| {their_worst:.2%} |"
+            )
+
+
+def ragged_lengths(requests: int, n_tokens: int) -> list[int]:
+    """Prompt lengths spread evenly over ``n_tokens // 2 .. n_tokens``."""
+    return [n_tokens // 2 + (n_tokens // 2) * i // max(requests - 1, 1) for i in range(requests)]
+
+
+def ragged_table(requests: int, contexts: list[int], chunk: int, page_size: int) -> None:
+    """Section 1b: a ragged batch, where mlx-lm's batch caches pad every row to the longest."""
+    print(
+        f"\n## KV bytes, ragged batch: {requests} requests with prompts spread over N/2 .. N, "
+        "after one batched decode step\n"
+    )
+    print(
+        "| model | N | full KV GiB | ideal / full | pool GiB | pool / full "
+        "| mlx-lm batch GiB | mlx-lm batch / full |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    heads, dim = 1, 8
+    for label, name in MODELS.items():
+        layout = real_layout(name)
+        (window,) = {layout.window(i) for i in layout.sliding_layer_ids}
+        assert window is not None
+        for n_tokens in contexts:
+            lengths = ragged_lengths(requests, n_tokens)
+            tokens = sum(n + 1 for n in lengths)
+            full = tokens * layout.full_kv_bytes_per_token()
+            ideal = sum(
+                layout.geometry(i).bytes_per_token
+                * sum(min(n + 1, layout.window(i) or n + 1) for n in lengths)
+                for i in layout.attention_layer_ids
+            )
+            kwargs: dict[str, Any] = {
+                "max_context": n_tokens + 1,
+                "concurrency": requests,
+                "page_size": page_size,
+                "prefill_chunk": chunk,
+            }
+            pool = HybridKVPool.from_budget(
+                layout, HybridKVPool.required_bytes(layout, **kwargs), **kwargs
+            )
+            for rid, n in enumerate(lengths):
+                pool.add_request(rid)
+                for step in schedule(n + 1, chunk)[:-1]:
+                    pool.reserve(rid, step)
+            pool.reserve_batch(list(range(requests)), 1)
+            ours = pool.memory_report().bytes_used
+            per_kind: dict[int | None, int] = {}
+            for kind_window in (None, window):
+                caches: list[Any] = []
+                for n in lengths:
+                    cache: Any = (
+                        KVCache() if kind_window is None else RotatingKVCache(max_size=window)
+                    )
+                    for step in schedule(n + 1, chunk)[:-1]:
+                        kv = mx.zeros((1, heads, step, dim), dtype=mx.bfloat16)
+                        mx.eval(cache.update_and_fetch(kv, kv))
+                    caches.append(cache)
+                batch = type(caches[0]).merge(caches)
+                kv = mx.zeros((requests, heads, 1, dim), dtype=mx.bfloat16)
+                mx.eval(batch.update_and_fetch(kv, kv))
+                per_kind[kind_window] = batch.nbytes
+            theirs = 0
+            for layer_id in layout.attention_layer_ids:
+                g = layout.geometry(layer_id)
+                scale = (g.n_kv_heads * g.head_dim * g.dtype.size) / (heads * dim * 2)
+                theirs += int(per_kind[layout.window(layer_id)] * scale)
+            print(
+                f"| {label} | {n_tokens} | {full / GIB:.2f} | {ideal / full:.2%} "
+                f"| {ours / GIB:.2f} | {ours / full:.2%} | {theirs / GIB:.2f} "
+                f"| {theirs / full:.2%} |"
             )
 
 
@@ -158,8 +260,8 @@ def throughput(n_requests: int) -> None:
             alloc.free([page])
         return len(held)
 
-    for label, fn in (("allocator alloc(1)", raw_alloc), ("allocator free([p])", raw_free)):
-        seconds, ops, rate = per_second(fn)
+    for label, raw in (("allocator alloc(1)", raw_alloc), ("allocator free([p])", raw_free)):
+        seconds, ops, rate = per_second(raw)
         print(f"| {label} | {ops} | {seconds:.3f} | {rate:,.0f} | |")
 
     specs = [
@@ -169,42 +271,50 @@ def throughput(n_requests: int) -> None:
     layout = CacheLayout(specs)
     pool = HybridKVPool(layout, num_pages=n_requests * 20 + 1, page_size=16)
 
-    def used() -> int:
-        return sum(r.pages_used for r in pool.memory_report().sub_pools)
+    def page_ops() -> int:
+        allocators = [pool.allocator(name) for name in pool.sub_pool_names]
+        return sum(a.pages_allocated_total + a.pages_released_total for a in allocators)
 
-    def prefill() -> int:
-        for rid in range(n_requests):
-            pool.add_request(rid)
-            pool.reserve(rid, 256)
-        return used()
-
-    def decode(steps: int) -> Callable[[], int]:
+    def counted(fn: Callable[[], None]) -> Callable[[], int]:
         def run() -> int:
-            ops = 0
-            for _ in range(steps):
-                before = [pool.num_free_pages(n) for n in pool.sub_pool_names]
-                for rid in range(n_requests):
-                    pool.reserve(rid, 1)
-                after = [pool.num_free_pages(n) for n in pool.sub_pool_names]
-                # pages allocated + pages released; releases show as frees, net = difference
-                ops += sum(abs(b - a) for b, a in zip(before, after, strict=True))
-            return ops
+            before = page_ops()
+            fn()
+            return page_ops() - before
 
         return run
 
-    def free_all() -> int:
-        ops = used()
+    def prefill() -> None:
+        for rid in range(n_requests):
+            pool.add_request(rid)
+            pool.reserve(rid, 256)
+
+    def decode(steps: int) -> None:
+        for _ in range(steps):
+            for rid in range(n_requests):
+                pool.reserve(rid, 1)
+
+    def decode_batched(steps: int, batch: int) -> None:
+        rids = list(range(n_requests))
+        for _ in range(steps):
+            for lo in range(0, n_requests, batch):
+                pool.reserve_batch(rids[lo : lo + batch], 1)
+
+    def free_all() -> None:
         for rid in range(n_requests):
             pool.free_request(rid)
-        return ops
 
-    rows: list[tuple[str, Callable[[], int], int]] = [
+    rows: list[tuple[str, Callable[[], None], int]] = [
         ("pool add + reserve(256)", prefill, n_requests),
-        ("pool reserve(1) x 16 decode steps", decode(16), 16 * n_requests),
+        ("pool reserve(1) x 32 decode steps", lambda: decode(32), 32 * n_requests),
+        (
+            "pool reserve_batch(B=32, 1) x 32 decode steps",
+            lambda: decode_batched(32, 32),
+            32 * n_requests,
+        ),
         ("pool free_request", free_all, n_requests),
     ]
     for label, fn, calls in rows:
-        seconds, ops, rate = per_second(fn)
+        seconds, ops, rate = per_second(counted(fn))
         print(f"| {label} | {ops} | {seconds:.3f} | {rate:,.0f} | {calls / seconds:,.0f} |")
 
     print("\nHost cost of the per-step batch queries (B requests of 8192 tokens, page size 16):\n")
@@ -219,16 +329,17 @@ def throughput(n_requests: int) -> None:
             pool.reserve(rid, 1)
         positions = [8191] * batch
         timings = []
-        for fn in (
-            lambda: pool.batch_page_table(rids, "full"),
-            lambda: pool.batch_page_table(rids, "sliding-w128"),
-            lambda: pool.batch_slots(rids, "full", positions),
-        ):
-            fn()
+        queries: list[Callable[[], mx.array]] = [
+            partial(pool.batch_page_table, rids, "full"),
+            partial(pool.batch_page_table, rids, "sliding-w128"),
+            partial(pool.batch_slots, rids, "full", positions),
+        ]
+        for query in queries:
+            query()
             reps = 200
             start = time.perf_counter()
             for _ in range(reps):
-                fn()
+                query()
             timings.append((time.perf_counter() - start) / reps * 1e6)
         print(f"| {batch} | {timings[0]:.1f} | {timings[1]:.1f} | {timings[2]:.1f} |")
 
@@ -286,6 +397,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, device {mx.default_device()}")
     kv_bytes_table(args.requests, args.contexts, args.chunk, args.page_size)
+    ragged_table(args.requests, args.contexts, args.chunk, args.page_size)
     throughput(args.ops_requests)
     in_place()
 

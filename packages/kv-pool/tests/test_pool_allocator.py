@@ -67,6 +67,7 @@ def test_shared_page_returns_after_last_owner() -> None:
     assert a.refcount(page) == 1 and a.num_free == 1
     a.free([page])
     assert a.refcount(page) == 0 and a.num_free == 2
+    assert a.pages_allocated_total == 1 and a.pages_released_total == 1
     with pytest.raises(InvalidPageError):
         a.free([page])
     with pytest.raises(InvalidPageError):

@@ -29,6 +29,8 @@ class PageAllocator:
         self._refcounts = [0] * num_pages
         # Popping from the end hands out low page ids first.
         self._free = list(range(num_pages - 1, 0, -1))
+        self._allocated_total = 0
+        self._released_total = 0
 
     @property
     def name(self) -> str:
@@ -50,6 +52,16 @@ class PageAllocator:
         """Pages currently held by at least one owner (the null page excluded)."""
         return self._num_pages - 1 - len(self._free)
 
+    @property
+    def pages_allocated_total(self) -> int:
+        """Pages handed out by ``alloc`` since construction (a statistic)."""
+        return self._allocated_total
+
+    @property
+    def pages_released_total(self) -> int:
+        """Pages returned to the free list since construction (a statistic)."""
+        return self._released_total
+
     def alloc(self, n: int) -> list[int]:
         """Allocate ``n`` pages atomically (all or none) with refcount 1 each."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -66,6 +78,7 @@ class PageAllocator:
         refcounts = self._refcounts
         for page in pages:
             refcounts[page] = 1
+        self._allocated_total += n
         return pages
 
     def _check_owned(self, pages: Sequence[int], what: str) -> Counter[int]:
@@ -119,6 +132,7 @@ class PageAllocator:
             refcounts[page] = left
             if left == 0:
                 self._free.append(page)
+                self._released_total += 1
 
     def refcount(self, page: int) -> int:
         """Current owner count of ``page`` (0 when free); ``InvalidPageError`` for a foreign id."""
