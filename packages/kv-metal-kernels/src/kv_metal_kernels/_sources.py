@@ -103,7 +103,7 @@ METAL_PAGED_SOURCE = """
     const int lane = thread_index_in_simdgroup;
     const int kvh = head / (HQ / HKV);
     const int max_pages = page_table_shape[1];
-    const long num_slots = k_pool_shape[1];
+    const int64_t num_slots = k_pool_shape[1];
     const int len = seq_lens[b];
     const int start = WINDOW > 0 ? metal::max(len - WINDOW, 0) : 0;
     const float neg_inf = -metal::numeric_limits<float>::infinity();
@@ -112,7 +112,8 @@ METAL_PAGED_SOURCE = """
     float acc[EPT];
     for (int e = 0; e < EPT; ++e) {
         const int dd = lane + 32 * e;
-        qv[e] = dd < D ? static_cast<float>(q[(long(b) * HQ + head) * D + dd]) * params[0] : 0.0f;
+        const int64_t qi = (int64_t(b) * HQ + head) * D + dd;
+        qv[e] = dd < D ? static_cast<float>(q[qi]) * params[0] : 0.0f;
         acc[e] = 0.0f;
     }
     float m = neg_inf;
@@ -122,12 +123,12 @@ METAL_PAGED_SOURCE = """
         if (col >= max_pages) {
             break;
         }
-        const int page = page_table[long(b) * max_pages + col];
-        const long slot = long(page) * PS + pos % PS;
+        const int page = page_table[int64_t(b) * max_pages + col];
+        const int64_t slot = int64_t(page) * PS + pos % PS;
         if (page < 0 || slot >= num_slots) {
             continue;
         }
-        const long base = (long(kvh) * num_slots + slot) * D;
+        const int64_t base = (int64_t(kvh) * num_slots + slot) * D;
         float dot = 0.0f;
         for (int e = 0; e < EPT; ++e) {
             const int dd = lane + 32 * e;
@@ -182,7 +183,7 @@ METAL_PAGED_SOURCE = """
             for (int i = 0; i < NSG; ++i) {
                 o += tg_acc[i * D + dd] * w[i];
             }
-            out[(long(b) * HQ + head) * D + dd] = static_cast<T>(o * inv);
+            out[(int64_t(b) * HQ + head) * D + dd] = static_cast<T>(o * inv);
         }
     }
 """.replace("@NSG@", str(PAGED_SIMD_GROUPS))
@@ -205,7 +206,8 @@ CUDA_PAGED_SOURCE = """
     float acc[EPT];
     for (int e = 0; e < EPT; ++e) {
         const int dd = lane + 32 * e;
-        qv[e] = dd < D ? static_cast<float>(q[(long(b) * HQ + head) * D + dd]) * params[0] : 0.0f;
+        const long qi = (long(b) * HQ + head) * D + dd;
+        qv[e] = dd < D ? static_cast<float>(q[qi]) * params[0] : 0.0f;
         acc[e] = 0.0f;
     }
     float m = neg_inf;
