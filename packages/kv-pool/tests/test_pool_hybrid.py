@@ -562,3 +562,36 @@ def test_reserve_batch_matches_reserve_and_is_atomic() -> None:
     assert info.value.sub_pool == "full" and info.value.pages_requested == 4
     assert [tl(small.page_table(r, n)) for r in (0, 1) for n in small.sub_pool_names] == before
     assert small.seq_len(0) == small.seq_len(1) == 2
+
+
+def test_loader_thread_writes_while_the_model_waits() -> None:
+    pool = HybridKVPool(MIXED, num_pages=8, page_size=2)
+    pool.add_request(0)
+    slots = pool.reserve(0, 3)
+    # MLX streams are per thread: a lazy graph built in one thread cannot be evaluated in
+    # another, so the buffers are materialised before the loader thread writes into them.
+    mx.eval(*[pool.get_key_buffer(i) for i in MIXED.attention_layer_ids])
+    mx.eval(*[pool.get_value_buffer(i) for i in MIXED.attention_layer_ids])
+    counter = LayerDoneCounter(MIXED.attention_layer_ids, timeout=5)
+    pool.register_layer_transfer_counter(counter)
+
+    def loader() -> None:
+        for layer in MIXED.attention_layer_ids:
+            g = MIXED.geometry(layer)
+            k = mx.full((3, g.n_kv_heads, g.head_dim), float(layer + 1))
+            pool.set_kv(layer, slots[pool.sub_pool_of(layer)], k, -k, wait=False)
+            # ... and the loader evaluates its writes before marking the layer done
+            mx.eval(
+                pool.get_key_buffer(layer, wait=False), pool.get_value_buffer(layer, wait=False)
+            )
+            counter.mark_done(layer)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=loader)
+    thread.start()
+    for layer in MIXED.attention_layer_ids:  # the model reads layer by layer, waiting
+        k, v = pool.get_kv(layer, pool.token_slots(0, layer, 0, 3))
+        assert counter.is_done(layer)
+        assert tl(k[:, 0, 0]) == [float(layer + 1)] * 3
+        assert tl(v[:, -1, -1]) == [-float(layer + 1)] * 3
+    thread.join(5)

@@ -727,16 +727,22 @@ class HybridKVPool:
         if self._counter is not None:
             self._counter.wait_until(layer_id)
 
-    def get_key_buffer(self, layer_id: int) -> mx.array:
-        """The layer's key buffer ``(n_kv_heads, num_slots, head_dim)``."""
+    def get_key_buffer(self, layer_id: int, *, wait: bool = True) -> mx.array:
+        """The layer's key buffer ``(n_kv_heads, num_slots, head_dim)``.
+
+        Waits for the layer's transfer when a counter is registered, unless ``wait=False``
+        (for the loader itself).
+        """
         pool, local = self._entry(layer_id)
-        self._wait(layer_id)
+        if wait:
+            self._wait(layer_id)
         return pool.keys[local]
 
-    def get_value_buffer(self, layer_id: int) -> mx.array:
-        """The layer's value buffer ``(n_kv_heads, num_slots, head_dim)``."""
+    def get_value_buffer(self, layer_id: int, *, wait: bool = True) -> mx.array:
+        """The layer's value buffer (same shape and waiting rule as ``get_key_buffer``)."""
         pool, local = self._entry(layer_id)
-        self._wait(layer_id)
+        if wait:
+            self._wait(layer_id)
         return pool.values[local]
 
     def get_full_kv_buffers(self, layer_id: int) -> tuple[mx.array, mx.array]:
@@ -775,8 +781,20 @@ class HybridKVPool:
             )
         return int(slots.shape[0])
 
-    def set_kv(self, layer_id: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+    def set_kv(
+        self,
+        layer_id: int,
+        slots: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        wait: bool = True,
+    ) -> None:
         """Write token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``.
+
+        With a registered transfer counter the write first waits for the layer's transfer,
+        so the model's writes never race the loader's; the loader itself writes with
+        ``wait=False`` (then marks the layer done).
 
         One scatter per buffer. MLX does the write in place when nothing else references the
         buffer; a live view of it or a pending lazy read of it makes MLX copy the whole
@@ -793,7 +811,8 @@ class HybridKVPool:
                     f"set_kv(layer {layer_id}): {name} must be (T, n_kv_heads, head_dim) = "
                     f"{want} {g.dtype}, got {got}"
                 )
-        self._wait(layer_id)
+        if wait:
+            self._wait(layer_id)
         pool.keys[local][:, slots] = keys.transpose(1, 0, 2)
         pool.values[local][:, slots] = values.transpose(1, 0, 2)
 
