@@ -85,6 +85,7 @@ int main(int argc, char** argv) {
   auto sl = rd<int32_t>(dir + "/sl.bin");
   auto sk = rd<float>(dir + "/sinks.bin");
   auto prm = rd<float>(dir + "/params.bin");
+  auto meta = rd<int32_t>(dir + "/meta.bin");
   Shape ks{}; ks[0] = HKV_; ks[1] = NS; ks[2] = D_;
   Shape ps{}; ps[0] = B; ps[1] = MAXP;
   std::vector<float> out(q.size(), -999.f);
@@ -100,7 +101,7 @@ int main(int argc, char** argv) {
           threadIdx = {t, 0, 0};
           blockIdx = {0, h, b};
           paged(q.data(), k.data(), ks, v.data(), pt.data(), ps, sl.data(), sk.data(),
-                prm.data(), out.data());
+                prm.data(), meta.data(), out.data());
         });
       }
       for (auto& th : ts) th.join();
@@ -111,6 +112,7 @@ int main(int argc, char** argv) {
   auto rk = rd<float>(dir + "/rk.bin");
   auto pos = rd<int32_t>(dir + "/pos.bin");
   auto rp = rd<float>(dir + "/rparams.bin");
+  auto rmeta = rd<int32_t>(dir + "/rmeta.bin");
   std::vector<float> qo(rq.size(), -999.f), ko(rk.size(), -999.f);
   Shape pshape{}; pshape[0] = NT;
   blockDim = {D_ / 2, 1, 1};
@@ -119,7 +121,8 @@ int main(int argc, char** argv) {
       for (int j = 0; j < D_ / 2; ++j) {
         threadIdx = {j, 0, 0};
         blockIdx = {0, h, t};
-        rope(rq.data(), rk.data(), pos.data(), pshape, rp.data(), qo.data(), ko.data());
+        rope(rq.data(), rk.data(), pos.data(), pshape, rp.data(), rmeta.data(), qo.data(),
+             ko.data());
       }
   wr(dir + "/qo.bin", qo);
   wr(dir + "/ko.bin", ko);
@@ -175,10 +178,12 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
         "sl": np.array(batch.seq_lens),
         "sinks": np.array(batch.sinks) if batch.sinks is not None else np.zeros(1),
         "params": np.array([batch.scale]),
+        "meta": np.array([hq, hkv, page_size, window or 0, int(sinks)]),
         "rq": rq,
         "rk": rk,
         "pos": positions,
         "rparams": np.array([rope.scale, np.log2(rope.base)]),
+        "rmeta": np.array([dims, hq, hkv, int(traditional)]),
     }
     for name, arr in files.items():
         dtype = np.int32 if arr.dtype.kind in "iu" else np.float32
@@ -187,16 +192,15 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
         "paged",
         "const float* q, const float* k_pool, Shape k_pool_shape, const float* v_pool, "
         "const int32_t* page_table, Shape page_table_shape, const int32_t* seq_lens, "
-        "const float* sinks, const float* params, float* out",
-        {"T": "float", "D": d, "HQ": hq, "HKV": hkv, "PS": page_size}
-        | {"WINDOW": window or 0, "HAS_SINKS": sinks},
+        "const float* sinks, const float* params, const int32_t* meta, float* out",
+        {"T": "float", "D": d},
         CUDA_PAGED_SOURCE,
     )
     rope_fn = _function(
         "rope",
         "const float* q, const float* k, const int32_t* positions, Shape positions_shape, "
-        "const float* params, float* q_rot, float* k_rot",
-        {"T": "float", "D": d, "DIMS": dims, "HQ": hq, "HKV": hkv, "TRADITIONAL": traditional},
+        "const float* params, const int32_t* meta, float* q_rot, float* k_rot",
+        {"T": "float", "D": d},
         CUDA_ROPE_SOURCE,
     )
     consts = f"constexpr int HQ_ = {hq}, HKV_ = {hkv}, D_ = {d}, NSG_ = {PAGED_SIMD_GROUPS};\n"

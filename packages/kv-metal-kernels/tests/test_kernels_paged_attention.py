@@ -307,7 +307,7 @@ def _native_params() -> list[object]:
 
 
 @pytest.mark.parametrize("backend", _native_params())
-@settings(max_examples=80)
+@settings(max_examples=50)
 @given(batch=batches(max_len=300, max_b=8))
 def test_native_matches_reference_and_dense(backend: str, batch: Batch) -> None:
     got = run(NativePagedAttention(backend), batch)

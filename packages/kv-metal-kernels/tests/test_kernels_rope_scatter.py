@@ -323,7 +323,7 @@ def _native_params() -> list[object]:
 
 
 @pytest.mark.parametrize("backend", _native_params())
-@settings(max_examples=60)
+@settings(max_examples=40)
 @given(case=cases(max_tokens=40))
 def test_native_matches_reference(backend: str, case: Case) -> None:
     args = (case.q, case.k, case.v, case.positions, case.slots, case.k_pool, case.v_pool)

@@ -88,11 +88,11 @@ def _kernel(backend: str, kind: str) -> _Kernel:
     if cached is not None:
         return cached
     if kind == "rope":
-        inputs = ["q", "k", "positions", "params"]
+        inputs = ["q", "k", "positions", "params", "meta"]
         outputs = ["q_rot", "k_rot"]
         source = METAL_ROPE_SOURCE if backend == "metal" else CUDA_ROPE_SOURCE
     else:
-        inputs = ["q", "k_pool", "v_pool", "page_table", "seq_lens", "sinks", "params"]
+        inputs = ["q", "k_pool", "v_pool", "page_table", "seq_lens", "sinks", "params", "meta"]
         outputs = ["out"]
         source = METAL_PAGED_SOURCE if backend == "metal" else CUDA_PAGED_SOURCE
     name = f"kv_{kind}"
@@ -158,16 +158,10 @@ class NativeRopeScatter:
         if t == 0:
             return q, k, k_pool, v_pool
         params = mx.array([rope.scale, math.log2(rope.base)], dtype=mx.float32)
+        meta = mx.array([rope.dims, hq, hkv, int(rope.traditional)], dtype=mx.int32)
         q_rot, k_rot = _kernel(self._backend, "rope")(
-            inputs=[q, k, positions, params],
-            template=[
-                ("T", q.dtype),
-                ("D", d),
-                ("DIMS", rope.dims),
-                ("HQ", hq),
-                ("HKV", hkv),
-                ("TRADITIONAL", bool(rope.traditional)),
-            ],
+            inputs=[q, k, positions, params, meta],
+            template=[("T", q.dtype), ("D", d)],
             grid=(d // 2, hq + hkv, t),
             threadgroup=(d // 2, 1, 1),
             output_shapes=[q.shape, k.shape],
@@ -225,18 +219,14 @@ class NativePagedAttention:
             sinks.astype(mx.float32) if sinks is not None else mx.zeros((1,), dtype=mx.float32)
         )
         params = mx.array([float(scale)], dtype=mx.float32)
+        meta = mx.array(
+            [hq, hkv, page_size, 0 if window is None else window, int(has_sinks)],
+            dtype=mx.int32,
+        )
         threads = 32 * PAGED_SIMD_GROUPS
         (out,) = _kernel(self._backend, "paged")(
-            inputs=[q, k_pool, v_pool, page_table, seq_lens, sink_arr, params],
-            template=[
-                ("T", q.dtype),
-                ("D", d),
-                ("HQ", hq),
-                ("HKV", hkv),
-                ("PS", page_size),
-                ("WINDOW", 0 if window is None else window),
-                ("HAS_SINKS", has_sinks),
-            ],
+            inputs=[q, k_pool, v_pool, page_table, seq_lens, sink_arr, params, meta],
+            template=[("T", q.dtype), ("D", d)],
             grid=(threads, hq, b),
             threadgroup=(threads, 1, 1),
             output_shapes=[q.shape],

@@ -1,20 +1,22 @@
 """Kernel bodies for ``mx.fast.metal_kernel`` and ``mx.fast.cuda_kernel`` (JIT, no build step).
 
 MLX generates each kernel's signature from the input and output names; the bodies below use
-``T`` (float dtype) and integer/bool template constants passed at call time. All arithmetic is
-float32.
+two template constants, ``T`` (float dtype) and ``D`` (head_dim), so one model compiles a
+handful of kernels; everything else (head counts, rotary dims, style, page size, window,
+sinks flag) arrives in a small int32 ``meta`` input. All arithmetic is float32.
 
 RoPE (``ROPE_*``): one thread per (pair ``j`` of head_dim / 2, head ``h`` of q then k, token
 ``t``). Pairs ``j < DIMS / 2`` are rotated (half-split: ``x[j], x[j + DIMS / 2]``; traditional:
 ``x[2j], x[2j + 1]``) by ``theta = scale * position * 2 ** (-j / (DIMS / 2) * log2(base))``,
 the formula of ``mx.fast.rope``; the other threads copy the pass-through features
-``DIMS ..`` two at a time. ``params = [scale, log2(base)]``.
+``DIMS ..`` two at a time. ``params = [scale, log2(base)]``,
+``meta = [DIMS, HQ, HKV, TRADITIONAL]``.
 
 Paged decode (``PAGED_*``): one threadgroup / block of ``NSG`` simd groups / warps per
 (query head, request). Warp ``w`` walks the request's visible positions ``w, w + NSG, ...``,
 finds each key through ``page_table`` (never materialising a gathered copy) and keeps an
 online-softmax state; the warps' states are merged at the end, with the optional sink logit
-in the denominator. ``params = [scale]``.
+in the denominator. ``params = [scale]``, ``meta = [HQ, HKV, PS, WINDOW (0 = none), HAS_SINKS]``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ METAL_ROPE_SOURCE = """
     const uint j = thread_position_in_grid.x;
     const uint h = thread_position_in_grid.y;
     const uint t = thread_position_in_grid.z;
-    constexpr uint HALF = DIMS / 2;
+    const uint DIMS = meta[0];
+    const uint HQ = meta[1];
+    const uint HKV = meta[2];
+    const bool TRADITIONAL = meta[3] != 0;
+    const uint HALF = DIMS / 2;
     if (j >= D / 2 || h >= HQ + HKV) {
         return;
     }
@@ -64,7 +70,11 @@ CUDA_ROPE_SOURCE = """
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     const int h = blockIdx.y * blockDim.y + threadIdx.y;
     const int t = blockIdx.z * blockDim.z + threadIdx.z;
-    constexpr int HALF = DIMS / 2;
+    const int DIMS = meta[0];
+    const int HQ = meta[1];
+    const int HKV = meta[2];
+    const bool TRADITIONAL = meta[3] != 0;
+    const int HALF = DIMS / 2;
     if (j >= D / 2 || h >= HQ + HKV || t >= positions_shape[0]) {
         return;
     }
@@ -97,6 +107,11 @@ METAL_PAGED_SOURCE = """
     threadgroup float tg_m[NSG];
     threadgroup float tg_l[NSG];
     threadgroup float tg_acc[NSG * D];
+    const int HQ = meta[0];
+    const int HKV = meta[1];
+    const int PS = meta[2];
+    const int WINDOW = meta[3];
+    const bool HAS_SINKS = meta[4] != 0;
     const int head = threadgroup_position_in_grid.y;
     const int b = threadgroup_position_in_grid.z;
     const int sg = simdgroup_index_in_threadgroup;
@@ -191,6 +206,11 @@ METAL_PAGED_SOURCE = """
 CUDA_PAGED_SOURCE = """
     constexpr int NSG = @NSG@;
     constexpr int EPT = (D + 31) / 32;
+    const int HQ = meta[0];
+    const int HKV = meta[1];
+    const int PS = meta[2];
+    const int WINDOW = meta[3];
+    const bool HAS_SINKS = meta[4] != 0;
     const int head = blockIdx.y;
     const int b = blockIdx.z;
     const int sg = threadIdx.x / 32;
