@@ -595,3 +595,59 @@ def test_loader_thread_writes_while_the_model_waits() -> None:
         assert tl(k[:, 0, 0]) == [float(layer + 1)] * 3
         assert tl(v[:, -1, -1]) == [-float(layer + 1)] * 3
     thread.join(5)
+
+
+@given(
+    window=st.integers(1, 12),
+    page_sizes=st.tuples(st.integers(1, 8), st.integers(1, 8)),
+    concurrency=st.integers(1, 4),
+    max_context=st.integers(1, 40),
+    chunk=st.integers(1, 16),
+    factor=st.sampled_from([1.0, 1.5, 3.0]),
+)
+def test_from_budget_always_fits_its_workload(
+    window: int,
+    page_sizes: tuple[int, int],
+    concurrency: int,
+    max_context: int,
+    chunk: int,
+    factor: float,
+) -> None:
+    layout = gpt_oss_like(window=window)
+    page_size = dict(zip((f"sliding-w{window}", "full"), page_sizes, strict=True))
+    kwargs: dict[str, Any] = {
+        "max_context": max_context,
+        "concurrency": concurrency,
+        "page_size": page_size,
+        "prefill_chunk": chunk,
+    }
+    budget = int(HybridKVPool.required_bytes(layout, **kwargs) * factor)
+    pool = HybridKVPool.from_budget(layout, budget, **kwargs)
+    assert pool.memory_report().bytes_total <= budget
+    for rid in range(concurrency):
+        pool.add_request(rid)
+    # round-robin chunks: every request holds its in-flight chunk at the same time
+    while any(pool.seq_len(r) < max_context for r in range(concurrency)):
+        for rid in range(concurrency):
+            n = min(chunk, max_context - pool.seq_len(rid))
+            if n:
+                pool.reserve(rid, n)
+
+
+def test_fork_tail_copy_does_not_copy_the_buffer() -> None:
+    layout = CacheLayout([full(0, heads=4, dim=32)])
+    pool = HybridKVPool(layout, num_pages=2048, page_size=16)
+    pool.add_request(0)
+    slots = pool.reserve(0, 40)["full"]
+    kv = mx.random.normal((40, 4, 32))
+    pool.set_kv(0, slots, kv, kv)
+    mx.eval(pool.get_key_buffer(0), pool.get_value_buffer(0))
+    buffer_bytes = pool.get_key_buffer(0).nbytes
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    pool.fork_request(0, 1, 37)  # 2 shared pages + a 5-token tail copy
+    mx.eval(pool.get_key_buffer(0), pool.get_value_buffer(0))
+    assert mx.get_peak_memory() - base < buffer_bytes // 4
+    keys, _ = pool.get_kv(0, pool.token_slots(1, 0, 0, 37))
+    assert mx.array_equal(keys, kv[:37])
+    assert pool.page_table(1, "full")[2].item() != pool.page_table(0, "full")[2].item()
