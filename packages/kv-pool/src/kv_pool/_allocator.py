@@ -125,8 +125,18 @@ class PageAllocator:
         Freeing a page that is free already, page 0, or a page outside this allocator raises
         ``InvalidPageError`` and changes nothing.
         """
-        counts = self._check_owned(pages, "free")
         refcounts = self._refcounts
+        if len(pages) == 1:
+            # Fast path for the common single-page free; anything unusual takes the full check.
+            page = pages[0]
+            if type(page) is int and 0 < page < self._num_pages and refcounts[page] > 0:
+                left = refcounts[page] - 1
+                refcounts[page] = left
+                if left == 0:
+                    self._free.append(page)
+                    self._released_total += 1
+                return
+        counts = self._check_owned(pages, "free")
         for page, times in counts.items():
             left = refcounts[page] - times
             refcounts[page] = left
