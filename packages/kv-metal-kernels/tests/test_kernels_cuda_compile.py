@@ -91,7 +91,7 @@ def test_cuda_kernel_bodies_compile(tmp_path: Path) -> None:
                     ("meta", "int32_t", False),
                 ],
                 [("out", ctype)],
-                [("T", ctype), ("D", 64 * (i + 1))],
+                [("T", ctype), ("D", 64 * (i + 1)), ("G", 4 // (i + 1))],
                 CUDA_PAGED_SOURCE,
             )
         )

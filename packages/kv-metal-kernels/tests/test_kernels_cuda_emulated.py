@@ -21,7 +21,12 @@ import numpy as np
 import pytest
 
 from kv_metal_kernels import ReferenceRopeScatter
-from kv_metal_kernels._sources import CUDA_PAGED_SOURCE, CUDA_ROPE_SOURCE, PAGED_SIMD_GROUPS
+from kv_metal_kernels._sources import (
+    CUDA_PAGED_SOURCE,
+    CUDA_ROPE_SOURCE,
+    PAGED_SIMD_GROUPS,
+    paged_group_size,
+)
 from kv_protocol import RopeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -94,7 +99,7 @@ int main(int argc, char** argv) {
   block_bar = &bb;
   for (int w = 0; w < NSG_; ++w) warp_bars.push_back(new std::barrier<>(32));
   for (int b = 0; b < B; ++b) {
-    for (int h = 0; h < HQ_; ++h) {
+    for (int h = 0; h < HQ_ / G_; ++h) {
       std::vector<std::thread> ts;
       for (int t = 0; t < 32 * NSG_; ++t) {
         ts.emplace_back([&, t, b, h] {
@@ -141,16 +146,17 @@ def _function(name: str, params: str, template: dict[str, object], body: str) ->
 
 
 CASES = [
-    # lens, hkv, ratio, d, page_size, window, sinks, rope dims, traditional
-    ([1, 37, 100, 5], 2, 2, 64, 16, None, True, 64, False),
-    ([70, 3, 129], 1, 4, 80, 4, 17, False, 40, True),
+    # lens, hkv, ratio, d, page_size, window, sinks, rope dims, traditional, grouped heads
+    ([1, 37, 100, 5], 2, 2, 64, 16, None, True, 64, False, True),
+    ([70, 3, 129], 1, 4, 80, 4, 17, False, 40, True, True),
+    ([33, 2], 2, 4, 64, 8, None, True, 64, False, False),
 ]
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ not installed")
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
-    lens, hkv, ratio, d, page_size, window, sinks, dims, traditional = case
+    lens, hkv, ratio, d, page_size, window, sinks, dims, traditional, grouped = case
     rng = np.random.default_rng(d)
     batch = make_batch(
         rng,
@@ -164,6 +170,7 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
         dtype_name="float32",
     )
     hq = hkv * ratio
+    group = paged_group_size(hq, hkv, d) if grouped else 1
     nt = 5
     rq = rng.standard_normal((nt, hq, d)).astype(np.float32)
     rk = rng.standard_normal((nt, hkv, d)).astype(np.float32)
@@ -193,7 +200,7 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
         "const float* q, const float* k_pool, Shape k_pool_shape, const float* v_pool, "
         "const int32_t* page_table, Shape page_table_shape, const int32_t* seq_lens, "
         "const float* sinks, const float* params, const int32_t* meta, float* out",
-        {"T": "float", "D": d},
+        {"T": "float", "D": d, "G": group},
         CUDA_PAGED_SOURCE,
     )
     rope_fn = _function(
@@ -203,7 +210,10 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
         {"T": "float", "D": d},
         CUDA_ROPE_SOURCE,
     )
-    consts = f"constexpr int HQ_ = {hq}, HKV_ = {hkv}, D_ = {d}, NSG_ = {PAGED_SIMD_GROUPS};\n"
+    consts = (
+        f"constexpr int HQ_ = {hq}, HKV_ = {hkv}, D_ = {d}, NSG_ = {PAGED_SIMD_GROUPS}, "
+        f"G_ = {group};\n"
+    )
     source = tmp_path / "emu.cpp"
     source.write_text(consts + HARNESS_HEAD + paged + rope_fn + HARNESS_MAIN)
     assert GXX is not None

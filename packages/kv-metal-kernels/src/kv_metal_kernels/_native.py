@@ -17,6 +17,7 @@ from ._sources import (
     METAL_PAGED_SOURCE,
     METAL_ROPE_SOURCE,
     PAGED_SIMD_GROUPS,
+    paged_group_size,
 )
 from ._validate import (
     check_paged_attention_args,
@@ -176,8 +177,9 @@ class NativeRopeScatter:
 class NativePagedAttention:
     """Paged decode attention reading K/V through the page table inside one JIT kernel.
 
-    One threadgroup (Metal) / block (CUDA) of 8 x 32 threads per (query head, request);
-    no gathered copy of K/V is made. Same contract as :class:`ReferencePagedAttention`;
+    One threadgroup (Metal) / block (CUDA) of 8 x 32 threads per (group of query heads that
+    share a kv head, request), so each K/V row is read once per group; no gathered copy of
+    K/V is made. Same contract as :class:`ReferencePagedAttention`;
     ``seq_lens`` must be >= 1 (a request with no visible key returns zeros).
     """
 
@@ -224,10 +226,11 @@ class NativePagedAttention:
             dtype=mx.int32,
         )
         threads = 32 * PAGED_SIMD_GROUPS
+        group = paged_group_size(hq, hkv, d)
         (out,) = _kernel(self._backend, "paged")(
             inputs=[q, k_pool, v_pool, page_table, seq_lens, sink_arr, params, meta],
-            template=[("T", q.dtype), ("D", d)],
-            grid=(threads, hq, b),
+            template=[("T", q.dtype), ("D", d), ("G", group)],
+            grid=(threads, hq // group, b),
             threadgroup=(threads, 1, 1),
             output_shapes=[q.shape],
             output_dtypes=[q.dtype],

@@ -13,24 +13,40 @@ the formula of ``mx.fast.rope``; the other threads copy the pass-through feature
 ``meta = [DIMS, HQ, HKV, TRADITIONAL]``.
 
 Paged decode (``PAGED_*``): one threadgroup / block of ``NSG`` simd groups / warps per
-(query head, request). Warp ``w`` walks the request's visible positions ``w, w + NSG, ...``,
-finds each key through ``page_table`` (never materialising a gathered copy) and keeps an
-online-softmax state; the warps' states are merged at the end, with the optional sink logit
-in the denominator. ``params = [scale]``, ``meta = [HQ, HKV, PS, WINDOW (0 = none), HAS_SINKS]``.
+(group of ``G`` query heads sharing one kv head, request), ``G`` a template constant. Warp
+``w`` walks the request's visible positions ``w, w + NSG, ...``, finds each key through
+``page_table`` (never materialising a gathered copy), loads its K and V row once for all
+``G`` heads and keeps one online-softmax state per head; the warps' states are merged at
+the end, with the optional sink logit in the denominator. ``params = [scale]``,
+``meta = [HQ, HKV, PS, WINDOW (0 = none), HAS_SINKS]``.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "CUDA_PAGED_SOURCE",
+    "paged_group_size",
     "CUDA_ROPE_SOURCE",
     "METAL_PAGED_SOURCE",
     "METAL_ROPE_SOURCE",
     "PAGED_SIMD_GROUPS",
 ]
 
-#: Simd groups (Metal) / warps (CUDA) of 32 threads per (query head, request).
+#: Simd groups (Metal) / warps (CUDA) of 32 threads per (query-head group, request).
 PAGED_SIMD_GROUPS = 8
+#: Per-thread float registers allowed for one group's q and accumulator rows.
+_GROUP_REGISTERS = 32
+
+
+def paged_group_size(hq: int, hkv: int, head_dim: int) -> int:
+    """Query heads per threadgroup: the largest divisor of ``hq / hkv`` that fits registers."""
+    ratio = hq // hkv
+    per_head = -(-head_dim // 32)
+    fitting = [
+        g for g in range(1, ratio + 1) if ratio % g == 0 and g * per_head <= _GROUP_REGISTERS
+    ]
+    return max(fitting) if fitting else 1
+
 
 METAL_ROPE_SOURCE = """
     const uint j = thread_position_in_grid.x;
@@ -101,208 +117,156 @@ CUDA_ROPE_SOURCE = """
     }
 """
 
-METAL_PAGED_SOURCE = """
+_PAGED_TEMPLATE = """
     constexpr int NSG = @NSG@;
     constexpr int EPT = (D + 31) / 32;
-    threadgroup float tg_m[NSG];
-    threadgroup float tg_l[NSG];
-    threadgroup float tg_acc[NSG * D];
+    @SHARED@ float tg_m[NSG * G];
+    @SHARED@ float tg_l[NSG * G];
+    @SHARED@ float tg_acc[NSG * D];
     const int HQ = meta[0];
     const int HKV = meta[1];
     const int PS = meta[2];
     const int WINDOW = meta[3];
     const bool HAS_SINKS = meta[4] != 0;
-    const int head = threadgroup_position_in_grid.y;
+    @IDS@
+    const int h0 = group * G;
+    const int kvh = h0 / (HQ / HKV);
+    const int max_pages = page_table_shape[1];
+    const @I64@ num_slots = k_pool_shape[1];
+    const int len = seq_lens[b];
+    const int start = WINDOW > 0 ? @MAX@(len - WINDOW, 0) : 0;
+    const float neg_inf = @NEG_INF@;
+
+    float qv[G][EPT];
+    float acc[G][EPT];
+    float m[G];
+    float l[G];
+    for (int r = 0; r < G; ++r) {
+        for (int e = 0; e < EPT; ++e) {
+            const int dd = lane + 32 * e;
+            const @I64@ qi = (@I64@(b) * HQ + h0 + r) * D + dd;
+            qv[r][e] = dd < D ? static_cast<float>(q[qi]) * params[0] : 0.0f;
+            acc[r][e] = 0.0f;
+        }
+        m[r] = neg_inf;
+        l[r] = 0.0f;
+    }
+    for (int pos = start + sg; pos < len; pos += NSG) {
+        const int col = pos / PS;
+        if (col >= max_pages) {
+            break;
+        }
+        const int page = page_table[@I64@(b) * max_pages + col];
+        const @I64@ slot = @I64@(page) * PS + pos % PS;
+        if (page < 0 || slot >= num_slots) {
+            continue;
+        }
+        const @I64@ base = (@I64@(kvh) * num_slots + slot) * D;
+        float kx[EPT];
+        float vx[EPT];
+        for (int e = 0; e < EPT; ++e) {
+            const int dd = lane + 32 * e;
+            kx[e] = dd < D ? static_cast<float>(k_pool[base + dd]) : 0.0f;
+            vx[e] = dd < D ? static_cast<float>(v_pool[base + dd]) : 0.0f;
+        }
+        for (int r = 0; r < G; ++r) {
+            float dot = 0.0f;
+            for (int e = 0; e < EPT; ++e) {
+                dot += qv[r][e] * kx[e];
+            }
+            @WARP_SUM@
+            const float m_new = @MAX@(m[r], dot);
+            const float corr = @EXP@(m[r] - m_new);
+            const float p = @EXP@(dot - m_new);
+            l[r] = l[r] * corr + p;
+            for (int e = 0; e < EPT; ++e) {
+                acc[r][e] = acc[r][e] * corr + p * vx[e];
+            }
+            m[r] = m_new;
+        }
+    }
+
+    if (lane == 0) {
+        for (int r = 0; r < G; ++r) {
+            tg_m[sg * G + r] = m[r];
+            tg_l[sg * G + r] = l[r];
+        }
+    }
+    for (int r = 0; r < G; ++r) {
+        for (int e = 0; e < EPT; ++e) {
+            const int dd = lane + 32 * e;
+            if (dd < D) {
+                tg_acc[sg * D + dd] = acc[r][e];
+            }
+        }
+        @BARRIER@;
+        if (sg == 0) {
+            const int head = h0 + r;
+            const float sink = HAS_SINKS ? static_cast<float>(sinks[head]) : neg_inf;
+            float mx_all = sink;
+            for (int i = 0; i < NSG; ++i) {
+                mx_all = @MAX@(mx_all, tg_m[i * G + r]);
+            }
+            float denom = HAS_SINKS ? @EXP@(sink - mx_all) : 0.0f;
+            float w[NSG];
+            for (int i = 0; i < NSG; ++i) {
+                const float mi = tg_m[i * G + r];
+                w[i] = mi == neg_inf ? 0.0f : @EXP@(mi - mx_all);
+                denom += tg_l[i * G + r] * w[i];
+            }
+            const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+            for (int e = 0; e < EPT; ++e) {
+                const int dd = lane + 32 * e;
+                if (dd < D) {
+                    float o = 0.0f;
+                    for (int i = 0; i < NSG; ++i) {
+                        o += tg_acc[i * D + dd] * w[i];
+                    }
+                    out[(@I64@(b) * HQ + head) * D + dd] = static_cast<T>(o * inv);
+                }
+            }
+        }
+        @BARRIER@;
+    }
+"""
+
+
+def _dialect(template: str, **parts: str) -> str:
+    for key, value in parts.items():
+        template = template.replace(f"@{key}@", value)
+    return template
+
+
+METAL_PAGED_SOURCE = _dialect(
+    _PAGED_TEMPLATE,
+    NSG=str(PAGED_SIMD_GROUPS),
+    SHARED="threadgroup",
+    IDS="""const int group = threadgroup_position_in_grid.y;
     const int b = threadgroup_position_in_grid.z;
     const int sg = simdgroup_index_in_threadgroup;
-    const int lane = thread_index_in_simdgroup;
-    const int kvh = head / (HQ / HKV);
-    const int max_pages = page_table_shape[1];
-    const int64_t num_slots = k_pool_shape[1];
-    const int len = seq_lens[b];
-    const int start = WINDOW > 0 ? metal::max(len - WINDOW, 0) : 0;
-    const float neg_inf = -metal::numeric_limits<float>::infinity();
+    const int lane = thread_index_in_simdgroup;""",
+    I64="int64_t",
+    MAX="metal::max",
+    EXP="metal::exp",
+    NEG_INF="-metal::numeric_limits<float>::infinity()",
+    WARP_SUM="dot = metal::simd_sum(dot);",
+    BARRIER="threadgroup_barrier(metal::mem_flags::mem_threadgroup)",
+)
 
-    float qv[EPT];
-    float acc[EPT];
-    for (int e = 0; e < EPT; ++e) {
-        const int dd = lane + 32 * e;
-        const int64_t qi = (int64_t(b) * HQ + head) * D + dd;
-        qv[e] = dd < D ? static_cast<float>(q[qi]) * params[0] : 0.0f;
-        acc[e] = 0.0f;
-    }
-    float m = neg_inf;
-    float l = 0.0f;
-    for (int pos = start + sg; pos < len; pos += NSG) {
-        const int col = pos / PS;
-        if (col >= max_pages) {
-            break;
-        }
-        const int page = page_table[int64_t(b) * max_pages + col];
-        const int64_t slot = int64_t(page) * PS + pos % PS;
-        if (page < 0 || slot >= num_slots) {
-            continue;
-        }
-        const int64_t base = (int64_t(kvh) * num_slots + slot) * D;
-        float dot = 0.0f;
-        for (int e = 0; e < EPT; ++e) {
-            const int dd = lane + 32 * e;
-            if (dd < D) {
-                dot += qv[e] * static_cast<float>(k_pool[base + dd]);
-            }
-        }
-        dot = metal::simd_sum(dot);
-        const float m_new = metal::max(m, dot);
-        const float corr = metal::exp(m - m_new);
-        const float p = metal::exp(dot - m_new);
-        l = l * corr + p;
-        for (int e = 0; e < EPT; ++e) {
-            const int dd = lane + 32 * e;
-            if (dd < D) {
-                acc[e] = acc[e] * corr + p * static_cast<float>(v_pool[base + dd]);
-            }
-        }
-        m = m_new;
-    }
-
-    if (lane == 0) {
-        tg_m[sg] = m;
-        tg_l[sg] = l;
-    }
-    for (int e = 0; e < EPT; ++e) {
-        const int dd = lane + 32 * e;
-        if (dd < D) {
-            tg_acc[sg * D + dd] = acc[e];
-        }
-    }
-    threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-    if (sg != 0) {
-        return;
-    }
-    const float sink = HAS_SINKS ? static_cast<float>(sinks[head]) : neg_inf;
-    float mx_all = sink;
-    for (int i = 0; i < NSG; ++i) {
-        mx_all = metal::max(mx_all, tg_m[i]);
-    }
-    float denom = HAS_SINKS ? metal::exp(sink - mx_all) : 0.0f;
-    float w[NSG];
-    for (int i = 0; i < NSG; ++i) {
-        w[i] = tg_m[i] == neg_inf ? 0.0f : metal::exp(tg_m[i] - mx_all);
-        denom += tg_l[i] * w[i];
-    }
-    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-    for (int e = 0; e < EPT; ++e) {
-        const int dd = lane + 32 * e;
-        if (dd < D) {
-            float o = 0.0f;
-            for (int i = 0; i < NSG; ++i) {
-                o += tg_acc[i * D + dd] * w[i];
-            }
-            out[(int64_t(b) * HQ + head) * D + dd] = static_cast<T>(o * inv);
-        }
-    }
-""".replace("@NSG@", str(PAGED_SIMD_GROUPS))
-
-CUDA_PAGED_SOURCE = """
-    constexpr int NSG = @NSG@;
-    constexpr int EPT = (D + 31) / 32;
-    const int HQ = meta[0];
-    const int HKV = meta[1];
-    const int PS = meta[2];
-    const int WINDOW = meta[3];
-    const bool HAS_SINKS = meta[4] != 0;
-    const int head = blockIdx.y;
+CUDA_PAGED_SOURCE = _dialect(
+    _PAGED_TEMPLATE,
+    NSG=str(PAGED_SIMD_GROUPS),
+    SHARED="__shared__",
+    IDS="""const int group = blockIdx.y;
     const int b = blockIdx.z;
     const int sg = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int kvh = head / (HQ / HKV);
-    const int max_pages = page_table_shape[1];
-    const long num_slots = k_pool_shape[1];
-    const int len = seq_lens[b];
-    const int start = WINDOW > 0 ? max(len - WINDOW, 0) : 0;
-    const float neg_inf = __int_as_float(0xff800000);
-
-    float qv[EPT];
-    float acc[EPT];
-    for (int e = 0; e < EPT; ++e) {
-        const int dd = lane + 32 * e;
-        const long qi = (long(b) * HQ + head) * D + dd;
-        qv[e] = dd < D ? static_cast<float>(q[qi]) * params[0] : 0.0f;
-        acc[e] = 0.0f;
-    }
-    float m = neg_inf;
-    float l = 0.0f;
-    for (int pos = start + sg; pos < len; pos += NSG) {
-        const int col = pos / PS;
-        if (col >= max_pages) {
-            break;
-        }
-        const int page = page_table[long(b) * max_pages + col];
-        const long slot = long(page) * PS + pos % PS;
-        if (page < 0 || slot >= num_slots) {
-            continue;
-        }
-        const long base = (long(kvh) * num_slots + slot) * D;
-        float dot = 0.0f;
-        for (int e = 0; e < EPT; ++e) {
-            const int dd = lane + 32 * e;
-            if (dd < D) {
-                dot += qv[e] * static_cast<float>(k_pool[base + dd]);
-            }
-        }
-        for (int off = 16; off > 0; off >>= 1) {
-            dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        }
-        const float m_new = fmaxf(m, dot);
-        const float corr = expf(m - m_new);
-        const float p = expf(dot - m_new);
-        l = l * corr + p;
-        for (int e = 0; e < EPT; ++e) {
-            const int dd = lane + 32 * e;
-            if (dd < D) {
-                acc[e] = acc[e] * corr + p * static_cast<float>(v_pool[base + dd]);
-            }
-        }
-        m = m_new;
-    }
-
-    __shared__ float tg_m[NSG];
-    __shared__ float tg_l[NSG];
-    __shared__ float tg_acc[NSG * D];
-    if (lane == 0) {
-        tg_m[sg] = m;
-        tg_l[sg] = l;
-    }
-    for (int e = 0; e < EPT; ++e) {
-        const int dd = lane + 32 * e;
-        if (dd < D) {
-            tg_acc[sg * D + dd] = acc[e];
-        }
-    }
-    __syncthreads();
-    if (sg != 0) {
-        return;
-    }
-    const float sink = HAS_SINKS ? static_cast<float>(sinks[head]) : neg_inf;
-    float mx_all = sink;
-    for (int i = 0; i < NSG; ++i) {
-        mx_all = fmaxf(mx_all, tg_m[i]);
-    }
-    float denom = HAS_SINKS ? expf(sink - mx_all) : 0.0f;
-    float w[NSG];
-    for (int i = 0; i < NSG; ++i) {
-        w[i] = tg_m[i] == neg_inf ? 0.0f : expf(tg_m[i] - mx_all);
-        denom += tg_l[i] * w[i];
-    }
-    const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
-    for (int e = 0; e < EPT; ++e) {
-        const int dd = lane + 32 * e;
-        if (dd < D) {
-            float o = 0.0f;
-            for (int i = 0; i < NSG; ++i) {
-                o += tg_acc[i * D + dd] * w[i];
-            }
-            out[(long(b) * HQ + head) * D + dd] = static_cast<T>(o * inv);
-        }
-    }
-""".replace("@NSG@", str(PAGED_SIMD_GROUPS))
+    const int lane = threadIdx.x % 32;""",
+    I64="long",
+    MAX="max",
+    EXP="expf",
+    NEG_INF="__int_as_float(0xff800000)",
+    WARP_SUM="""for (int off = 16; off > 0; off >>= 1) {
+                dot += __shfl_xor_sync(0xffffffffu, dot, off);
+            }""",
+    BARRIER="__syncthreads()",
+)
