@@ -86,11 +86,10 @@ def test_cuda_kernel_bodies_compile(tmp_path: Path) -> None:
                     ("v_pool", ctype, True),
                     ("page_table", "int32_t", True),
                     ("seq_lens", "int32_t", False),
-                    ("sinks", "float", False),
                     ("params", "float", False),
                     ("meta", "int32_t", False),
                 ],
-                [("out", ctype)],
+                [("part_m", "float"), ("part_l", "float"), ("part_acc", "float")],
                 [("T", ctype), ("D", 64 * (i + 1)), ("G", 4 // (i + 1))],
                 CUDA_PAGED_SOURCE,
             )

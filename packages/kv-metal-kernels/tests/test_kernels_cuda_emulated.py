@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kv_metal_kernels import ReferenceRopeScatter
+from kv_metal_kernels import ReferenceRopeScatter, merge_partials
 from kv_metal_kernels._sources import (
     CUDA_PAGED_SOURCE,
     CUDA_ROPE_SOURCE,
@@ -46,6 +46,7 @@ HARNESS_HEAD = r"""
 #include <thread>
 #include <vector>
 using std::max;
+using std::min;
 using Shape = std::array<int32_t, 8>;
 struct Dim3 { int x, y, z; };
 thread_local Dim3 threadIdx, blockIdx;
@@ -88,31 +89,33 @@ int main(int argc, char** argv) {
   auto v = rd<float>(dir + "/v.bin");
   auto pt = rd<int32_t>(dir + "/pt.bin");
   auto sl = rd<int32_t>(dir + "/sl.bin");
-  auto sk = rd<float>(dir + "/sinks.bin");
   auto prm = rd<float>(dir + "/params.bin");
   auto meta = rd<int32_t>(dir + "/meta.bin");
   Shape ks{}; ks[0] = HKV_; ks[1] = NS; ks[2] = D_;
   Shape ps{}; ps[0] = B; ps[1] = MAXP;
-  std::vector<float> out(q.size(), -999.f);
+  std::vector<float> part_m(B * S_ * HQ_, -999.f), part_l(B * S_ * HQ_, -999.f);
+  std::vector<float> part_acc(B * S_ * HQ_ * D_, -999.f);
   blockDim = {32 * NSG_, 1, 1};
   std::barrier<> bb(32 * NSG_);
   block_bar = &bb;
   for (int w = 0; w < NSG_; ++w) warp_bars.push_back(new std::barrier<>(32));
-  for (int b = 0; b < B; ++b) {
+  for (int b = 0; b < B * S_; ++b) {
     for (int h = 0; h < HQ_ / G_; ++h) {
       std::vector<std::thread> ts;
       for (int t = 0; t < 32 * NSG_; ++t) {
         ts.emplace_back([&, t, b, h] {
           threadIdx = {t, 0, 0};
           blockIdx = {0, h, b};
-          paged(q.data(), k.data(), ks, v.data(), pt.data(), ps, sl.data(), sk.data(),
-                prm.data(), meta.data(), out.data());
+          paged(q.data(), k.data(), ks, v.data(), pt.data(), ps, sl.data(), prm.data(),
+                meta.data(), part_m.data(), part_l.data(), part_acc.data());
         });
       }
       for (auto& th : ts) th.join();
     }
   }
-  wr(dir + "/out.bin", out);
+  wr(dir + "/part_m.bin", part_m);
+  wr(dir + "/part_l.bin", part_l);
+  wr(dir + "/part_acc.bin", part_acc);
   auto rq = rd<float>(dir + "/rq.bin");
   auto rk = rd<float>(dir + "/rk.bin");
   auto pos = rd<int32_t>(dir + "/pos.bin");
@@ -146,17 +149,17 @@ def _function(name: str, params: str, template: dict[str, object], body: str) ->
 
 
 CASES = [
-    # lens, hkv, ratio, d, page_size, window, sinks, rope dims, traditional, grouped heads
-    ([1, 37, 100, 5], 2, 2, 64, 16, None, True, 64, False, True),
-    ([70, 3, 129], 1, 4, 80, 4, 17, False, 40, True, True),
-    ([33, 2], 2, 4, 64, 8, None, True, 64, False, False),
+    # lens, hkv, ratio, d, page_size, window, sinks, rope dims, traditional, grouped, splits
+    ([1, 37, 100, 5], 2, 2, 64, 16, None, True, 64, False, True, 1),
+    ([70, 3, 129], 1, 4, 80, 4, 17, False, 40, True, True, 3),
+    ([33, 2, 150], 2, 4, 64, 8, None, True, 64, False, False, 4),
 ]
 
 
 @pytest.mark.skipif(GXX is None, reason="g++ not installed")
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
-    lens, hkv, ratio, d, page_size, window, sinks, dims, traditional, grouped = case
+    lens, hkv, ratio, d, page_size, window, sinks, dims, traditional, grouped, splits = case
     rng = np.random.default_rng(d)
     batch = make_batch(
         rng,
@@ -171,6 +174,9 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
     )
     hq = hkv * ratio
     group = paged_group_size(hq, hkv, d) if grouped else 1
+    capacity = batch.page_table.shape[1] * page_size
+    bound = capacity if window is None else min(window, capacity)
+    chunk = -(-bound // splits)
     nt = 5
     rq = rng.standard_normal((nt, hq, d)).astype(np.float32)
     rk = rng.standard_normal((nt, hkv, d)).astype(np.float32)
@@ -183,9 +189,8 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
         "v": np.array(batch.v_pool),
         "pt": np.array(batch.page_table),
         "sl": np.array(batch.seq_lens),
-        "sinks": np.array(batch.sinks) if batch.sinks is not None else np.zeros(1),
         "params": np.array([batch.scale]),
-        "meta": np.array([hq, hkv, page_size, window or 0, int(sinks)]),
+        "meta": np.array([hq, hkv, page_size, window or 0, splits, chunk]),
         "rq": rq,
         "rk": rk,
         "pos": positions,
@@ -199,7 +204,8 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
         "paged",
         "const float* q, const float* k_pool, Shape k_pool_shape, const float* v_pool, "
         "const int32_t* page_table, Shape page_table_shape, const int32_t* seq_lens, "
-        "const float* sinks, const float* params, const int32_t* meta, float* out",
+        "const float* params, const int32_t* meta, float* part_m, float* part_l, "
+        "float* part_acc",
         {"T": "float", "D": d, "G": group},
         CUDA_PAGED_SOURCE,
     )
@@ -212,7 +218,7 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
     )
     consts = (
         f"constexpr int HQ_ = {hq}, HKV_ = {hkv}, D_ = {d}, NSG_ = {PAGED_SIMD_GROUPS}, "
-        f"G_ = {group};\n"
+        f"G_ = {group}, S_ = {splits};\n"
     )
     source = tmp_path / "emu.cpp"
     source.write_text(consts + HARNESS_HEAD + paged + rope_fn + HARNESS_MAIN)
@@ -223,8 +229,14 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
     assert proc.returncode == 0, proc.stderr[-4000:]
     subprocess.run([str(exe), str(tmp_path)], check=True, timeout=120)
 
-    out = np.fromfile(tmp_path / "out.bin", np.float32).reshape(batch.q.shape)
-    np.testing.assert_allclose(out, dense_oracle(batch), atol=2e-5, rtol=2e-5)
+    b = len(lens)
+    part_m = np.fromfile(tmp_path / "part_m.bin", np.float32).reshape(b, splits, hq)
+    part_l = np.fromfile(tmp_path / "part_l.bin", np.float32).reshape(b, splits, hq)
+    part_acc = np.fromfile(tmp_path / "part_acc.bin", np.float32).reshape(b, splits, hq, d)
+    out = merge_partials(mx.array(part_m), mx.array(part_l), mx.array(part_acc), batch.sinks)
+    np.testing.assert_allclose(
+        np.array(out)[:, :, None, :], dense_oracle(batch), atol=2e-5, rtol=2e-5
+    )
 
     pool = mx.zeros((hkv, 4, d))
     no_write = mx.full((nt,), -1, mx.int32)

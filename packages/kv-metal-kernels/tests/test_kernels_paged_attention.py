@@ -15,7 +15,9 @@ from kv_metal_kernels import (
     NativePagedAttention,
     ReferencePagedAttention,
     backend_available,
+    merge_partials,
     paged_decode_attention,
+    split_plan,
     window_page_count,
 )
 from kv_protocol import KernelUnavailableError, PagedDecodeAttention, ShapeMismatchError
@@ -340,3 +342,49 @@ def test_native_long_context_gqa(backend: str, d: int) -> None:
     got = run(NativePagedAttention(backend), batch)
     want = run(ReferencePagedAttention(), batch)
     np.testing.assert_allclose(f32(got), f32(want), atol=3e-2, rtol=3e-2)
+
+
+def test_split_plan_covers_every_key() -> None:
+    for blocks in (1, 8, 64, 4096):
+        for bound in (1, 100, 128, 4096, 100_000):
+            splits, chunk = split_plan(blocks, bound)
+            assert splits >= 1 and splits * chunk >= bound
+            assert splits == 1 or chunk >= 128
+    assert split_plan(8, 16384)[0] > 1  # few blocks, long context: split
+    assert split_plan(4096, 16384)[0] == 1  # a full launch already
+
+
+@given(st.integers(1, 5), st.integers(1, 4), st.booleans(), st.integers(0, 2**31 - 1))
+def test_merge_partials_equals_one_softmax(splits: int, hq: int, sinks: bool, seed: int) -> None:
+    """Cutting the keys into ranges and merging their states is one softmax over all keys."""
+    rng = np.random.default_rng(seed)
+    b, d, n = 2, 8, 13
+    scores = rng.standard_normal((b, hq, n)) * 3
+    values = rng.standard_normal((b, hq, n, d))
+    sink = rng.standard_normal(hq) if sinks else None
+    bounds = np.linspace(0, n, splits + 1).astype(int)
+    part_m = np.full((b, splits, hq), -np.inf)
+    part_l = np.zeros((b, splits, hq))
+    part_acc = np.zeros((b, splits, hq, d))
+    for s in range(splits):
+        lo, hi = bounds[s], bounds[s + 1]
+        if hi > lo:
+            top = scores[..., lo:hi].max(axis=-1)
+            w = np.exp(scores[..., lo:hi] - top[..., None])
+            part_m[:, s], part_l[:, s] = top, w.sum(axis=-1)
+            part_acc[:, s] = np.einsum("bhn,bhnd->bhd", w, values[:, :, lo:hi])
+    got = merge_partials(
+        mx.array(part_m.astype(np.float32)),
+        mx.array(part_l.astype(np.float32)),
+        mx.array(part_acc.astype(np.float32)),
+        None if sink is None else mx.array(sink.astype(np.float32)),
+    )
+    logits = (
+        scores
+        if sink is None
+        else np.concatenate([scores, np.broadcast_to(sink[None, :, None], (b, hq, 1))], axis=-1)
+    )
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    want = np.einsum("bhn,bhnd->bhd", p[..., :n], values)
+    np.testing.assert_allclose(np.array(got), want, atol=1e-5)

@@ -10,7 +10,9 @@ from ._native import (
     NativePagedAttention,
     NativeRopeScatter,
     backend_available,
+    merge_partials,
     native_backend,
+    split_plan,
 )
 from ._paged_reference import ReferencePagedAttention, window_page_count
 from ._rope_reference import ReferenceRopeScatter, rope_tokens
@@ -35,6 +37,7 @@ __all__ = [
     "ReferenceRopeScatter",
     "ScatterPlan",
     "backend_available",
+    "merge_partials",
     "native_backend",
     "paged_decode_attention",
     "plan_scatter",
@@ -42,5 +45,6 @@ __all__ = [
     "rope_tokens",
     "scatter_token_rows",
     "select_kernels",
+    "split_plan",
     "window_page_count",
 ]

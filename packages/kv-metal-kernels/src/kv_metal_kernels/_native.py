@@ -31,8 +31,10 @@ __all__ = [
     "NativePagedAttention",
     "NativeRopeScatter",
     "backend_available",
+    "merge_partials",
     "native_backend",
     "require_backend",
+    "split_plan",
 ]
 
 #: The native backends this package implements.
@@ -93,8 +95,8 @@ def _kernel(backend: str, kind: str) -> _Kernel:
         outputs = ["q_rot", "k_rot"]
         source = METAL_ROPE_SOURCE if backend == "metal" else CUDA_ROPE_SOURCE
     else:
-        inputs = ["q", "k_pool", "v_pool", "page_table", "seq_lens", "sinks", "params", "meta"]
-        outputs = ["out"]
+        inputs = ["q", "k_pool", "v_pool", "page_table", "seq_lens", "params", "meta"]
+        outputs = ["part_m", "part_l", "part_acc"]
         source = METAL_PAGED_SOURCE if backend == "metal" else CUDA_PAGED_SOURCE
     name = f"kv_{kind}"
     built: Any
@@ -178,9 +180,11 @@ class NativePagedAttention:
     """Paged decode attention reading K/V through the page table inside one JIT kernel.
 
     One threadgroup (Metal) / block (CUDA) of 8 x 32 threads per (group of query heads that
-    share a kv head, request), so each K/V row is read once per group; no gathered copy of
-    K/V is made. Same contract as :class:`ReferencePagedAttention`;
-    ``seq_lens`` must be >= 1 (a request with no visible key returns zeros).
+    share a kv head, request, key range), so each K/V row is read once per group and long
+    contexts spread over many blocks (split-K); the ranges' partial softmax states are
+    combined by :func:`merge_partials`. No gathered copy of K/V is made. Same contract as
+    :class:`ReferencePagedAttention`; ``seq_lens`` must be >= 1 (a request with no visible
+    key and no sink returns zeros).
     """
 
     def __init__(self, backend: str, *, validate: bool = False) -> None:
@@ -216,24 +220,64 @@ class NativePagedAttention:
         if b == 0:
             return mx.zeros_like(q)
         hkv = k_pool.shape[0]
-        has_sinks = sinks is not None
-        sink_arr = (
-            sinks.astype(mx.float32) if sinks is not None else mx.zeros((1,), dtype=mx.float32)
-        )
+        group = paged_group_size(hq, hkv, d)
+        capacity = page_table.shape[1] * page_size
+        bound = capacity if window is None else min(window, capacity)
+        splits, chunk = split_plan(b * (hq // group), bound)
         params = mx.array([float(scale)], dtype=mx.float32)
         meta = mx.array(
-            [hq, hkv, page_size, 0 if window is None else window, int(has_sinks)],
+            [hq, hkv, page_size, 0 if window is None else window, splits, chunk],
             dtype=mx.int32,
         )
         threads = 32 * PAGED_SIMD_GROUPS
-        group = paged_group_size(hq, hkv, d)
-        (out,) = _kernel(self._backend, "paged")(
-            inputs=[q, k_pool, v_pool, page_table, seq_lens, sink_arr, params, meta],
+        part_m, part_l, part_acc = _kernel(self._backend, "paged")(
+            inputs=[q, k_pool, v_pool, page_table, seq_lens, params, meta],
             template=[("T", q.dtype), ("D", d), ("G", group)],
-            grid=(threads, hq // group, b),
+            grid=(threads, hq // group, b * splits),
             threadgroup=(threads, 1, 1),
-            output_shapes=[q.shape],
-            output_dtypes=[q.dtype],
+            output_shapes=[(b, splits, hq), (b, splits, hq), (b, splits, hq, d)],
+            output_dtypes=[mx.float32, mx.float32, mx.float32],
             stream=mx.gpu,
         )
-        return out
+        return merge_partials(part_m, part_l, part_acc, sinks).astype(q.dtype)[:, :, None, :]
+
+
+#: Blocks to aim for per paged-attention launch before splitting contexts further.
+_TARGET_BLOCKS = 512
+#: Fewest keys one split should walk (8 warps x 32 keys).
+_MIN_SPLIT_KEYS = 256
+
+
+def split_plan(blocks: int, bound: int) -> tuple[int, int]:
+    """``(splits, chunk)``: how many key ranges of ``chunk`` positions each request uses.
+
+    ``blocks`` is the launch size without splitting, ``bound`` an upper bound of the keys one
+    request sees (the page table's width, or the window). Splits are added until the launch
+    reaches about ``_TARGET_BLOCKS`` blocks, keeping at least ``_MIN_SPLIT_KEYS`` keys each.
+    """
+    wanted = max(1, -(-_TARGET_BLOCKS // max(blocks, 1)))
+    splits = max(1, min(wanted, bound // _MIN_SPLIT_KEYS, 64))
+    return splits, -(-bound // splits)
+
+
+def merge_partials(
+    part_m: mx.array, part_l: mx.array, part_acc: mx.array, sinks: mx.array | None
+) -> mx.array:
+    """Combine per-split softmax states ``(B, S, Hq)``, ``(B, S, Hq)``, ``(B, S, Hq, D)``.
+
+    Split ``s`` holds its running maximum ``m``, denominator ``l`` and unnormalised output
+    ``acc``, both relative to ``exp(m)``; a split that saw no key has ``m = -inf``, ``l = 0``.
+    The sink logit (one per head) joins the denominator only. Returns ``(B, Hq, D)`` float32;
+    a row with no key and no sink is 0.
+    """
+    top = mx.max(part_m, axis=1)
+    if sinks is not None:
+        top = mx.maximum(top, sinks.astype(mx.float32)[None, :])
+    finite_top = mx.where(mx.isinf(top), 0.0, top)
+    weight = mx.where(mx.isinf(part_m), 0.0, mx.exp(part_m - finite_top[:, None, :]))
+    denom = mx.sum(weight * part_l, axis=1)
+    if sinks is not None:
+        denom = denom + mx.exp(sinks.astype(mx.float32)[None, :] - finite_top)
+    numer = mx.sum(weight[..., None] * part_acc, axis=1)
+    safe = mx.where(denom > 0, denom, 1.0)
+    return mx.where((denom > 0)[..., None], numer / safe[..., None], 0.0)

@@ -3,7 +3,7 @@
 MLX generates each kernel's signature from the input and output names; the bodies below use
 two template constants, ``T`` (float dtype) and ``D`` (head_dim), so one model compiles a
 handful of kernels; everything else (head counts, rotary dims, style, page size, window,
-sinks flag) arrives in a small int32 ``meta`` input. All arithmetic is float32.
+split plan) arrives in a small int32 ``meta`` input. All arithmetic is float32.
 
 RoPE (``ROPE_*``): one thread per (pair ``j`` of head_dim / 2, head ``h`` of q then k, token
 ``t``). Pairs ``j < DIMS / 2`` are rotated (half-split: ``x[j], x[j + DIMS / 2]``; traditional:
@@ -12,13 +12,15 @@ the formula of ``mx.fast.rope``; the other threads copy the pass-through feature
 ``DIMS ..`` two at a time. ``params = [scale, log2(base)]``,
 ``meta = [DIMS, HQ, HKV, TRADITIONAL]``.
 
-Paged decode (``PAGED_*``): one threadgroup / block of ``NSG`` simd groups / warps per
-(group of ``G`` query heads sharing one kv head, request), ``G`` a template constant. Warp
-``w`` walks the request's visible positions ``w, w + NSG, ...``, finds each key through
-``page_table`` (never materialising a gathered copy), loads its K and V row once for all
-``G`` heads and keeps one online-softmax state per head; the warps' states are merged at
-the end, with the optional sink logit in the denominator. ``params = [scale]``,
-``meta = [HQ, HKV, PS, WINDOW (0 = none), HAS_SINKS]``.
+Paged decode (``PAGED_*``, split-K "flash decoding"): one threadgroup / block of ``NSG``
+simd groups / warps per (group of ``G`` query heads sharing one kv head, request, split),
+``G`` a template constant. Split ``s`` covers visible positions
+``start + s * CHUNK .. start + (s + 1) * CHUNK - 1``; warp ``w`` walks every ``NSG``-th of
+them, finds each key through ``page_table`` (never materialising a gathered copy), loads
+its K and V row once for all ``G`` heads and keeps one online-softmax state per head. The
+warps' states are merged into the split's partial ``(max, denominator, unnormalised
+output)``; :func:`merge_partials` combines the splits and the sink logit with MLX ops.
+``params = [scale]``, ``meta = [HQ, HKV, PS, WINDOW (0 = none), SPLITS, CHUNK]``.
 """
 
 from __future__ import annotations
@@ -127,14 +129,19 @@ _PAGED_TEMPLATE = """
     const int HKV = meta[1];
     const int PS = meta[2];
     const int WINDOW = meta[3];
-    const bool HAS_SINKS = meta[4] != 0;
+    const int SPLITS = meta[4];
+    const int CHUNK = meta[5];
     @IDS@
+    const int b = zid / SPLITS;
+    const int split = zid % SPLITS;
     const int h0 = group * G;
     const int kvh = h0 / (HQ / HKV);
     const int max_pages = page_table_shape[1];
     const @I64@ num_slots = k_pool_shape[1];
     const int len = seq_lens[b];
-    const int start = WINDOW > 0 ? @MAX@(len - WINDOW, 0) : 0;
+    const int visible_start = WINDOW > 0 ? @MAX@(len - WINDOW, 0) : 0;
+    const int start = visible_start + split * CHUNK;
+    const int stop = @MIN@(len, start + CHUNK);
     const float neg_inf = @NEG_INF@;
 
     float qv[G][EPT];
@@ -151,7 +158,7 @@ _PAGED_TEMPLATE = """
         m[r] = neg_inf;
         l[r] = 0.0f;
     }
-    for (int pos = start + sg; pos < len; pos += NSG) {
+    for (int pos = start + sg; pos < stop; pos += NSG) {
         const int col = pos / PS;
         if (col >= max_pages) {
             break;
@@ -201,20 +208,23 @@ _PAGED_TEMPLATE = """
         }
         @BARRIER@;
         if (sg == 0) {
-            const int head = h0 + r;
-            const float sink = HAS_SINKS ? static_cast<float>(sinks[head]) : neg_inf;
-            float mx_all = sink;
+            // This split's partial state, relative to its own running maximum.
+            const @I64@ row = (@I64@(b) * SPLITS + split) * HQ + h0 + r;
+            float mx_all = neg_inf;
             for (int i = 0; i < NSG; ++i) {
                 mx_all = @MAX@(mx_all, tg_m[i * G + r]);
             }
-            float denom = HAS_SINKS ? @EXP@(sink - mx_all) : 0.0f;
             float w[NSG];
+            float denom = 0.0f;
             for (int i = 0; i < NSG; ++i) {
                 const float mi = tg_m[i * G + r];
                 w[i] = mi == neg_inf ? 0.0f : @EXP@(mi - mx_all);
                 denom += tg_l[i * G + r] * w[i];
             }
-            const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+            if (lane == 0) {
+                part_m[row] = mx_all;
+                part_l[row] = denom;
+            }
             for (int e = 0; e < EPT; ++e) {
                 const int dd = lane + 32 * e;
                 if (dd < D) {
@@ -222,7 +232,7 @@ _PAGED_TEMPLATE = """
                     for (int i = 0; i < NSG; ++i) {
                         o += tg_acc[i * D + dd] * w[i];
                     }
-                    out[(@I64@(b) * HQ + head) * D + dd] = static_cast<T>(o * inv);
+                    part_acc[row * D + dd] = o;
                 }
             }
         }
@@ -242,11 +252,12 @@ METAL_PAGED_SOURCE = _dialect(
     NSG=str(PAGED_SIMD_GROUPS),
     SHARED="threadgroup",
     IDS="""const int group = threadgroup_position_in_grid.y;
-    const int b = threadgroup_position_in_grid.z;
+    const int zid = threadgroup_position_in_grid.z;
     const int sg = simdgroup_index_in_threadgroup;
     const int lane = thread_index_in_simdgroup;""",
     I64="int64_t",
     MAX="metal::max",
+    MIN="metal::min",
     EXP="metal::exp",
     NEG_INF="-metal::numeric_limits<float>::infinity()",
     WARP_SUM="dot = metal::simd_sum(dot);",
@@ -258,11 +269,12 @@ CUDA_PAGED_SOURCE = _dialect(
     NSG=str(PAGED_SIMD_GROUPS),
     SHARED="__shared__",
     IDS="""const int group = blockIdx.y;
-    const int b = blockIdx.z;
+    const int zid = blockIdx.z;
     const int sg = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;""",
     I64="long",
     MAX="max",
+    MIN="min",
     EXP="expf",
     NEG_INF="__int_as_float(0xff800000)",
     WARP_SUM="""for (int off = 16; off > 0; off >>= 1) {
