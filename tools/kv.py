@@ -109,6 +109,13 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 1 if result.verified is False else 0
 
 
+def _bench_command(argv: Sequence[str]) -> int:
+    from tools.bench_engine import main as bench_main
+
+    bench_main(argv)
+    return 0
+
+
 def _add_demo_options(demo: argparse.ArgumentParser) -> None:
     from tools.tiny_models import ARCHITECTURES
 
@@ -195,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_demo_options(demo)
     demo.set_defaults(handler=_demo_command)
+    bench = commands.add_parser(
+        "bench",
+        add_help=False,
+        help="the engine against mlx-lm's BatchGenerator (bench --help for its options)",
+    )
+    bench.set_defaults(handler=_bench_command)
     layout = commands.add_parser(
         "layout",
         help="print the KV layout of a model",
@@ -237,6 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     known = {"demo", "bench", "layout", "-h", "--help"}
     if not arguments or arguments[0] not in known:
         arguments.insert(0, "demo")  # the demo is the default command
+    if arguments[0] == "bench":
+        # The benchmark owns its options (python -m tools.kv bench --help).
+        return _bench_command(arguments[1:])
     args = parser.parse_args(arguments)
     try:
         status: int = args.handler(args)
