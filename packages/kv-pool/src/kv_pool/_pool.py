@@ -454,17 +454,28 @@ class HybridKVPool:
             plans.append((cut, release, n_new, reclaim))
         return plans
 
-    def _apply(self, req: _Request, plans: list[_Plan], n_tokens: int) -> None:
-        for pool, table, (cut, release, n_new, _) in zip(
-            self._pools, req.tables, plans, strict=True
-        ):
+    def _release(self, req: _Request, plans: list[_Plan]) -> None:
+        for pool, table, (cut, release, _, _) in zip(self._pools, req.tables, plans, strict=True):
             if release:
                 pool.allocator.free(release)
                 table.pages[table.first_live : cut] = array("i", bytes(4 * len(release)))
                 table.first_live = cut
+
+    def _grow(self, req: _Request, plans: list[_Plan], n_tokens: int) -> None:
+        for pool, table, (_, _, n_new, _) in zip(self._pools, req.tables, plans, strict=True):
             if n_new:
                 table.pages.extend(pool.allocator.alloc(n_new))
         req.seq_len += n_tokens
+
+    def _fits_in_order(self, plans: list[list[_Plan]]) -> bool:
+        """True if applying ``plans`` one request after another never runs out of pages."""
+        free = [pool.allocator.num_free for pool in self._pools]
+        for plan in plans:
+            for i, (_, _, n_new, reclaim) in enumerate(plan):
+                free[i] += reclaim - n_new
+                if free[i] < 0:
+                    return False
+        return True
 
     def _check_room(self, needs: list[int], room: list[int]) -> None:
         for pool, need, extra in zip(self._pools, needs, room, strict=True):
@@ -487,7 +498,8 @@ class HybridKVPool:
         plans = self._plan(req, n_tokens)
         self._check_room([p[2] for p in plans], [p[3] for p in plans])
         old = req.seq_len
-        self._apply(req, plans, n_tokens)
+        self._release(req, plans)
+        self._grow(req, plans, n_tokens)
         out: dict[str, mx.array] = {}
         for pool, table in zip(self._pools, req.tables, strict=True):
             size = pool.page_size
@@ -519,8 +531,18 @@ class HybridKVPool:
             [sum(p[i][3] for p in plans) for i in range(width)],
         )
         olds = [req.seq_len for req in reqs]
-        for req, plan in zip(reqs, plans, strict=True):
-            self._apply(req, plan, n_tokens)
+        if self._fits_in_order(plans):
+            # Request by request: the same pages as one reserve per request in batch order.
+            for req, plan in zip(reqs, plans, strict=True):
+                self._release(req, plan)
+                self._grow(req, plan, n_tokens)
+        else:
+            # The room check counted what the whole batch releases, and an earlier request
+            # needs a later one's pages: every release goes before any allocation.
+            for req, plan in zip(reqs, plans, strict=True):
+                self._release(req, plan)
+            for req, plan in zip(reqs, plans, strict=True):
+                self._grow(req, plan, n_tokens)
         out: dict[str, mx.array] = {}
         batch = len(reqs)
         for i, pool in enumerate(self._pools):
@@ -541,15 +563,17 @@ class HybridKVPool:
     def can_reserve(self, demands: dict[int, int]) -> bool:
         """True if reserving ``demands[request_id]`` more tokens for each request would fit.
 
-        Pages a request would release count towards its own sub-pool's room only when no other
-        request shares them.
+        True means one :meth:`reserve` per request succeeds in *any* order (and so does one
+        :meth:`reserve_batch` of them): pages a request would release make room for its own
+        new pages only, never for another request's, since that request may reserve first.
+        Released pages count only when no other request shares them.
         """
         need = [0] * len(self._pools)
         for request_id, n_tokens in demands.items():
             req = self._request(request_id)
             _check_count(n_tokens, "n_tokens", 0)
             for i, (_, _, n_new, reclaim) in enumerate(self._plan(req, n_tokens)):
-                need[i] += n_new - reclaim
+                need[i] += max(0, n_new - reclaim)
         return all(n <= p.allocator.num_free for n, p in zip(need, self._pools, strict=True))
 
     def free_request(self, request_id: int) -> None:
