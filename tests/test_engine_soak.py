@@ -11,8 +11,11 @@ the end every request that finished normally must equal mlx-lm greedy generation
 prompt alone (cut at its stop token / ``max_tokens``), an aborted one must have produced a
 prefix of it, and every page must be free.
 
-The default run covers ``SOAK_SEEDS`` seeds; ``KV_SOAK_SEEDS=start:stop`` runs other ones
-(the long local hunt).
+A second, smaller soak forks a prefilled request at a random point (``fork_request``) and
+continues parent and child through ``PoolBackedKVCache``; both must equal mlx-lm alone.
+
+The default run covers ``SOAK_SEEDS`` and ``FORK_SEEDS`` seeds; ``KV_SOAK_SEEDS=start:stop`` and
+``KV_SOAK_FORK_SEEDS=start:stop`` run other ones (the long local hunt).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
@@ -31,7 +35,7 @@ from kv_batching import DecodeEngine, RequestStatus
 from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
-from kv_protocol import KernelSet, KVCache, KVPool, layout_from_model
+from kv_protocol import KernelSet, KVCache, KVPool, RequestStateError, layout_from_model
 from tools.reference import mlx_lm_greedy
 from tools.tiny_models import build_tiny_model
 
@@ -43,10 +47,10 @@ SOAK_SEEDS = 24
 ARCHS = (("gpt_oss", (2, 3, 4)), ("gemma3_text", (3, 4)), ("cohere2", (4,)))
 
 
-def _seeds() -> list[int]:
-    spec = os.environ.get("KV_SOAK_SEEDS")
+def _seeds(variable: str = "KV_SOAK_SEEDS", default: int = SOAK_SEEDS) -> list[int]:
+    spec = os.environ.get(variable)
     if not spec:
-        return list(range(SOAK_SEEDS))
+        return list(range(default))
     start, _, stop = spec.partition(":")
     return list(range(int(start), int(stop)))
 
@@ -294,3 +298,77 @@ def test_soak_scenarios_cover_the_risky_corners() -> None:
     assert any(r.stops for r in requests)
     assert any(r.abort_at is not None for r in requests)
     assert any(r.abort_in_prefill for r in requests)
+
+
+FORK_SEEDS = 16
+
+
+def _prefill_through(
+    model: nn.Module, caches: list[Any], tokens: Sequence[int], chunks: int
+) -> Any:
+    """Feed ``tokens`` through the model in ``chunks`` roughly equal pieces; last logits."""
+    logits = None
+    step = max(1, -(-len(tokens) // chunks))
+    for start in range(0, len(tokens), step):
+        logits = model(mx.array([list(tokens[start : start + step])]), cache=caches)
+        mx.eval(logits)
+    return logits
+
+
+def _greedy_through(model: nn.Module, caches: list[Any], logits: Any, n: int) -> list[int]:
+    out: list[int] = []
+    while True:
+        out.append(int(mx.argmax(logits[0, -1])))
+        if len(out) == n:
+            return out
+        logits = model(mx.array([[out[-1]]]), cache=caches)
+
+
+@pytest.mark.parametrize("seed", _seeds("KV_SOAK_FORK_SEEDS", FORK_SEEDS))
+def test_fork_then_continue_matches_mlx_lm(seed: int) -> None:
+    """fork_request + PoolBackedKVCache: the child continues a prefix of the parent's prompt
+    with its own suffix, the parent continues its prompt; both equal mlx-lm alone, and a fork
+    the pool refuses is one that needs positions the parent's window released."""
+    rng = random.Random(1000 + seed)
+    arch, layer_choices = ARCHS[seed % len(ARCHS)]
+    window = rng.randint(3, 16)
+    layers = rng.choice(layer_choices)
+    model = tiny(arch, window, layers)
+    layout = layout_from_model(model)
+    page_size = rng.choice([1, 2, 3, 4, 8, 16, 64])
+    pool = HybridKVPool(
+        layout, num_pages=3 * (-(-2 * MAX_PROMPT // page_size)) + 4, page_size=page_size
+    )
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))]
+    pool.add_request(0)
+    parent = [PoolBackedKVCache(pool, 0, i) for i in range(layers)]
+    logits = _prefill_through(model, parent, prompt, rng.choice([1, 2, 4, len(prompt)]))
+    far_back = max(0, len(prompt) - 2 * window)
+    cut = rng.choice([0, len(prompt), rng.randint(0, len(prompt)), rng.randint(0, far_back)])
+    # The fork needs positions >= cut - window + 1 of each sliding sub-pool (from their page).
+    needs_released = False
+    for spec in pool.sub_pools:
+        if spec.window is not None and cut:
+            first_live = pool.page_table(0, spec.name).shape[0] - len(pool.held_pages(0, spec.name))
+            needs_released |= max(0, cut - spec.window + 1) // spec.page_size < first_live
+    if needs_released:
+        with pytest.raises(RequestStateError, match="released"):
+            pool.fork_request(0, 1, cut)
+        assert pool.request_ids == (0,)
+    else:
+        pool.fork_request(0, 1, cut)
+        suffix = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        child = [PoolBackedKVCache(pool, 1, i) for i in range(layers)]
+        assert all(c.offset == cut for c in child)
+        child_logits = _prefill_through(model, child, suffix, rng.randint(1, 3))
+        n = rng.randint(1, 12)
+        got = _greedy_through(model, child, child_logits, n)
+        want = mlx_lm_greedy(model, prompt[:cut] + suffix, n).tokens
+        assert got == want, f"child forked at {cut} of {len(prompt)}"
+        pool.free_request(1)
+    n = rng.randint(1, 12)
+    assert _greedy_through(model, parent, logits, n) == list(
+        greedy(arch, window, layers, tuple(prompt))[:n]
+    )
+    pool.free_request(0)
+    assert all(sub.pages_used == 0 for sub in pool.memory_report().sub_pools)
