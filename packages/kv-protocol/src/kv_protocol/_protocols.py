@@ -185,7 +185,11 @@ class KVPool(Protocol):
         ...
 
     def can_reserve(self, demands: dict[int, int]) -> bool:
-        """True if reserving ``demands[request_id]`` more tokens for each request would fit."""
+        """True if reserving ``demands[request_id]`` more tokens for each request would fit.
+
+        True must mean that one :meth:`reserve` per request succeeds in any order, so the
+        pages one request's reserve would release count as room for its own new pages only.
+        """
         ...
 
     def sub_pool_of(self, layer_id: int) -> str:
