@@ -129,7 +129,8 @@ class FakePagedPool:
             for rid, n in demands.items():
                 self._check(rid)
                 needed, release = sub.plan(sub.tables[rid], self._lens[rid], n)
-                balance += len(release) - needed
+                # A release makes room for the same request's pages only (any order fits).
+                balance -= max(0, needed - len(release))
             if balance < 0:
                 return False
         return True
