@@ -92,9 +92,15 @@ def test_budget_too_small_for_one_request() -> None:
     assert_one_line_error(run_cli("--budget-mib", "0.001"), "too small for one request")
 
 
-def test_bad_numbers() -> None:
-    assert_one_line_error(run_cli("--requests", "0"), "must be >= 1")
+def test_bad_numbers_and_plot_paths(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("--requests", "0"), "--requests must be >= 1")
+    assert_one_line_error(run_cli("--prefill-chunk", "0"), "--prefill-chunk must be >= 1")
+    assert_one_line_error(run_cli("--min-tokens", "0"), "--min-tokens must be >= 1")
     assert_one_line_error(run_cli("--min-prompt", "9", "--max-prompt", "3"), "--min-prompt")
+    assert_one_line_error(run_cli("--min-tokens", "9", "--max-tokens", "3"), "--min-tokens")
+    missing_dir = tmp_path / "nope" / "pages.png"
+    assert_one_line_error(run_cli("--plot", str(missing_dir)), "does not exist")
+    assert_one_line_error(run_cli("--plot", str(tmp_path / "pages.txt")), "name a .png file")
 
 
 def test_help_explains_every_option() -> None:

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import mlx.nn as nn
 
-from kv_batching import DecodeEngine
+from kv_batching import DecodeEngine, unpatch_model_attention
 from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
@@ -290,6 +290,8 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
     outputs = [list(engine.output(rid).tokens) for rid in ids]
     stats = engine.stats
 
+    # The oracle runs on the model exactly as mlx-lm built it: no wrapper in the way.
+    unpatch_model_attention(model)
     verified: bool | None = None
     mismatches: list[int] = []
     measured_check: bool | None = None

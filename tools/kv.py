@@ -76,12 +76,33 @@ def _layout_command(args: argparse.Namespace) -> int:
 def _demo_command(args: argparse.Namespace) -> int:
     from tools.demo import DemoConfig, DemoError, format_result, result_json, run_demo
 
-    if args.requests < 1 or args.max_tokens < 1 or args.page_size < 1 or args.max_running < 1:
-        raise CliError("--requests, --max-tokens, --page-size and --max-running must be >= 1")
+    if args.min_prompt is None:
+        args.min_prompt = min(8, args.max_prompt)
+    if args.min_tokens is None:
+        args.min_tokens = min(16, args.max_tokens)
+    for option in (
+        "requests",
+        "max_tokens",
+        "min_tokens",
+        "page_size",
+        "max_running",
+        "prefill_chunk",
+        "window",
+    ):
+        if getattr(args, option) < 1:
+            raise CliError(f"--{option.replace('_', '-')} must be >= 1")
     if not 1 <= args.min_prompt <= args.max_prompt:
         raise CliError("need 1 <= --min-prompt <= --max-prompt")
+    if args.min_tokens > args.max_tokens:
+        raise CliError("need --min-tokens <= --max-tokens")
     if args.budget_mib is not None and args.budget_mib <= 0:
         raise CliError("--budget-mib must be > 0")
+    if args.plot is not None:
+        plot = Path(args.plot)
+        if plot.suffix.lower() != ".png":
+            raise CliError(f"--plot {plot}: the picture is written as PNG; name a .png file")
+        if not plot.parent.is_dir():
+            raise CliError(f"--plot {plot}: directory {plot.parent} does not exist")
     config = DemoConfig(
         arch=args.arch,
         model_path=args.model,
@@ -89,7 +110,7 @@ def _demo_command(args: argparse.Namespace) -> int:
         requests=args.requests,
         min_prompt=args.min_prompt,
         max_prompt=args.max_prompt,
-        min_tokens=min(args.min_tokens, args.max_tokens),
+        min_tokens=args.min_tokens,
         max_tokens=args.max_tokens,
         page_size=args.page_size,
         budget_mib=args.budget_mib,
@@ -101,9 +122,11 @@ def _demo_command(args: argparse.Namespace) -> int:
         plot=args.plot,
         progress=not args.json and not args.quiet,
     )
+    from kv_protocol import KVCacheError
+
     try:
         result = run_demo(config)
-    except DemoError as exc:
+    except (DemoError, KVCacheError) as exc:
         raise CliError(str(exc)) from exc
     print(result_json(result) if args.json else format_result(result))
     return 1 if result.verified is False else 0
@@ -139,10 +162,16 @@ def _add_demo_options(demo: argparse.ArgumentParser) -> None:
     )
     work = demo.add_argument_group("workload")
     work.add_argument("--requests", type=int, default=16, help="number of prompts (default: 16)")
-    work.add_argument("--min-prompt", type=int, default=8, help="shortest prompt (default: 8)")
+    work.add_argument(
+        "--min-prompt",
+        type=int,
+        help="shortest prompt (default: 8, or --max-prompt if that is smaller)",
+    )
     work.add_argument("--max-prompt", type=int, default=320, help="longest prompt (default: 320)")
     work.add_argument(
-        "--min-tokens", type=int, default=16, help="fewest tokens to generate (default: 16)"
+        "--min-tokens",
+        type=int,
+        help="fewest tokens to generate (default: 16, or --max-tokens if that is smaller)",
     )
     work.add_argument(
         "--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)"
@@ -194,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="command")
     demo = commands.add_parser(
         "demo",
+        prog="python -m tools.kv [demo]",
+        epilog="Other commands: `python -m tools.kv bench --help` (the engine against mlx-lm's "
+        "BatchGenerator) and `python -m tools.kv layout --help` (a model's KV layout).",
         help="(default) serve prompts through the engine, verify against mlx-lm, report",
         description="Serve a batch of prompts through DecodeEngine on HybridKVPool, check "
         "every request's tokens against mlx-lm generating it alone, and report throughput "
@@ -247,7 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit status."""
     parser = build_parser()
     arguments = list(sys.argv[1:] if argv is None else argv)
-    known = {"demo", "bench", "layout", "-h", "--help"}
+    # `--help` with no command goes to the demo, the default command, so it lists every
+    # option; its epilog names the other commands.
+    known = {"demo", "bench", "layout"}
     if not arguments or arguments[0] not in known:
         arguments.insert(0, "demo")  # the demo is the default command
     if arguments[0] == "bench":
