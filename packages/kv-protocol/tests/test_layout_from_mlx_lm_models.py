@@ -66,3 +66,21 @@ def test_a_sliding_window_mapped_to_no_layer_is_refused() -> None:
 def test_a_model_without_layers_is_refused() -> None:
     with pytest.raises(UnsupportedModelError, match="cannot find the decoder layers"):
         layout_from_model(object())
+
+
+def test_an_unknown_layer_type_on_an_attention_layer_is_refused() -> None:
+    model: Any = build_tiny_model("olmo3", window=8)
+    types = ["sliding_attention", "chunked_attention", "full_attention", "x"]
+    model.args.layer_types = model.model.layer_types = types
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 .* 'chunked_attention'"):
+        layout_from_model(model)
+
+
+def test_known_recurrent_layer_types_are_state_layers() -> None:
+    model: Any = build_tiny_model("olmo3", window=8)
+    types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
+    model.args.layer_types = model.model.layer_types = types
+    layout = layout_from_model(model)
+    assert layout.state_layer_ids == (0, 2)
+    assert layout.sliding_layer_ids == (1,)
+    assert layout.full_layer_ids == (3,)

@@ -31,6 +31,9 @@ WINDOW_NAMES = ("window_size", "sliding_window")
 KV_HEAD_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv")
 SLIDING_LAYER_TYPES = frozenset({"sliding_attention", "sliding_window_attention", "local"})
 FULL_LAYER_TYPES = frozenset({"full_attention", "attention", "global"})
+STATE_LAYER_TYPES = frozenset(
+    {"linear_attention", "mamba", "mamba2", "recurrent", "ssm", "conv", "gated_delta"}
+)
 
 
 def _first_attr(obj: object, names: Sequence[str]) -> Any:
@@ -167,9 +170,15 @@ def layout_from_model(model: object, *, dtype: mx.Dtype | None = None) -> CacheL
             sliding = bool(flag)
         elif layer_types is not None:
             kind_name = layer_types[layer_id]
-            if kind_name not in SLIDING_LAYER_TYPES | FULL_LAYER_TYPES:
+            if kind_name in STATE_LAYER_TYPES:
                 specs.append(LayerSpec(layer_id=layer_id, kind=LayerKind.STATE))
                 continue
+            if kind_name not in SLIDING_LAYER_TYPES | FULL_LAYER_TYPES:
+                raise UnsupportedModelError(
+                    f"layer {layer_id} has attention projections but layer type {kind_name!r}, "
+                    "which is neither full, sliding nor a known recurrent type; refusing to "
+                    "guess its KV lifetime"
+                )
             sliding = kind_name in SLIDING_LAYER_TYPES
         elif pattern is not None:
             sliding = layer_id % int(pattern) != int(pattern) - 1
