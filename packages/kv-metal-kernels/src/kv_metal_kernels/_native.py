@@ -10,7 +10,8 @@ import mlx.core as mx
 
 from kv_protocol import KernelUnavailableError, RopeConfig
 
-from ._scatter import plan_scatter, scatter_token_rows
+from ._memo import IdentityMemo
+from ._scatter import ScatterPlan, memoized_plan_scatter, scatter_token_rows
 from ._sources import (
     CUDA_PAGED_SOURCE,
     CUDA_ROPE_SOURCE,
@@ -120,15 +121,16 @@ class NativeRopeScatter:
     ``mx.fast.rope``'s formula in float32. MLX custom kernels cannot write into an input
     buffer, so the pool write is MLX's scatter (see :func:`scatter_token_rows`), which MLX
     runs in place when the old pool buffer is no longer referenced; a negative slot writes
-    nothing, and slots are checked on the host as in :class:`ReferenceRopeScatter`. Supports
-    every :class:`kv_protocol.RopeConfig`: both styles, partial rotary ``dims``, float
-    ``base``, linear ``scale``; f16, bf16, f32.
+    nothing, and slots are checked (and their plan kept per array object) on the host as in
+    :class:`ReferenceRopeScatter`. Supports every :class:`kv_protocol.RopeConfig`: both
+    styles, partial rotary ``dims``, float ``base``, linear ``scale``; f16, bf16, f32.
     """
 
     def __init__(self, backend: str, *, validate: bool = False) -> None:
         require_backend(backend)
         self._backend = backend
         self._validate = validate
+        self._plans: IdentityMemo[ScatterPlan] = IdentityMemo()
 
     @property
     def name(self) -> str:
@@ -153,7 +155,7 @@ class NativeRopeScatter:
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Return ``(q_rot, k_rot, k_pool_new, v_pool_new)``; see the class docstring."""
         check_rope_scatter_args(q, k, v, positions, slots, k_pool, v_pool, rope)
-        plan = plan_scatter(slots, k_pool.shape[1])
+        plan = memoized_plan_scatter(self._plans, slots, k_pool.shape[1])
         if self._validate:
             check_rope_scatter_values(positions)
         t, hq, d = q.shape

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import cast
 
 import mlx.core as mx
 
 from kv_protocol import ShapeMismatchError
 
+from ._memo import IdentityMemo
 from ._validate import check_paged_attention_args, check_paged_attention_values
 
 __all__ = ["ReferencePagedAttention", "window_page_count"]
@@ -86,7 +88,10 @@ class ReferencePagedAttention:
     gathered area by at least a quarter (ragged batches; measured 0.7x of one call on CPU).
     This, and trimming the gather to the longest request, reads ``seq_lens`` back to the
     host (a tiny sync). ``buckets=0`` never reads ``seq_lens`` back and makes one call over
-    every page-table column. ``validate=True`` also checks index values (a device sync).
+    every page-table column. The plan (host lengths, groups, row order) is kept for the
+    last few ``seq_lens`` array objects, so the layers of one decode step, which share one
+    ``seq_lens`` object, read it back once; pass a new array rather than writing into one
+    already passed. ``validate=True`` also checks index values (a device sync).
     """
 
     def __init__(self, *, buckets: int = 4, validate: bool = False) -> None:
@@ -94,6 +99,7 @@ class ReferencePagedAttention:
             raise ShapeMismatchError(f"buckets must be an int >= 0, got {buckets!r}")
         self._buckets = buckets
         self._validate = validate
+        self._plans: IdentityMemo[_BucketPlan] = IdentityMemo()
 
     @property
     def name(self) -> str:
@@ -141,27 +147,71 @@ class ReferencePagedAttention:
         if self._buckets == 0:
             return run(q, page_table, seq_lens, max_pages)
 
-        host_lens = [int(n) for n in cast(list[int], seq_lens.tolist())]
+        plan_key = (page_size, max_pages, window, self._buckets)
+        plan = self._plans.get(seq_lens, plan_key)
+        if plan is None:
+            plan = _plan_buckets(seq_lens, page_size, max_pages, window, self._buckets)
+            self._plans.put(seq_lens, plan_key, plan)
+        if plan.inverse is None:
+            return run(q, page_table, seq_lens, plan.n_all)
+        outs = [
+            run(q[group.rows], page_table[group.rows], group.lens, group.n_cols)
+            for group in plan.groups
+        ]
+        return mx.concatenate(outs, axis=0)[plan.inverse]
 
-        def cols_for(n_tokens: int) -> int:
-            return max(1, min(max_pages, math.ceil(n_tokens / page_size)))
 
-        n_all = cols_for(max(host_lens))
-        sliding = window is not None and window_page_count(window, page_size) < n_all
-        order = sorted(range(b), key=host_lens.__getitem__)
-        groups = _split(order, self._buckets)
-        grouped_area = sum(len(g) * cols_for(host_lens[g[-1]]) for g in groups)
-        if sliding or len(groups) < 2 or grouped_area > 0.75 * b * n_all:
-            return run(q, page_table, seq_lens, n_all)
-        outs = []
-        for group in groups:
-            rows = mx.array(group, dtype=mx.int32)
-            n_cols = cols_for(host_lens[group[-1]])
-            outs.append(run(q[rows], page_table[rows], seq_lens[rows], n_cols))
-        inverse = [0] * b
-        for new_index, old_index in enumerate(order):
-            inverse[old_index] = new_index
-        return mx.concatenate(outs, axis=0)[mx.array(inverse, dtype=mx.int32)]
+@dataclass(frozen=True)
+class _Group:
+    """One SDPA call of a bucketed batch: its ``rows``, their lengths, the columns to read."""
+
+    rows: mx.array
+    lens: mx.array
+    n_cols: int
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """How one ``seq_lens`` array is attended.
+
+    One call over ``n_all`` columns when ``inverse`` is ``None``; else one call per group,
+    whose concatenated outputs are put back in request order by ``inverse``.
+    """
+
+    n_all: int
+    groups: tuple[_Group, ...]
+    inverse: mx.array | None
+
+
+def _plan_buckets(
+    seq_lens: mx.array, page_size: int, max_pages: int, window: int | None, buckets: int
+) -> _BucketPlan:
+    """Read ``seq_lens`` on the host and decide the SDPA calls (``buckets >= 1``)."""
+    host_lens = [int(n) for n in cast(list[int], seq_lens.tolist())]
+    b = len(host_lens)
+
+    def cols_for(n_tokens: int) -> int:
+        return max(1, min(max_pages, math.ceil(n_tokens / page_size)))
+
+    n_all = cols_for(max(host_lens))
+    sliding = window is not None and window_page_count(window, page_size) < n_all
+    order = sorted(range(b), key=host_lens.__getitem__)
+    groups = _split(order, buckets)
+    grouped_area = sum(len(g) * cols_for(host_lens[g[-1]]) for g in groups)
+    if sliding or len(groups) < 2 or grouped_area > 0.75 * b * n_all:
+        return _BucketPlan(n_all=n_all, groups=(), inverse=None)
+    planned = []
+    for group in groups:
+        rows = mx.array(group, dtype=mx.int32)
+        planned.append(
+            _Group(rows=rows, lens=seq_lens[rows], n_cols=cols_for(host_lens[group[-1]]))
+        )
+    inverse = [0] * b
+    for new_index, old_index in enumerate(order):
+        inverse[old_index] = new_index
+    return _BucketPlan(
+        n_all=n_all, groups=tuple(planned), inverse=mx.array(inverse, dtype=mx.int32)
+    )
 
 
 def _split(order: list[int], buckets: int) -> list[list[int]]:

@@ -6,7 +6,8 @@ import mlx.core as mx
 
 from kv_protocol import RopeConfig
 
-from ._scatter import plan_scatter, scatter_token_rows
+from ._memo import IdentityMemo
+from ._scatter import ScatterPlan, memoized_plan_scatter, scatter_token_rows
 from ._validate import check_rope_scatter_args, check_rope_scatter_values
 
 __all__ = ["ReferenceRopeScatter", "rope_tokens"]
@@ -34,11 +35,15 @@ class ReferenceRopeScatter:
     head-major ``(n_kv_heads, num_slots, head_dim)``; a negative slot rotates but writes
     nothing (the pool keeps its exact bits). ``slots`` are read on the host (see
     :func:`plan_scatter`): a slot past the pool end or two tokens writing one slot raise
-    before any work. ``validate=True`` also checks that positions are >= 0 (a device sync).
+    before any work. The plan is kept for the last few ``slots`` array objects, so the
+    layers of one decode step (which share one ``slots`` object per sub-pool) read and check
+    it once; pass a new array rather than writing into one already passed.
+    ``validate=True`` also checks that positions are >= 0 (a device sync).
     """
 
     def __init__(self, *, validate: bool = False) -> None:
         self._validate = validate
+        self._plans: IdentityMemo[ScatterPlan] = IdentityMemo()
 
     @property
     def name(self) -> str:
@@ -63,7 +68,7 @@ class ReferenceRopeScatter:
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Return ``(q_rot, k_rot, k_pool_new, v_pool_new)``; see the class docstring."""
         check_rope_scatter_args(q, k, v, positions, slots, k_pool, v_pool, rope)
-        plan = plan_scatter(slots, k_pool.shape[1])
+        plan = memoized_plan_scatter(self._plans, slots, k_pool.shape[1])
         if self._validate:
             check_rope_scatter_values(positions)
         q_rot = rope_tokens(q, positions, rope)

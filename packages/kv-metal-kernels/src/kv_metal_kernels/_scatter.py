@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import cast
 
 import mlx.core as mx
 
 from kv_protocol import ShapeMismatchError
 
-__all__ = ["ScatterPlan", "plan_scatter", "scatter_token_rows"]
+from ._memo import IdentityMemo
+
+__all__ = ["ScatterPlan", "memoized_plan_scatter", "plan_scatter", "scatter_token_rows"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,16 @@ class ScatterPlan:
     def writes_all(self) -> bool:
         """True when every token is written, in order (no row selection needed)."""
         return len(self.tokens) == self.num_tokens
+
+    @cached_property
+    def token_index(self) -> mx.array:
+        """``tokens`` as an int32 array, built once per plan."""
+        return mx.array(self.tokens, dtype=mx.int32)
+
+    @cached_property
+    def slot_index(self) -> mx.array:
+        """``slots`` as an int32 ``(1, n, 1)`` index for the pool's slot axis, built once."""
+        return mx.array(self.slots, dtype=mx.int32)[None, :, None]
 
 
 def plan_scatter(slots: mx.array | Sequence[int], num_slots: int) -> ScatterPlan:
@@ -57,6 +70,22 @@ def plan_scatter(slots: mx.array | Sequence[int], num_slots: int) -> ScatterPlan
     return ScatterPlan(num_tokens=len(values), tokens=tuple(tokens), slots=tuple(targets))
 
 
+def memoized_plan_scatter(
+    memo: IdentityMemo[ScatterPlan], slots: mx.array, num_slots: int
+) -> ScatterPlan:
+    """:func:`plan_scatter`, reused for the same ``slots`` array object and ``num_slots``.
+
+    Every layer of a decode step passes one ``slots`` object per sub-pool, so the host read
+    and the checks run once per step. A new array is always planned (and checked) afresh;
+    bad slots raise and are never stored.
+    """
+    plan = memo.get(slots, num_slots)
+    if plan is None:
+        plan = plan_scatter(slots, num_slots)
+        memo.put(slots, num_slots, plan)
+    return plan
+
+
 def scatter_token_rows(pool: mx.array, plan: ScatterPlan, rows: mx.array) -> mx.array:
     """Return ``pool (H, num_slots, D)`` with token-major ``rows (T, H, D)`` written per plan.
 
@@ -69,6 +98,5 @@ def scatter_token_rows(pool: mx.array, plan: ScatterPlan, rows: mx.array) -> mx.
         return pool
     rows = rows.astype(pool.dtype)
     if not plan.writes_all:
-        rows = rows[mx.array(plan.tokens, dtype=mx.int32)]
-    index = mx.array(plan.slots, dtype=mx.int32)[None, :, None]
-    return mx.put_along_axis(pool, index, rows.swapaxes(0, 1), axis=1)
+        rows = rows[plan.token_index]
+    return mx.put_along_axis(pool, plan.slot_index, rows.swapaxes(0, 1), axis=1)
