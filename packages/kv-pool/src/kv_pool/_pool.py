@@ -40,6 +40,11 @@ def _int32(buffer: array[int] | memoryview) -> mx.array:
     return mx.array(cast(Any, buffer))
 
 
+#: How many slot arrays a pool remembers as valid (FIFO): a decode step issues one per
+#: sub-pool, a prefill chunk one or two per layer.
+_KNOWN_SLOTS = 64
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -255,6 +260,10 @@ class HybridKVPool:
                 self._by_attention[layout.attention_index(layer_id)] = (i, local)
         self._requests: dict[int, _Request] = {}
         self._counter: LayerTransferCounter | None = None
+        # id -> (array, sub-pool index) of the slot arrays known valid for writes in that
+        # sub-pool (issued by this pool or checked once); holding the arrays keeps their ids
+        # from being reused while they are listed.
+        self._known_slots: dict[int, tuple[mx.array, int]] = {}
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -501,15 +510,15 @@ class HybridKVPool:
         self._release(req, plans)
         self._grow(req, plans, n_tokens)
         out: dict[str, mx.array] = {}
-        for pool, table in zip(self._pools, req.tables, strict=True):
+        for i, (pool, table) in enumerate(zip(self._pools, req.tables, strict=True)):
             size = pool.page_size
             if n_tokens == 1:
                 slot = table.pages[old // size] * size + old % size
-                out[pool.name] = mx.array([slot], dtype=mx.int32)
+                out[pool.name] = self._issue(mx.array([slot], dtype=mx.int32), i)
             elif n_tokens == 0:
                 out[pool.name] = mx.zeros((0,), dtype=mx.int32)
             else:
-                out[pool.name] = _int32(table.slots(old, old + n_tokens, size))
+                out[pool.name] = self._issue(_int32(table.slots(old, old + n_tokens, size)), i)
         return out
 
     def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
@@ -557,7 +566,8 @@ class HybridKVPool:
                     flat.append(table.pages[old // size] * size + old % size)
                 else:
                     flat.extend(table.slots(old, old + n_tokens, size))
-            out[pool.name] = _int32(memoryview(flat).cast("B").cast("i", (batch, n_tokens)))
+            shaped = memoryview(flat).cast("B").cast("i", (batch, n_tokens))
+            out[pool.name] = self._issue(_int32(shaped), i)
         return out
 
     def can_reserve(self, demands: dict[int, int]) -> bool:
@@ -712,7 +722,9 @@ class HybridKVPool:
             table = req.tables[index]
             self._check_position(req, table, spec, pos)
             slots.append(table.pages[pos // size] * size + pos % size)
-        return mx.array(slots, dtype=mx.int32)
+        out = mx.array(slots, dtype=mx.int32)
+        # Two requests sharing a page can name one slot: such an array is for reads only.
+        return self._issue(out, index) if len(set(slots)) == len(slots) else out
 
     def token_slots(self, request_id: int, layer_id: int, start: int, stop: int) -> mx.array:
         """int32 slots of token positions ``start .. stop - 1`` of the request for that layer.
@@ -722,7 +734,8 @@ class HybridKVPool:
         """
         pool, _ = self._entry(layer_id)
         req = self._request(request_id)
-        table = req.tables[self._index_of_name[pool.spec.name]]
+        index = self._index_of_name[pool.spec.name]
+        table = req.tables[index]
         for value in (start, stop):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise RequestStateError(f"start and stop must be ints, got {value!r}")
@@ -734,7 +747,7 @@ class HybridKVPool:
         if start == stop:
             return mx.zeros((0,), dtype=mx.int32)
         self._check_position(req, table, pool.spec, start)
-        return _int32(table.slots(start, stop, pool.spec.page_size))
+        return self._issue(_int32(table.slots(start, stop, pool.spec.page_size)), index)
 
     # ------------------------------------------------------------------ buffers
 
@@ -795,15 +808,63 @@ class HybridKVPool:
         pool.keys[local] = keys
         pool.values[local] = values
 
+    def _issue(self, slots: mx.array, index: int) -> mx.array:
+        """Remember ``slots`` (distinct, in range of sub-pool ``index``) as valid; return it."""
+        known = self._known_slots
+        known[id(slots)] = (slots, index)
+        if len(known) > _KNOWN_SLOTS:
+            del known[next(iter(known))]
+        return slots
+
     def _check_slots(self, layer_id: int, slots: mx.array) -> int:
+        """Check the rank and dtype of ``slots``; return ``T``."""
         if not isinstance(slots, mx.array) or slots.ndim != 1:
             got = f"shape {tuple(slots.shape)}" if isinstance(slots, mx.array) else repr(slots)
             raise ShapeMismatchError(f"layer {layer_id}: slots must be a 1-D mx.array, got {got}")
-        if not mx.issubdtype(slots.dtype, mx.integer):
+        if slots.dtype != mx.int32:
             raise ShapeMismatchError(
-                f"layer {layer_id}: slots must have an integer dtype, got {slots.dtype}"
+                f"layer {layer_id}: slots must have the integer dtype int32, got {slots.dtype}"
             )
         return int(slots.shape[0])
+
+    def _trust_slots(self, layer_id: int, slots: mx.array, *, write: bool) -> None:
+        """Check the values of ``slots`` for a read (``write=False``) or write of the layer.
+
+        Arrays this pool issued (or already checked for a write) are trusted by identity, so
+        the decode path needs no device read; any other array is read on the host once.
+        """
+        index = self._by_attention[self._layout.attention_index(layer_id)][0]
+        known = self._known_slots.get(id(slots))
+        if known is None or known[0] is not slots or known[1] != index:
+            self._check_slot_values(layer_id, slots, write=write)
+            if write:
+                self._issue(slots, index)
+
+    def _check_slot_values(self, layer_id: int, slots: mx.array, *, write: bool) -> None:
+        """Read ``slots`` on the host: in range, outside the null page, distinct for a write."""
+        spec = self._entry(layer_id)[0].spec
+        values = cast(list[int], slots.tolist())
+        if not values:
+            return
+        low, high = min(values), max(values)
+        if low < spec.page_size or high >= spec.num_slots:
+            bad = low if low < spec.page_size else high
+            where = "in the null page 0" if 0 <= bad < spec.page_size else "out of range"
+            raise RequestStateError(
+                f"layer {layer_id}: slot {bad} is {where}; slots of sub-pool {spec.name!r} "
+                f"must be in {spec.page_size}..{spec.num_slots - 1} (page 0 is the null page)"
+            )
+        if write and len(set(values)) != len(values):
+            seen: set[int] = set()
+            dup = values[0]
+            for dup in values:
+                if dup in seen:
+                    break
+                seen.add(dup)
+            raise RequestStateError(
+                f"layer {layer_id}: slot {dup} appears more than once in one write; the slots "
+                "of one set_kv must be distinct (the order of a repeated write is undefined)"
+            )
 
     def set_kv(
         self,
@@ -822,7 +883,10 @@ class HybridKVPool:
 
         One scatter per buffer. MLX does the write in place when nothing else references the
         buffer; a live view of it or a pending lazy read of it makes MLX copy the whole
-        buffer. Slot values are not checked (that would need a device sync per call).
+        buffer. ``slots`` must be int32, distinct, and outside the null page; slot arrays the
+        pool issued (``reserve``, ``reserve_batch``, ``token_slots``, ``batch_slots``) are
+        trusted by identity, and any other array is read on the host once before the write.
+        Do not modify a slot array in place after handing it to the pool.
         """
         pool, local = self._entry(layer_id)
         t = self._check_slots(layer_id, slots)
@@ -835,15 +899,20 @@ class HybridKVPool:
                     f"set_kv(layer {layer_id}): {name} must be (T, n_kv_heads, head_dim) = "
                     f"{want} {g.dtype}, got {got}"
                 )
+        self._trust_slots(layer_id, slots, write=True)
         if wait:
             self._wait(layer_id)
         pool.keys[local][:, slots] = keys.transpose(1, 0, 2)
         pool.values[local][:, slots] = values.transpose(1, 0, 2)
 
     def get_kv(self, layer_id: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """Read token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``."""
+        """Read token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``.
+
+        ``slots`` are checked as for :meth:`set_kv`, repeats allowed.
+        """
         pool, local = self._entry(layer_id)
         self._check_slots(layer_id, slots)
+        self._trust_slots(layer_id, slots, write=False)
         self._wait(layer_id)
         k = pool.keys[local][:, slots]
         v = pool.values[local][:, slots]
