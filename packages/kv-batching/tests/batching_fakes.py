@@ -18,6 +18,7 @@ from kv_protocol import (
     CacheLayout,
     LayerKind,
     PoolExhaustedError,
+    RequestStateError,
     RopeConfig,
     UnknownRequestError,
 )
@@ -87,6 +88,7 @@ class FakePagedPool:
             self._values[layer_id] = mx.zeros(shape, dtype=dtype)
         self._lens: dict[int, int] = {}
         self.set_kv_calls = 0
+        self.reserve_batch_calls = 0
         self.replace_calls = 0
 
     # --- bookkeeping -------------------------------------------------------------------
@@ -159,6 +161,42 @@ class FakePagedPool:
                 [self._slot(sub, table, p) for p in range(seq, seq + n_tokens)], dtype=mx.int32
             )
         self._lens[request_id] = seq + n_tokens
+        return out
+
+    def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
+        """All requests at once: every release first, then every allocation (all or nothing)."""
+        self.reserve_batch_calls += 1
+        ids = list(request_ids)
+        for rid in ids:
+            self._check(rid)
+        if len(set(ids)) != len(ids):
+            raise RequestStateError(f"repeated request ids {ids}")
+        plans: dict[str, list[tuple[int, list[int]]]] = {}
+        for sub in self.subs.values():
+            plans[sub.name] = [sub.plan(sub.tables[r], self._lens[r], n_tokens) for r in ids]
+            needed = sum(n for n, _ in plans[sub.name])
+            released = sum(len(rel) for _, rel in plans[sub.name])
+            if needed - released > len(sub.free):
+                raise PoolExhaustedError(
+                    sub_pool=sub.name, pages_requested=needed, pages_free=len(sub.free) + released
+                )
+        out = {}
+        for sub in self.subs.values():
+            for rid, (_, release) in zip(ids, plans[sub.name], strict=True):
+                table = sub.tables[rid]
+                for j in release:
+                    sub.free.append(table[j])
+                    table[j] = 0
+            rows = []
+            for rid, (needed, _) in zip(ids, plans[sub.name], strict=True):
+                table = sub.tables[rid]
+                for _ in range(needed):
+                    table.append(sub.free.pop())
+                seq = self._lens[rid]
+                rows.append([self._slot(sub, table, p) for p in range(seq, seq + n_tokens)])
+            out[sub.name] = mx.array(rows, dtype=mx.int32).reshape(len(ids), n_tokens)
+        for rid in ids:
+            self._lens[rid] += n_tokens
         return out
 
     def _slot(self, sub: _SubPool, table: list[int], position: int) -> int:

@@ -203,6 +203,7 @@ def test_from_pool_reserves_one_token_and_reads_slots_at_the_old_length() -> Non
         pool.add_request(rid)
         pool.reserve(rid, n)
     c = BatchedDecodeContext.from_pool(pool, [10, 11, 12], FakeKernels())
+    assert pool.reserve_batch_calls == 1  # one atomic reservation for the whole batch
     assert c.seq_lens == (5, 1, 9)
     assert [pool.seq_len(r) for r in (10, 11, 12)] == [6, 2, 10]
     assert c.addressing is not None and c.addressing.sub_pools == ("sliding", "full")
@@ -213,6 +214,7 @@ def test_from_pool_reserves_one_token_and_reads_slots_at_the_old_length() -> Non
             for r, s in zip((10, 11, 12), c.seq_lens, strict=True)
         ]
         assert c.new_token_slots[name].tolist() == want
+        assert c.new_token_slots[name].dtype == mx.int32
         assert c.page_tables[name].tolist() == pool.batch_page_table([10, 11, 12], name).tolist()
     assert dict(c.full_kv_pool_index_by_layer) == {1: 0, 3: 1}
     assert c.sub_pool(2) == "sliding" and c.sub_pool(3) == "full"

@@ -28,6 +28,7 @@ from kv_protocol import (
     LayerKindError,
     LayerSpec,
     PoolExhaustedError,
+    RequestStateError,
     ShapeMismatchError,
     UnknownRequestError,
     layout_from_model,
@@ -115,6 +116,25 @@ class FakePool:
             out[name] = mx.array(new, dtype=mx.int32)
         self.lengths[request_id] = old + n_tokens
         return out
+
+    def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
+        for rid in request_ids:
+            self._tables(rid)
+        if len(set(request_ids)) != len(request_ids):
+            raise RequestStateError(f"repeated request ids {list(request_ids)}")
+        for name in self._sub_pools():
+            need = n_tokens * len(request_ids)
+            if len(self.free[name]) < need:
+                raise PoolExhaustedError(
+                    sub_pool=name, pages_requested=need, pages_free=len(self.free[name])
+                )
+        rows = [self.reserve(rid, n_tokens) for rid in request_ids]
+        return {
+            name: mx.array([r[name].tolist() for r in rows], dtype=mx.int32).reshape(
+                len(request_ids), n_tokens
+            )
+            for name in self._sub_pools()
+        }
 
     def can_reserve(self, demands: dict[int, int]) -> bool:
         need = sum(demands.values())

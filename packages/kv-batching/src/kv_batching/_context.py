@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import cast
 
 import mlx.core as mx
 
@@ -15,6 +16,7 @@ from kv_protocol import (
     KVPool,
     LayerKind,
     LayerKindError,
+    PoolExhaustedError,
     RequestStateError,
     ShapeMismatchError,
 )
@@ -194,11 +196,12 @@ class BatchedDecodeContext:
         """Build the context of one decode step for ``request_ids`` from ``pool``.
 
         ``seq_lens`` are read from the pool *before* the new token is reserved. With
-        ``reserve`` (the default) one token is reserved for every request first, atomically:
-        if the pool cannot grant all of them a ``CacheStateError`` is raised and nothing is
-        reserved. Then, per sub-pool, the page table of the batch and the slots of the new
-        tokens are fetched once. ``addressing`` (from :meth:`PoolAddressing.from_pool`)
-        saves re-asking the pool its static layout each step. O(B) host work, no sync.
+        ``reserve`` (the default) one token is reserved for every request first, with one
+        atomic ``reserve_batch`` whose slots become ``new_token_slots``: if the pool cannot
+        grant all of them a ``CacheStateError`` is raised and nothing is reserved. Then, per
+        sub-pool, the page table of the batch is fetched once. ``addressing`` (from
+        :meth:`PoolAddressing.from_pool`) saves re-asking the pool its static layout each
+        step. O(B) host work, no sync.
         """
         ids = list(request_ids)
         if not ids:
@@ -208,15 +211,25 @@ class BatchedDecodeContext:
         plan = addressing if addressing is not None else PoolAddressing.from_pool(pool)
         seq_lens = [pool.seq_len(rid) for rid in ids]
         if reserve:
-            if not pool.can_reserve(dict.fromkeys(ids, 1)):
+            try:
+                reserved = pool.reserve_batch(ids, 1)
+            except PoolExhaustedError as err:
                 raise CacheStateError(
                     f"the pool cannot hold one more token for each of the {len(ids)} requests "
                     f"{ids}; finish or preempt requests first (nothing was reserved)"
+                ) from err
+            # (B, 1) -> (B,) rebuilt from host values, not a lazy reshape: a pool that checks
+            # slot arrays it did not issue then reads host data, never device results.
+            slots = {
+                name: mx.array(
+                    [row[0] for row in cast(list[list[int]], reserved[name].tolist())],
+                    dtype=mx.int32,
                 )
-            for rid in ids:
-                pool.reserve(rid, 1)
+                for name in plan.sub_pools
+            }
+        else:
+            slots = {name: pool.batch_slots(ids, name, seq_lens) for name in plan.sub_pools}
         page_tables = {name: pool.batch_page_table(ids, name) for name in plan.sub_pools}
-        slots = {name: pool.batch_slots(ids, name, seq_lens) for name in plan.sub_pools}
         return cls(
             request_ids=tuple(ids),
             seq_lens=tuple(seq_lens),

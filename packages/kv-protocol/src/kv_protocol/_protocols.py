@@ -184,6 +184,17 @@ class KVPool(Protocol):
         """
         ...
 
+    def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
+        """Reserve ``n_tokens`` more positions for each request, atomically over the batch.
+
+        Atomic over all requests and all sub-pools: returns the new tokens' int32 slots
+        ``(B, n_tokens)`` per sub-pool name, row ``b`` for ``request_ids[b]``. On shortage
+        raises ``PoolExhaustedError`` and nothing changes; an unknown id
+        (``UnknownRequestError``) or a repeated one (``RequestStateError``) changes nothing
+        either.
+        """
+        ...
+
     def can_reserve(self, demands: dict[int, int]) -> bool:
         """True if reserving ``demands[request_id]`` more tokens for each request would fit.
 
