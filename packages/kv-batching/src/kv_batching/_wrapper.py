@@ -10,13 +10,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kv_protocol import (
+    ATTENTION_CHILD_NAMES,
+    KV_HEAD_NAMES,
     CacheLayout,
     CacheStateError,
     LayerKind,
     RopeConfig,
     ShapeMismatchError,
     UnsupportedModelError,
+    attention_module,
     find_layers,
+    first_attr,
     layout_from_model,
 )
 
@@ -32,9 +36,7 @@ __all__ = [
     "unpatch_model_attention",
 ]
 
-ATTENTION_CHILD_NAMES = ("self_attn", "attention", "attn", "self_attention")
 HEAD_COUNT_NAMES = ("n_heads", "num_attention_heads", "num_heads", "n_head")
-KV_HEAD_COUNT_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv")
 SCALE_NAMES = ("scale", "sm_scale")
 PROBE_PREFIX = 5
 
@@ -92,14 +94,6 @@ class _ProbeCache:
             mx.concatenate([self.prefix_keys, keys], axis=2),
             mx.concatenate([self.prefix_values, values], axis=2),
         )
-
-
-def _first_attr(obj: object, names: tuple[str, ...]) -> Any:
-    for name in names:
-        value = getattr(obj, name, None)
-        if value is not None:
-            return value
-    return None
 
 
 def _out_features(linear: Any) -> int | None:
@@ -187,15 +181,15 @@ def _inspect(inner: Any, layer_id: int, sliding: bool) -> AttentionSpec:
                 f"{where}: attention module has no `{name}`; batched decode needs q_proj, "
                 "k_proj, v_proj, o_proj and rope"
             )
-    scale = _first_attr(inner, SCALE_NAMES)
+    scale = first_attr(inner, SCALE_NAMES)
     if scale is None:
         raise UnsupportedModelError(
             f"{where}: cannot determine the attention scale (no `scale` or `sm_scale`)"
         )
     q_out = _out_features(inner.q_proj)
     k_out = _out_features(inner.k_proj)
-    n_heads = _first_attr(inner, HEAD_COUNT_NAMES)
-    n_kv = _first_attr(inner, KV_HEAD_COUNT_NAMES)
+    n_heads = first_attr(inner, HEAD_COUNT_NAMES)
+    n_kv = first_attr(inner, KV_HEAD_NAMES)
     head_dim = getattr(inner, "head_dim", None)
     if head_dim is None and n_heads and q_out:
         head_dim = q_out // int(n_heads)
@@ -431,11 +425,16 @@ class BatchedAttention(nn.Module):
 
 
 def _attention_child(layer: Any) -> tuple[str, Any] | None:
+    """``(attribute name, module)`` of the layer's attention, found by kv_protocol's rule.
+
+    A :class:`BatchedAttention` passes that rule too: its q/k/v projections fall through to
+    the module it wraps.
+    """
+    child = attention_module(layer)
+    if child is None:
+        return None
     for name in ATTENTION_CHILD_NAMES:
-        child = getattr(layer, name, None)
-        if isinstance(child, BatchedAttention):
-            return name, child
-        if child is not None and all(hasattr(child, p) for p in ("q_proj", "k_proj", "v_proj")):
+        if getattr(layer, name, None) is child:
             return name, child
     return None
 

@@ -17,8 +17,11 @@ from ._errors import (
 from ._layer_spec import KVGeometry, LayerKind, LayerSpec
 from ._layout import CacheLayout
 from ._model_layout import (
+    ATTENTION_CHILD_NAMES,
+    KV_HEAD_NAMES,
     attention_module,
     find_layers,
+    first_attr,
     language_model_container,
     layout_from_model,
     model_args,
@@ -38,6 +41,8 @@ from ._protocols import (
 from ._rope import RopeConfig
 
 __all__ = [
+    "ATTENTION_CHILD_NAMES",
+    "KV_HEAD_NAMES",
     "CacheLayout",
     "CacheStateError",
     "DecodeKVCache",
@@ -67,6 +72,7 @@ __all__ = [
     "UnsupportedModelError",
     "attention_module",
     "find_layers",
+    "first_attr",
     "language_model_container",
     "layout_from_model",
     "model_args",

@@ -12,13 +12,17 @@ from ._layer_spec import LayerKind, LayerSpec
 from ._layout import CacheLayout
 
 __all__ = [
+    "ATTENTION_CHILD_NAMES",
+    "KV_HEAD_NAMES",
     "attention_module",
     "find_layers",
+    "first_attr",
     "language_model_container",
     "layout_from_model",
     "model_args",
 ]
 
+#: Attribute names under which a decoder layer holds its attention module, in lookup order.
 ATTENTION_CHILD_NAMES = ("self_attn", "attention", "attn", "self_attention")
 SLIDING_FLAG_NAMES = (
     "is_sliding",
@@ -28,6 +32,7 @@ SLIDING_FLAG_NAMES = (
     "is_swa",
 )
 WINDOW_NAMES = ("window_size", "sliding_window")
+#: Attribute names of an attention module's KV head count, in lookup order.
 KV_HEAD_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv")
 SLIDING_LAYER_TYPES = frozenset({"sliding_attention", "sliding_window_attention", "local"})
 FULL_LAYER_TYPES = frozenset({"full_attention", "attention", "global"})
@@ -36,7 +41,8 @@ STATE_LAYER_TYPES = frozenset(
 )
 
 
-def _first_attr(obj: object, names: Sequence[str]) -> Any:
+def first_attr(obj: object, names: Sequence[str]) -> Any:
+    """The value of the first of ``names`` that ``obj`` has and is not ``None``, else None."""
     for name in names:
         value = getattr(obj, name, None)
         if value is not None:
@@ -106,9 +112,9 @@ def _kv_dtype(attn: Any) -> mx.Dtype:
 
 
 def _geometry(attn: Any, args: object | None, layer_id: int) -> tuple[int, int]:
-    n_kv = _first_attr(attn, KV_HEAD_NAMES)
+    n_kv = first_attr(attn, KV_HEAD_NAMES)
     if n_kv is None and args is not None:
-        n_kv = _first_attr(args, ("num_key_value_heads", "num_kv_heads")) or getattr(
+        n_kv = first_attr(args, ("num_key_value_heads", "num_kv_heads")) or getattr(
             args, "num_attention_heads", None
         )
     k_weight = getattr(getattr(attn, "k_proj", None), "weight", None)
@@ -145,11 +151,11 @@ def layout_from_model(model: object, *, dtype: mx.Dtype | None = None) -> CacheL
     layers = list(getattr(container, "layers"))  # noqa: B009
     args = model_args(model)
     layer_types = _layer_types(model, container, args)
-    pattern = _first_attr(args, ("sliding_window_pattern",)) if args is not None else None
+    pattern = first_attr(args, ("sliding_window_pattern",)) if args is not None else None
     model_window = None
     for owner in (args, container, model):
         if owner is not None and model_window is None:
-            model_window = _first_attr(owner, ("sliding_window", "window_size"))
+            model_window = first_attr(owner, ("sliding_window", "window_size"))
     if layer_types is not None and len(layer_types) != len(layers):
         raise UnsupportedModelError(
             f"layer_types lists {len(layer_types)} entries for {len(layers)} layers"
@@ -162,9 +168,9 @@ def layout_from_model(model: object, *, dtype: mx.Dtype | None = None) -> CacheL
         if attn is None:
             specs.append(LayerSpec(layer_id=layer_id, kind=LayerKind.STATE))
             continue
-        flag = _first_attr(attn, SLIDING_FLAG_NAMES)
+        flag = first_attr(attn, SLIDING_FLAG_NAMES)
         if flag is None:
-            flag = _first_attr(layer, SLIDING_FLAG_NAMES)
+            flag = first_attr(layer, SLIDING_FLAG_NAMES)
         if flag is not None:
             mapped_by_any = True
             sliding = bool(flag)
@@ -187,7 +193,7 @@ def layout_from_model(model: object, *, dtype: mx.Dtype | None = None) -> CacheL
         n_kv, head_dim = _geometry(attn, args, layer_id)
         window = None
         if sliding:
-            window = _first_attr(attn, WINDOW_NAMES) or model_window
+            window = first_attr(attn, WINDOW_NAMES) or model_window
             if window is None:
                 raise UnsupportedModelError(
                     f"layer {layer_id} is a sliding-window layer but the model declares no "
