@@ -39,6 +39,7 @@ from ._protocols import (
     RopeScatterKernel,
 )
 from ._rope import RopeConfig
+from ._validate import as_int, check_int, check_int_sequence, check_number, is_int
 
 __all__ = [
     "ATTENTION_CHILD_NAMES",
@@ -70,9 +71,14 @@ __all__ = [
     "TransferTimeoutError",
     "UnknownRequestError",
     "UnsupportedModelError",
+    "as_int",
     "attention_module",
+    "check_int",
+    "check_int_sequence",
+    "check_number",
     "find_layers",
     "first_attr",
+    "is_int",
     "language_model_container",
     "layout_from_model",
     "model_args",
