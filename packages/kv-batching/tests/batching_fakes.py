@@ -163,6 +163,19 @@ class FakePagedPool:
         self._lens[request_id] = seq + n_tokens
         return out
 
+    def trim_request(self, request_id: int, n_tokens: int) -> None:
+        """Drop the last ``n_tokens`` positions and the pages that no longer hold any."""
+        self._check(request_id)
+        new_len = self._lens[request_id] - n_tokens
+        if n_tokens < 0 or new_len < 0:
+            raise RequestStateError(f"cannot trim {n_tokens} of {self._lens[request_id]}")
+        for sub in self.subs.values():
+            table = sub.tables[request_id]
+            keep = -(-new_len // sub.page_size)
+            sub.free.extend(p for p in table[keep:] if p != 0)
+            del table[keep:]
+        self._lens[request_id] = new_len
+
     def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
         """All requests at once: every release first, then every allocation (all or nothing)."""
         self.reserve_batch_calls += 1

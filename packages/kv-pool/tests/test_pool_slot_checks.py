@@ -115,9 +115,9 @@ def test_issued_slots_skip_the_host_check(monkeypatch: pytest.MonkeyPatch) -> No
     checked: list[Any] = []
     real = HybridKVPool._check_slot_values
 
-    def counting(self: HybridKVPool, *args: Any, **kwargs: Any) -> None:
+    def counting(self: HybridKVPool, *args: Any, **kwargs: Any) -> list[int]:
         checked.append(args)
-        real(self, *args, **kwargs)
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(HybridKVPool, "_check_slot_values", counting)
     pool.add_request(0)

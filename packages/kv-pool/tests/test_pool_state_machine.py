@@ -72,6 +72,8 @@ class MReq:
     pages: dict[str, list[int | None]] = field(default_factory=lambda: {n: [] for n in NAMES})
     codes: dict[int, int] = field(default_factory=dict)
     last_n: int = 1
+    # trimmed since the last reservation: the next query is at seq_len itself
+    trimmed: bool = False
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -192,6 +194,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert slots[name].dtype == mx.int32
         req.seq_len += n
         req.last_n = n
+        req.trimmed = False
         if n:
             for name in NAMES:
                 layer = LAYERS[name][0]
@@ -251,6 +254,7 @@ class PoolMachine(RuleBasedStateMachine):
                     self.next_prov += 1
             req.seq_len += n
             req.last_n = n
+            req.trimmed = False
             if n:
                 row = {name: slots[name][b] for name in NAMES}
                 for name in NAMES:
@@ -324,6 +328,82 @@ class PoolMachine(RuleBasedStateMachine):
             return
         self.pool.free_request(rid)
         del self.model[rid]
+
+    def first_held(self, req: MReq, name: str) -> int:
+        pages = req.pages[name]
+        return next((j for j, p in enumerate(pages) if p is not None), len(pages))
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data(), n=st.integers(min_value=0, max_value=12))
+    def trim(self, data: st.DataObject, n: int) -> None:
+        """Give back the last ``n`` positions: allowed while every window stays whole."""
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        req = self.model[rid]
+        if n > req.seq_len:
+            self.expect_unchanged(RequestStateError, lambda: self.pool.trim_request(rid, n))
+            return
+        new_len = req.seq_len - n
+        for name in NAMES:
+            window, size = WINDOW[name], PAGE[name]
+            first = self.first_held(req, name)
+            if window is not None and first and first * size > max(0, new_len - window + 1):
+                event("trim: refused, window released")
+                self.expect_unchanged(CacheStateError, lambda: self.pool.trim_request(rid, n))
+                return
+        self.pool.trim_request(rid, n)
+        event("trim: done")
+        for name in NAMES:
+            keep = max(math.ceil(new_len / PAGE[name]), self.first_held(req, name))
+            del req.pages[name][keep:]
+        req.codes = {p: c for p, c in req.codes.items() if p < new_len}
+        req.seq_len = new_len
+        req.trimmed = True
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data(), n=st.integers(min_value=1, max_value=6))
+    def rolled_back_reserve(self, data: st.DataObject, n: int) -> None:
+        """A reservation trimmed right away (a failed engine step) leaves no trace."""
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        req = self.model[rid]
+        if not self.pool.can_reserve({rid: n}):
+            return
+        before_len = req.seq_len
+        self._reserve(rid, n)
+        self.pool.trim_request(rid, n)
+        for name in NAMES:
+            keep = max(math.ceil(before_len / PAGE[name]), self.first_held(req, name))
+            del req.pages[name][keep:]
+        req.codes = {p: c for p, c in req.codes.items() if p < before_len}
+        req.seq_len = before_len
+        req.trimmed = True
+        # The next reservation from the same length is served as if nothing happened.
+        self._reserve(rid, 1)
+
+    @precondition(lambda self: bool(self.model))
+    @rule(
+        data=st.data(), layer=st.sampled_from([0, 1, 2, 3]), how=st.sampled_from(["free", "trim"])
+    )
+    def stale_slots_refused(self, data: st.DataObject, layer: int, how: str) -> None:
+        """Slots issued for a request stop being trusted once it lets go of their pages."""
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        req = self.model[rid]
+        name = NAMES[layer]
+        start = self.first_held(req, name) * PAGE[name]
+        if start >= req.seq_len:
+            return
+        slots = self.pool.token_slots(rid, layer, start, req.seq_len)
+        g = LAYOUT.geometry(layer)
+        kv = mx.zeros((req.seq_len - start, g.n_kv_heads, g.head_dim))
+        if how == "free":
+            self.pool.free_request(rid)
+            del self.model[rid]
+        else:
+            self.trim(data, req.seq_len - start)
+            if self.pool.seq_len(rid) != start:
+                return
+        event(f"stale slots after {how}")
+        self.expect_unchanged(CacheStateError, lambda: self.pool.set_kv(layer, slots, kv, kv))
+        self.expect_unchanged(CacheStateError, lambda: self.pool.get_kv(layer, slots))
 
     @rule(name=st.sampled_from(NAMES), data=st.data())
     def bad_page_free(self, name: str, data: st.DataObject) -> None:
@@ -401,7 +481,8 @@ class PoolMachine(RuleBasedStateMachine):
                 window = WINDOW[name]
                 if window is not None:
                     # every query of the last reservation still sees its whole window
-                    needed = max(0, req.seq_len - req.last_n - window + 1)
+                    query = req.seq_len - (0 if req.trimmed else req.last_n)
+                    needed = max(0, query - window + 1)
                     if req.seq_len:
                         assert req.pages[name][needed // size] is not None
                     bound = math.ceil((window - 1 + max(1, req.last_n)) / size) + 1

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from kv_protocol import InvalidPageError, PoolExhaustedError, RequestStateError
+from kv_protocol import InvalidPageError, PoolExhaustedError, check_int, is_int
 
 __all__ = ["PageAllocator"]
 
@@ -16,21 +16,27 @@ class PageAllocator:
     ``alloc`` and ``free`` are O(1) per page (a LIFO free list and a refcount list). Every
     operation validates its whole argument before changing anything, so a failed call (a
     shortage, a double free, a foreign page) leaves the allocator exactly as it was.
+
+    Each page has a *generation* that grows every time one of its owners lets go of it
+    (``free``), so whoever remembers ``(page, generation)`` can tell later whether the page
+    lost an owner in between, and maybe went to another one: the pool uses it to end the
+    trust of the slot arrays it issued. ``drops_total`` counts those events over all pages,
+    so "nothing changed" is one comparison.
     """
 
     def __init__(self, num_pages: int, *, name: str = "pool") -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise RequestStateError(
-                f"PageAllocator {name!r} needs num_pages >= 1 (page 0 is the null page), "
-                f"got {num_pages!r}"
-            )
+        num_pages = check_int(
+            num_pages, f"PageAllocator {name!r} num_pages (page 0 is the null page)", minimum=1
+        )
         self._name = name
         self._num_pages = num_pages
         self._refcounts = [0] * num_pages
+        self._generations = [0] * num_pages
         # Popping from the end hands out low page ids first.
         self._free = list(range(num_pages - 1, 0, -1))
         self._allocated_total = 0
         self._released_total = 0
+        self._drops_total = 0
 
     @property
     def name(self) -> str:
@@ -62,10 +68,24 @@ class PageAllocator:
         """Pages returned to the free list since construction (a statistic)."""
         return self._released_total
 
+    @property
+    def drops_total(self) -> int:
+        """Owner drops (one per page per ``free``) since construction: all generations' sum."""
+        return self._drops_total
+
+    def generation(self, page: int) -> int:
+        """How many times an owner of ``page`` has let go of it since construction."""
+        self.refcount(page)
+        return self._generations[page]
+
+    def generations(self, pages: Sequence[int]) -> list[int]:
+        """The generations of ``pages`` (trusted ids, no checks: the pool's fast path)."""
+        gens = self._generations
+        return [gens[p] for p in pages]
+
     def alloc(self, n: int) -> list[int]:
         """Allocate ``n`` pages atomically (all or none) with refcount 1 each."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise RequestStateError(f"alloc needs a page count >= 0, got {n!r}")
+        n = check_int(n, "alloc's page count", minimum=0)
         if n > len(self._free):
             raise PoolExhaustedError(
                 sub_pool=self._name, pages_requested=n, pages_free=len(self._free)
@@ -81,10 +101,14 @@ class PageAllocator:
         self._allocated_total += n
         return pages
 
-    def _check_owned(self, pages: Sequence[int], what: str) -> Counter[int]:
+    def _check_owned(self, pages: Iterable[int], what: str) -> Counter[int]:
+        if isinstance(pages, str | bytes) or not isinstance(pages, Iterable):
+            raise InvalidPageError(
+                f"{what} in sub-pool {self._name!r}: expected a sequence of page ids, got {pages!r}"
+            )
         counts: Counter[int] = Counter()
         for page in pages:
-            if isinstance(page, bool) or not isinstance(page, int):
+            if not is_int(page):
                 raise InvalidPageError(
                     f"{what} in sub-pool {self._name!r}: page ids must be ints, got {page!r}"
                 )
@@ -98,7 +122,7 @@ class PageAllocator:
                     f"{what} in sub-pool {self._name!r}: page {page} is not owned by this "
                     f"allocator (valid pages are 1..{self._num_pages - 1})"
                 )
-            counts[page] += 1
+            counts[int(page)] += 1
         for page, times in counts.items():
             held = self._refcounts[page]
             if held == 0:
@@ -126,12 +150,14 @@ class PageAllocator:
         ``InvalidPageError`` and changes nothing.
         """
         refcounts = self._refcounts
-        if len(pages) == 1:
+        if type(pages) is list and len(pages) == 1:
             # Fast path for the common single-page free; anything unusual takes the full check.
             page = pages[0]
             if type(page) is int and 0 < page < self._num_pages and refcounts[page] > 0:
                 left = refcounts[page] - 1
                 refcounts[page] = left
+                self._generations[page] += 1
+                self._drops_total += 1
                 if left == 0:
                     self._free.append(page)
                     self._released_total += 1
@@ -140,13 +166,15 @@ class PageAllocator:
         for page, times in counts.items():
             left = refcounts[page] - times
             refcounts[page] = left
+            self._generations[page] += times
+            self._drops_total += times
             if left == 0:
                 self._free.append(page)
                 self._released_total += 1
 
     def refcount(self, page: int) -> int:
         """Current owner count of ``page`` (0 when free); ``InvalidPageError`` for a foreign id."""
-        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self._num_pages:
+        if not is_int(page) or not 0 <= page < self._num_pages:
             raise InvalidPageError(
                 f"page {page!r} is not a page of sub-pool {self._name!r} "
                 f"(valid pages are 0..{self._num_pages - 1})"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -22,6 +22,8 @@ from kv_protocol import (
     RequestStateError,
     ShapeMismatchError,
     UnknownRequestError,
+    as_int,
+    check_int,
 )
 
 from ._allocator import PageAllocator
@@ -40,9 +42,13 @@ def _int32(buffer: array[int] | memoryview) -> mx.array:
     return mx.array(cast(Any, buffer))
 
 
-#: How many slot arrays a pool remembers as valid (FIFO): a decode step issues one per
-#: sub-pool, a prefill chunk one or two per layer.
-_KNOWN_SLOTS = 64
+#: How many slot arrays a pool remembers (FIFO): a decode step issues one per sub-pool, a
+#: prefill chunk two per layer. A remembered array is trusted while its pages keep their
+#: owners and refused after; an older one is checked on the host like any foreign array.
+_KNOWN_SLOTS = 1024
+
+#: Slots are int32: a layer buffer holds at most this many token slots.
+MAX_SLOTS_PER_LAYER = 2**31 - 1
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -50,9 +56,14 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _check_count(value: object, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise RequestStateError(f"{what} must be an int >= {minimum}, got {value!r}")
-    return value
+    return check_int(value, what, minimum=minimum)
+
+
+def _request_ids(request_ids: object, what: str) -> list[int]:
+    """``request_ids`` as a list, refusing a non-sequence (a bare id, a string, a mapping)."""
+    if isinstance(request_ids, str | bytes | Mapping) or not isinstance(request_ids, Iterable):
+        raise RequestStateError(f"{what} takes a sequence of request ids, got {request_ids!r}")
+    return list(request_ids)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,10 +143,21 @@ def _per_group(
         values = [value[n] for n in names]
     else:
         values = [value] * len(names)
-    for name, v in zip(names, values, strict=True):
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise LayoutError(f"{what} of sub-pool {name!r} must be an int >= {minimum}, got {v!r}")
-    return values
+    return [
+        check_int(v, f"{what} of sub-pool {name!r}", minimum=minimum, error=LayoutError)
+        for name, v in zip(names, values, strict=True)
+    ]
+
+
+def _check_slot_capacity(name: str, num_pages: int, page_size: int) -> None:
+    """Refuse a sub-pool whose layer buffers would hold more slots than int32 can address."""
+    slots = num_pages * page_size
+    if slots > MAX_SLOTS_PER_LAYER:
+        raise LayoutError(
+            f"sub-pool {name!r} would have {num_pages} pages x {page_size} tokens = {slots} "
+            f"slots per layer buffer; slots are int32, so at most {MAX_SLOTS_PER_LAYER} "
+            "(use fewer pages, a smaller page size or a smaller budget)"
+        )
 
 
 class _SubPool:
@@ -190,6 +212,26 @@ class _Table:
         return out
 
 
+class _Issued:
+    """A slot array the pool vouches for, with the pages it addresses and their generations.
+
+    The trust lasts while every page is still at the generation it had at issue (no owner let
+    go of any of them in between); ``epoch`` (the allocator's drop count when last confirmed)
+    lets the common case skip the per-page comparison.
+    """
+
+    __slots__ = ("array", "epoch", "generations", "index", "pages")
+
+    def __init__(
+        self, array: mx.array, index: int, pages: list[int], generations: list[int], epoch: int
+    ) -> None:
+        self.array = array
+        self.index = index
+        self.pages = pages
+        self.generations = generations
+        self.epoch = epoch
+
+
 class _Request:
     __slots__ = ("seq_len", "tables")
 
@@ -239,6 +281,8 @@ class HybridKVPool:
         names = [g.name for g in groups]
         sizes = _per_group(page_size, names, "page_size", 1)
         counts = _per_group(num_pages, names, "num_pages", 2)
+        for name, size, count in zip(names, sizes, counts, strict=True):
+            _check_slot_capacity(name, count, size)
         self._layout = layout
         self._pools: list[_SubPool] = []
         self._index_of_name: dict[str, int] = {}
@@ -260,10 +304,10 @@ class HybridKVPool:
                 self._by_attention[layout.attention_index(layer_id)] = (i, local)
         self._requests: dict[int, _Request] = {}
         self._counter: LayerTransferCounter | None = None
-        # id -> (array, sub-pool index) of the slot arrays known valid for writes in that
-        # sub-pool (issued by this pool or checked once); holding the arrays keeps their ids
-        # from being reused while they are listed.
-        self._known_slots: dict[int, tuple[mx.array, int]] = {}
+        # id -> issue record of the slot arrays known valid for writes in one sub-pool
+        # (issued by this pool or checked once); holding the arrays keeps their ids from
+        # being reused while they are listed.
+        self._known_slots: dict[int, _Issued] = {}
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -364,6 +408,7 @@ class HybridKVPool:
                 raise PoolExhaustedError(
                     sub_pool=name, pages_requested=2, pages_free=max(count - 1, 0)
                 )
+            _check_slot_capacity(name, count, sizes[names.index(name)])
             counts[name] = count
         return cls(layout, num_pages=counts, page_size=dict(zip(names, sizes, strict=True)))
 
@@ -416,7 +461,10 @@ class HybridKVPool:
     # ------------------------------------------------------------------ requests
 
     def _request(self, request_id: int) -> _Request:
-        req = self._requests.get(request_id)
+        key = as_int(request_id)
+        if key is None:
+            raise RequestStateError(f"request ids are ints, got {request_id!r}")
+        req = self._requests.get(key)
         if req is None:
             raise UnknownRequestError(f"unknown request id {request_id!r}")
         return req
@@ -432,8 +480,7 @@ class HybridKVPool:
 
     def add_request(self, request_id: int) -> None:
         """Register a new request holding no tokens; ``RequestStateError`` if it exists."""
-        if isinstance(request_id, bool) or not isinstance(request_id, int):
-            raise RequestStateError(f"request ids are ints, got {request_id!r}")
+        request_id = check_int(request_id, "request id")
         if request_id in self._requests:
             raise RequestStateError(f"request {request_id} is already registered")
         self._requests[request_id] = _Request(len(self._pools))
@@ -513,12 +560,15 @@ class HybridKVPool:
         for i, (pool, table) in enumerate(zip(self._pools, req.tables, strict=True)):
             size = pool.page_size
             if n_tokens == 1:
-                slot = table.pages[old // size] * size + old % size
-                out[pool.name] = self._issue(mx.array([slot], dtype=mx.int32), i)
+                page = table.pages[old // size]
+                slot = page * size + old % size
+                out[pool.name] = self._issue(mx.array([slot], dtype=mx.int32), i, [page])
             elif n_tokens == 0:
                 out[pool.name] = mx.zeros((0,), dtype=mx.int32)
             else:
-                out[pool.name] = self._issue(_int32(table.slots(old, old + n_tokens, size)), i)
+                pages = table.pages[old // size : (old + n_tokens - 1) // size + 1].tolist()
+                slots = _int32(table.slots(old, old + n_tokens, size))
+                out[pool.name] = self._issue(slots, i, pages)
         return out
 
     def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
@@ -530,6 +580,7 @@ class HybridKVPool:
         batch) and nothing changes. Repeated ids are a ``RequestStateError``.
         """
         _check_count(n_tokens, "n_tokens", 0)
+        request_ids = _request_ids(request_ids, "reserve_batch")
         reqs = [self._request(r) for r in request_ids]
         if len(set(request_ids)) != len(reqs):
             raise RequestStateError(f"reserve_batch got repeated request ids: {list(request_ids)}")
@@ -560,14 +611,18 @@ class HybridKVPool:
                 continue
             size = pool.page_size
             flat = array("i")
+            pages: list[int] = []
             for req, old in zip(reqs, olds, strict=True):
                 table = req.tables[i]
                 if n_tokens == 1:
-                    flat.append(table.pages[old // size] * size + old % size)
+                    page = table.pages[old // size]
+                    pages.append(page)
+                    flat.append(page * size + old % size)
                 else:
+                    pages.extend(table.pages[old // size : (old + n_tokens - 1) // size + 1])
                     flat.extend(table.slots(old, old + n_tokens, size))
             shaped = memoryview(flat).cast("B").cast("i", (batch, n_tokens))
-            out[pool.name] = self._issue(_int32(shaped), i)
+            out[pool.name] = self._issue(_int32(shaped), i, pages)
         return out
 
     def can_reserve(self, demands: dict[int, int]) -> bool:
@@ -578,6 +633,10 @@ class HybridKVPool:
         new pages only, never for another request's, since that request may reserve first.
         Released pages count only when no other request shares them.
         """
+        if not isinstance(demands, Mapping):
+            raise RequestStateError(
+                f"can_reserve takes a mapping of request id -> tokens, got {demands!r}"
+            )
         need = [0] * len(self._pools)
         for request_id, n_tokens in demands.items():
             req = self._request(request_id)
@@ -587,13 +646,50 @@ class HybridKVPool:
         return all(n <= p.allocator.num_free for n, p in zip(need, self._pools, strict=True))
 
     def free_request(self, request_id: int) -> None:
-        """Release every page of the request and forget it."""
+        """Release every page of the request and forget it.
+
+        Slot arrays issued for its pages stop being trusted: a later write through one raises
+        instead of landing in a page that may belong to another request by then.
+        """
         req = self._request(request_id)
         for pool, table in zip(self._pools, req.tables, strict=True):
             held = table.held()
             if held:
                 pool.allocator.free(held)
-        del self._requests[request_id]
+        del self._requests[int(request_id)]
+
+    def trim_request(self, request_id: int, n_tokens: int) -> None:
+        """Give back the last ``n_tokens`` reserved positions of the request (a rollback).
+
+        Pages that then hold no reserved position return to the free list. A sliding
+        sub-pool must still hold what a query at the new length sees (positions ``>= new_len
+        - window + 1``): trimming back to the length a reservation started from always
+        satisfies that, since a reservation releases only pages no query at that length can
+        see. Otherwise ``CacheStateError``, and nothing changes. The K/V of the kept
+        positions are untouched; the trimmed positions' next write overwrites whatever a
+        failed step left there.
+        """
+        req = self._request(request_id)
+        n_tokens = check_int(n_tokens, "n_tokens", minimum=0, maximum=req.seq_len)
+        new_len = req.seq_len - n_tokens
+        cuts: list[int] = []
+        for pool, table in zip(self._pools, req.tables, strict=True):
+            size = pool.page_size
+            if pool.window is not None and table.first_live:
+                needed = max(0, new_len - pool.window + 1)
+                if table.first_live * size > needed:
+                    raise CacheStateError(
+                        f"cannot trim request {request_id} to {new_len} tokens: sub-pool "
+                        f"{pool.name!r} released positions below {table.first_live * size} "
+                        f"that a query at position {new_len} still sees (from {needed})"
+                    )
+            cuts.append(max(_cdiv(new_len, size), table.first_live))
+        for pool, table, keep in zip(self._pools, req.tables, cuts, strict=True):
+            extra = table.pages[keep:].tolist()
+            if extra:
+                pool.allocator.free(extra)
+                del table.pages[keep:]
+        req.seq_len = new_len
 
     def fork_request(self, parent_id: int, child_id: int, n_tokens: int) -> None:
         """Register ``child_id`` holding the parent's first ``n_tokens`` positions.
@@ -606,8 +702,7 @@ class HybridKVPool:
         for a tail copy) nothing changes.
         """
         parent = self._request(parent_id)
-        if isinstance(child_id, bool) or not isinstance(child_id, int):
-            raise RequestStateError(f"request ids are ints, got {child_id!r}")
+        child_id = check_int(child_id, "request id")
         if child_id in self._requests:
             raise RequestStateError(f"cannot fork into request {child_id}: it is registered")
         _check_count(n_tokens, "n_tokens", 0)
@@ -695,7 +790,7 @@ class HybridKVPool:
         return _int32(memoryview(flat).cast("B").cast("i", (len(tables), width)))
 
     def _check_position(self, req: _Request, table: _Table, spec: SubPoolSpec, pos: int) -> None:
-        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < req.seq_len:
+        if as_int(pos) is None or not 0 <= pos < req.seq_len:
             raise RequestStateError(
                 f"position {pos!r} is outside the request's reserved positions 0..{req.seq_len - 1}"
             )
@@ -710,6 +805,8 @@ class HybridKVPool:
     ) -> mx.array:
         """``(B,)`` int32 slots of ``positions[b]`` of each request ``b`` in the sub-pool."""
         index = self._pool_index(sub_pool)
+        request_ids = _request_ids(request_ids, "batch_slots")
+        positions = _request_ids(positions, "batch_slots positions")
         if len(request_ids) != len(positions):
             raise ShapeMismatchError(
                 f"batch_slots got {len(request_ids)} request ids but {len(positions)} positions"
@@ -717,14 +814,17 @@ class HybridKVPool:
         spec = self._pools[index].spec
         size = spec.page_size
         slots: list[int] = []
+        pages: list[int] = []
         for request_id, pos in zip(request_ids, positions, strict=True):
             req = self._request(request_id)
             table = req.tables[index]
             self._check_position(req, table, spec, pos)
-            slots.append(table.pages[pos // size] * size + pos % size)
+            page = table.pages[pos // size]
+            pages.append(page)
+            slots.append(page * size + pos % size)
         out = mx.array(slots, dtype=mx.int32)
         # Two requests sharing a page can name one slot: such an array is for reads only.
-        return self._issue(out, index) if len(set(slots)) == len(slots) else out
+        return self._issue(out, index, pages) if len(set(slots)) == len(slots) else out
 
     def token_slots(self, request_id: int, layer_id: int, start: int, stop: int) -> mx.array:
         """int32 slots of token positions ``start .. stop - 1`` of the request for that layer.
@@ -736,9 +836,8 @@ class HybridKVPool:
         req = self._request(request_id)
         index = self._index_of_name[pool.spec.name]
         table = req.tables[index]
-        for value in (start, stop):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise RequestStateError(f"start and stop must be ints, got {value!r}")
+        start = check_int(start, "token_slots start")
+        stop = check_int(stop, "token_slots stop")
         if not 0 <= start <= stop <= req.seq_len:
             raise RequestStateError(
                 f"token range {start}..{stop} is not within the request's reserved positions "
@@ -747,7 +846,9 @@ class HybridKVPool:
         if start == stop:
             return mx.zeros((0,), dtype=mx.int32)
         self._check_position(req, table, pool.spec, start)
-        return self._issue(_int32(table.slots(start, stop, pool.spec.page_size)), index)
+        size = pool.spec.page_size
+        pages = table.pages[start // size : (stop - 1) // size + 1].tolist()
+        return self._issue(_int32(table.slots(start, stop, size)), index, pages)
 
     # ------------------------------------------------------------------ buffers
 
@@ -808,13 +909,32 @@ class HybridKVPool:
         pool.keys[local] = keys
         pool.values[local] = values
 
-    def _issue(self, slots: mx.array, index: int) -> mx.array:
-        """Remember ``slots`` (distinct, in range of sub-pool ``index``) as valid; return it."""
+    def _issue(self, slots: mx.array, index: int, pages: list[int]) -> mx.array:
+        """Remember ``slots`` (distinct, in range of sub-pool ``index``) as valid; return it.
+
+        ``pages`` are the physical pages the slots lie in: the trust ends as soon as an owner
+        lets go of one of them (the request is freed or trimmed, or the page leaves its
+        window).
+        """
+        allocator = self._pools[index].allocator
         known = self._known_slots
-        known[id(slots)] = (slots, index)
+        known[id(slots)] = _Issued(
+            slots, index, pages, allocator.generations(pages), allocator.drops_total
+        )
         if len(known) > _KNOWN_SLOTS:
             del known[next(iter(known))]
         return slots
+
+    def _still_owned(self, record: _Issued) -> bool:
+        """True while no owner has let go of a page of an issued slot array."""
+        allocator = self._pools[record.index].allocator
+        released = allocator.drops_total
+        if released == record.epoch:
+            return True
+        if allocator.generations(record.pages) != record.generations:
+            return False
+        record.epoch = released
+        return True
 
     def _check_slots(self, layer_id: int, slots: mx.array) -> int:
         """Check the rank and dtype of ``slots``; return ``T``."""
@@ -835,17 +955,26 @@ class HybridKVPool:
         """
         index = self._by_attention[self._layout.attention_index(layer_id)][0]
         known = self._known_slots.get(id(slots))
-        if known is None or known[0] is not slots or known[1] != index:
-            self._check_slot_values(layer_id, slots, write=write)
+        if known is None or known.array is not slots or known.index != index:
+            values = self._check_slot_values(layer_id, slots, write=write)
             if write:
-                self._issue(slots, index)
+                size = self._pools[index].spec.page_size
+                self._issue(slots, index, sorted({v // size for v in values}))
+            return
+        if not self._still_owned(known):
+            raise CacheStateError(
+                f"layer {layer_id}: this slot array was issued for pages of sub-pool "
+                f"{self._pools[index].name!r} that have been freed since (the request finished, "
+                "was trimmed, or the pages left its window) and may belong to another request "
+                "now; ask the pool for the request's current slots"
+            )
 
-    def _check_slot_values(self, layer_id: int, slots: mx.array, *, write: bool) -> None:
+    def _check_slot_values(self, layer_id: int, slots: mx.array, *, write: bool) -> list[int]:
         """Read ``slots`` on the host: in range, outside the null page, distinct for a write."""
         spec = self._entry(layer_id)[0].spec
         values = cast(list[int], slots.tolist())
         if not values:
-            return
+            return values
         low, high = min(values), max(values)
         if low < spec.page_size or high >= spec.num_slots:
             bad = low if low < spec.page_size else high
@@ -865,6 +994,7 @@ class HybridKVPool:
                 f"layer {layer_id}: slot {dup} appears more than once in one write; the slots "
                 "of one set_kv must be distinct (the order of a repeated write is undefined)"
             )
+        return values
 
     def set_kv(
         self,

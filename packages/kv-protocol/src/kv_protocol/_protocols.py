@@ -195,6 +195,15 @@ class KVPool(Protocol):
         """
         ...
 
+    def trim_request(self, request_id: int, n_tokens: int) -> None:
+        """Give back the request's last ``n_tokens`` reserved positions (a rollback).
+
+        Trimming back to the length a reservation started from always succeeds and undoes
+        its new pages; a trim that would need positions a sliding sub-pool released raises
+        ``CacheStateError`` and changes nothing.
+        """
+        ...
+
     def can_reserve(self, demands: dict[int, int]) -> bool:
         """True if reserving ``demands[request_id]`` more tokens for each request would fit.
 

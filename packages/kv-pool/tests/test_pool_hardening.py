@@ -1,0 +1,197 @@
+"""Hostile-caller regressions: stale slot arrays, trims, bad id and count types, huge pools."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from kv_pool import HybridKVPool, PageAllocator
+from kv_protocol import (
+    CacheLayout,
+    CacheStateError,
+    InvalidPageError,
+    KVCacheError,
+    LayerKind,
+    LayerSpec,
+    LayoutError,
+    RequestStateError,
+)
+
+SLIDING = LayerSpec(layer_id=0, kind=LayerKind.SLIDING, window=4, n_kv_heads=1, head_dim=2)
+FULL = LayerSpec(layer_id=1, kind=LayerKind.FULL, n_kv_heads=1, head_dim=2)
+
+
+def layout() -> CacheLayout:
+    return CacheLayout([SLIDING, FULL])
+
+
+def kv(n: int, value: float) -> mx.array:
+    return mx.full((n, 1, 2), value, dtype=mx.float32)
+
+
+def snapshot(pool: HybridKVPool) -> Any:
+    return (
+        {
+            r: (pool.seq_len(r), [pool.held_pages(r, n) for n in pool.sub_pool_names])
+            for r in pool.request_ids
+        },
+        [pool.num_free_pages(n) for n in pool.sub_pool_names],
+    )
+
+
+@pytest.mark.parametrize("source", ["reserve", "after_reserve_batch", "token_slots", "batch_slots"])
+def test_stale_slots_cannot_overwrite_the_next_owner(source: str) -> None:
+    pool = HybridKVPool(layout(), num_pages=3, page_size=4)
+    pool.add_request(0)
+    reserved = pool.reserve(0, 2)
+    slots = {
+        "reserve": reserved["full"],
+        "after_reserve_batch": None,
+        "token_slots": pool.token_slots(0, 1, 0, 2),
+        "batch_slots": pool.batch_slots([0], "full", [1]),
+    }[source]
+    if slots is None:
+        batch = pool.reserve_batch([0], 1)["full"]
+        pool.set_kv(1, batch.reshape(-1), kv(1, 1.0), kv(1, 1.0))
+        slots = pool.token_slots(0, 1, 0, 3)
+    pool.set_kv(1, slots, kv(slots.shape[0], 1.0), kv(slots.shape[0], 1.0))
+    pool.free_request(0)
+    # The only free page goes to request 1, which writes its own KV there.
+    pool.add_request(1)
+    mine = pool.reserve(1, 2)["full"]
+    pool.set_kv(1, mine, kv(2, 7.0), kv(2, 7.0))
+    with pytest.raises(CacheStateError, match="freed since"):
+        pool.set_kv(1, slots, kv(slots.shape[0], 9.0), kv(slots.shape[0], 9.0))
+    keys, _ = pool.get_kv(1, pool.token_slots(1, 1, 0, 2))
+    assert keys.reshape(-1).tolist() == [7.0] * 4
+
+
+def test_slots_stay_trusted_while_their_pages_keep_their_owner() -> None:
+    pool = HybridKVPool(layout(), num_pages=8, page_size=2)
+    for rid in (0, 1):
+        pool.add_request(rid)
+    slots = pool.reserve(0, 2)["full"]
+    pool.reserve(1, 2)
+    pool.free_request(1)  # another request's pages: no effect on request 0's slots
+    pool.set_kv(1, slots, kv(2, 3.0), kv(2, 3.0))
+    pool.trim_request(0, 2)
+    with pytest.raises(CacheStateError):
+        pool.set_kv(1, slots, kv(2, 3.0), kv(2, 3.0))
+
+
+def test_sliding_release_ends_the_trust_of_old_slots() -> None:
+    pool = HybridKVPool(layout(), num_pages=8, page_size=2)
+    pool.add_request(0)
+    old = pool.reserve(0, 2)["sliding-w4"]
+    for _ in range(6):
+        pool.reserve(0, 1)
+    assert 0 not in [p for p in pool.page_table(0, "sliding-w4").tolist()[:1] if p]
+    with pytest.raises(CacheStateError):
+        pool.set_kv(0, old, kv(2, 1.0), kv(2, 1.0))
+
+
+def test_trim_rolls_back_a_reservation_and_refuses_released_windows() -> None:
+    pool = HybridKVPool(layout(), num_pages=16, page_size=2)
+    pool.add_request(0)
+    pool.reserve(0, 9)
+    before = snapshot(pool)
+    pool.reserve(0, 3)  # releases sliding pages below position 6
+    pool.trim_request(0, 3)
+    assert pool.seq_len(0) == 9
+    free_after = [pool.num_free_pages(n) for n in pool.sub_pool_names]
+    # the reservation's release stays done (nothing at 9 sees those pages); new pages went back
+    assert free_after[1] == before[1][1]
+    assert free_after[0] >= before[1][0]
+    with pytest.raises(CacheStateError, match="released positions"):
+        pool.trim_request(0, 6)
+    for bad in (-1, 10, 1.0, True, "1", None):
+        state = snapshot(pool)
+        with pytest.raises(RequestStateError):
+            pool.trim_request(0, bad)  # type: ignore[arg-type]
+        assert snapshot(pool) == state
+
+
+BAD_IDS: list[Any] = [0.0, 1.5, True, "0", None, [0], (0,)]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+def test_request_ids_must_be_ints(bad: Any) -> None:
+    pool = HybridKVPool(layout(), num_pages=8, page_size=2)
+    pool.add_request(0)
+    pool.reserve(0, 3)
+    state = snapshot(pool)
+    calls = [
+        lambda: pool.free_request(bad),
+        lambda: pool.add_request(bad),
+        lambda: pool.reserve(bad, 1),
+        lambda: pool.seq_len(bad),
+        lambda: pool.reserve_batch([bad]),
+        lambda: pool.can_reserve({bad: 1} if isinstance(bad, int | float | str | tuple) else bad),
+        lambda: pool.trim_request(bad, 0),
+        lambda: pool.page_table(bad, "full"),
+        lambda: pool.fork_request(0, bad, 1),
+    ]
+    for call in calls:
+        with pytest.raises(KVCacheError):
+            call()
+        assert snapshot(pool) == state
+
+
+def test_counts_and_containers_are_checked() -> None:
+    pool = HybridKVPool(layout(), num_pages=8, page_size=2)
+    pool.add_request(0)
+    state = snapshot(pool)
+    calls = [
+        lambda: pool.reserve(0, 1.0),
+        lambda: pool.reserve(0, -1),
+        lambda: pool.reserve(0, True),
+        lambda: pool.reserve_batch(0),
+        lambda: pool.reserve_batch("0"),
+        lambda: pool.reserve_batch([0], 1.0),
+        lambda: pool.can_reserve([0]),
+        lambda: pool.can_reserve({0: 1.5}),
+        lambda: pool.token_slots(0, 1, 0.0, 0),
+        lambda: pool.batch_slots(0, "full", [0]),
+    ]
+    for call in calls:
+        with pytest.raises(RequestStateError):
+            call()
+        assert snapshot(pool) == state
+
+
+def test_allocator_inputs_are_checked() -> None:
+    alloc = PageAllocator(4, name="t")
+    pages = alloc.alloc(2)
+    for bad in (5, "12", None, [1.0], [True]):
+        with pytest.raises(InvalidPageError):
+            alloc.free(bad)  # type: ignore[arg-type]
+        assert alloc.num_free == 1
+    for count in (1.0, -1, True, "1"):
+        with pytest.raises(RequestStateError):
+            alloc.alloc(count)  # type: ignore[arg-type]
+    with pytest.raises(RequestStateError):
+        PageAllocator(2.0)  # type: ignore[arg-type]
+    alloc.free(tuple(pages))
+    assert alloc.num_free == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_pages": 2**31 // 16 + 1, "page_size": 16}, "at most 2147483647"),
+        ({"num_pages": 2**40, "page_size": 1}, "int32"),
+        ({"num_pages": 8.0, "page_size": 2}, "num_pages"),
+        ({"num_pages": 8, "page_size": 2.0}, "page_size"),
+    ],
+)
+def test_pool_size_limits(kwargs: Any, match: str) -> None:
+    with pytest.raises(LayoutError, match=match):
+        HybridKVPool(layout(), **kwargs)
+
+
+def test_from_budget_refuses_a_pool_past_the_slot_limit() -> None:
+    with pytest.raises(LayoutError, match="slots per layer buffer"):
+        HybridKVPool.from_budget(layout(), 2**45, max_context=64, concurrency=1, page_size=16)
+    assert HybridKVPool.from_budget(layout(), 2**20, max_context=64, concurrency=1)
