@@ -63,6 +63,7 @@ class PoolBackedKVCache:
         self._window = spec.window
         geometry = spec.geometry
         self._geometry = (1, geometry.n_kv_heads, geometry.head_dim, geometry.head_dim)
+        self._dtype = geometry.dtype
         self._offset = offset
 
     def __repr__(self) -> str:
@@ -108,18 +109,27 @@ class PoolBackedKVCache:
 
         Returns ``(1, H, n, D)`` for positions ``0 .. offset + S - 1`` (full layer) or
         ``max(0, offset - window + 1) .. offset + S - 1`` (sliding layer).
+
+        Everything is checked (shapes, the pool's dtype) before the pool is touched, and a
+        reservation this call made is given back if the write or the read fails, so a failed
+        call leaves the request and the cache as they were.
         """
-        keys, values = check_kv(_NAME, keys, values, expect=self._geometry)
+        keys, values = check_kv(_NAME, keys, values, expect=self._geometry, dtype=self._dtype)
         pool, rid, layer = self._pool, self._request_id, self._layer_id
         n_new = keys.shape[2]
         stop = self._offset + n_new
         missing = stop - pool.seq_len(rid)
         if missing > 0:
             pool.reserve(rid, missing)
-        slots = pool.token_slots(rid, layer, self._offset, stop)
-        pool.set_kv(layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
-        read = pool.token_slots(rid, layer, self._read_start(self._offset), stop)
-        out_k, out_v = pool.get_kv(layer, read)
+        try:
+            slots = pool.token_slots(rid, layer, self._offset, stop)
+            pool.set_kv(layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+            read = pool.token_slots(rid, layer, self._read_start(self._offset), stop)
+            out_k, out_v = pool.get_kv(layer, read)
+        except BaseException:
+            if missing > 0:
+                pool.trim_request(rid, missing)
+            raise
         self._offset = stop
         return out_k.transpose(1, 0, 2)[None], out_v.transpose(1, 0, 2)[None]
 
