@@ -5,6 +5,7 @@ import pytest
 import kv_protocol
 from kv_protocol import (
     CacheStateError,
+    FusedRopeConfigError,
     InvalidPageError,
     KernelUnavailableError,
     KVCacheError,
@@ -15,6 +16,7 @@ from kv_protocol import (
     RopeConfig,
     ShapeMismatchError,
     TransferTimeoutError,
+    UnknownBackendError,
     UnknownRequestError,
     UnsupportedModelError,
 )
@@ -30,7 +32,21 @@ EXPECTED_BUILTIN = {
     KernelUnavailableError: RuntimeError,
     UnknownRequestError: KeyError,
     TransferTimeoutError: TimeoutError,
+    UnknownBackendError: ValueError,
+    FusedRopeConfigError: ValueError,
+    PoolExhaustedError: MemoryError,
 }
+
+#: Errors that are also a second builtin (or a more specific project error).
+ALSO_DERIVES: dict[type[KVCacheError], tuple[type[Exception], ...]] = {
+    UnknownBackendError: (KernelUnavailableError, RuntimeError),
+}
+
+
+def _make(error: type[KVCacheError]) -> KVCacheError:
+    if error is PoolExhaustedError:
+        return PoolExhaustedError(sub_pool="full", pages_requested=2, pages_free=1)
+    return error("boom")
 
 
 @pytest.mark.parametrize(("error", "builtin"), list(EXPECTED_BUILTIN.items()))
@@ -38,9 +54,12 @@ def test_each_error_is_catchable_both_ways(
     error: type[KVCacheError], builtin: type[Exception]
 ) -> None:
     with pytest.raises(KVCacheError):
-        raise error("boom")
+        raise _make(error)
     with pytest.raises(builtin):
-        raise error("boom")
+        raise _make(error)
+    for also in ALSO_DERIVES.get(error, ()):
+        with pytest.raises(also):
+            raise _make(error)
 
 
 def test_pool_exhausted_names_sub_pool_and_counts() -> None:
@@ -56,14 +75,42 @@ def test_unknown_request_message_is_not_quoted() -> None:
     assert str(UnknownRequestError("request 7 is not known")) == "request 7 is not known"
 
 
-def test_every_exported_error_derives_from_the_base() -> None:
-    errors = [
+def test_every_exported_error_derives_from_the_base_and_a_builtin() -> None:
+    errors = {
         obj
         for name in kv_protocol.__all__
         if isinstance(obj := getattr(kv_protocol, name), type) and issubclass(obj, Exception)
-    ]
-    assert len(errors) == 12
-    assert all(issubclass(e, KVCacheError) for e in errors)
+    }
+    assert KVCacheError in errors
+    concrete = errors - {KVCacheError}
+    # Every exported concrete error is listed above (a new one must be added there) ...
+    assert concrete == set(EXPECTED_BUILTIN)
+    assert len(concrete) == 13
+    for error in concrete:
+        # ... derives from the base and from the builtin callers expect ...
+        assert issubclass(error, KVCacheError), error
+        assert issubclass(error, EXPECTED_BUILTIN[error]), error
+        # ... and that builtin is not Exception itself.
+        assert EXPECTED_BUILTIN[error] is not Exception
+
+
+def test_unknown_backend_is_a_value_error_and_a_kernel_unavailable_error() -> None:
+    err = UnknownBackendError("unknown kernel backend 'bogus'")
+    assert isinstance(err, ValueError)
+    assert isinstance(err, RuntimeError)
+    assert isinstance(err, KernelUnavailableError)
+    assert not issubclass(KernelUnavailableError, ValueError)
+
+
+def test_fused_rope_config_error_keeps_the_design_text() -> None:
+    text = (
+        "BatchedDecodeContext requires full_kv_pool_index_by_layer when the fused AOT RoPE "
+        "+ pool-scatter kernel is active"
+    )
+    with pytest.raises(ValueError) as info:
+        raise FusedRopeConfigError(text)
+    assert str(info.value) == text
+    assert isinstance(info.value, KVCacheError)
 
 
 @pytest.mark.parametrize(

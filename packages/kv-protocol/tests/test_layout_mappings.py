@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -154,7 +155,7 @@ def test_layer_spec_validation_names_the_field(kwargs: dict[str, object], field:
 
 
 def test_negative_layer_id_is_rejected() -> None:
-    with pytest.raises(LayoutError, match="layer_id must be >= 0"):
+    with pytest.raises(LayoutError, match="layer_id must be an int >= 0"):
         LayerSpec(layer_id=-1, kind=LayerKind.FULL, n_kv_heads=1, head_dim=8)
 
 
@@ -171,3 +172,101 @@ def test_geometry_and_bytes() -> None:
     assert "1 full, 1 sliding, 1 state" in layout.describe()
     with pytest.raises(LayerKindError, match="not in layers"):
         layout.spec(3)
+
+
+NON_INT_IDS: list[object] = [1.0, 3.0, 1.5, True, False, None, "1", [1], (1,), {1: 1}, float("nan")]
+
+
+@pytest.mark.parametrize("bad", NON_INT_IDS, ids=repr)
+def test_lookups_refuse_non_int_ids_with_the_exact_text(bad: object) -> None:
+    # 1.0 == 1 and hash(1.0) == hash(1): a plain dict lookup would answer for layer 1.
+    layout = layout_of([LayerKind.SLIDING, LayerKind.FULL, LayerKind.STATE, LayerKind.FULL])
+    lookups = (
+        (layout.full_pool_index, "not in full attention layers", "dict_keys([1, 3])"),
+        (layout.sliding_pool_index, "not in sliding window layers", "dict_keys([0])"),
+        (layout.attention_index, "not in attention layers", "dict_keys([0, 1, 3])"),
+    )
+    for lookup, what, keys in lookups:
+        with pytest.raises(ValueError) as info:
+            lookup(bad)  # type: ignore[arg-type]
+        assert isinstance(info.value, LayerKindError)
+        layer_id = bad
+        assert str(info.value) == f"{layer_id=} {what}: {keys}"
+    with pytest.raises(LayerKindError, match="is not a layer id of this layout"):
+        layout.spec(bad)  # type: ignore[arg-type]
+    with pytest.raises(LayerKindError):
+        layout.kind(bad)  # type: ignore[arg-type]
+
+
+def test_lookups_accept_integer_types_such_as_numpy_ints() -> None:
+    layout = layout_of([LayerKind.SLIDING, LayerKind.FULL, LayerKind.FULL])
+    assert layout.full_pool_index(np.int64(2)) == 1  # type: ignore[arg-type]
+    assert layout.sliding_pool_index(np.int32(0)) == 0  # type: ignore[arg-type]
+    assert layout.attention_index(np.int16(2)) == 2  # type: ignore[arg-type]
+    assert layout.spec(np.int64(1)).layer_id == 1  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("layer_id", 1.0),
+        ("layer_id", True),
+        ("layer_id", "0"),
+        ("window", 8.0),
+        ("window", 7.5),
+        ("window", True),
+        ("window", "8"),
+        ("n_kv_heads", 8.0),
+        ("n_kv_heads", True),
+        ("head_dim", 64.0),
+        ("head_dim", [64]),
+    ],
+    ids=repr,
+)
+def test_layer_spec_refuses_floats_bools_and_strings(field: str, bad: object) -> None:
+    kwargs: dict[str, object] = {
+        "layer_id": 0,
+        "kind": LayerKind.SLIDING,
+        "window": 8,
+        "n_kv_heads": 2,
+        "head_dim": 64,
+    }
+    kwargs[field] = bad
+    with pytest.raises(LayoutError) as info:
+        LayerSpec(**kwargs)  # type: ignore[arg-type]
+    assert field in str(info.value)
+    assert repr(bad) in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_layer_spec_stores_integer_types_as_plain_ints() -> None:
+    spec = LayerSpec(
+        layer_id=np.int64(3),  # type: ignore[arg-type]
+        kind=LayerKind.SLIDING,
+        window=np.int32(8),  # type: ignore[arg-type]
+        n_kv_heads=np.int64(2),  # type: ignore[arg-type]
+        head_dim=np.int64(16),  # type: ignore[arg-type]
+    )
+    values = (spec.layer_id, spec.window, spec.n_kv_heads, spec.head_dim)
+    assert values == (3, 8, 2, 16)
+    assert all(type(v) is int for v in values)
+    assert f"sliding-w{spec.window}" == "sliding-w8"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [None, 5, 2.0, "ab", b"ab", [None], [make_spec(0, LayerKind.FULL), "x"], [1, 2]],
+    ids=repr,
+)
+def test_cache_layout_refuses_what_is_not_an_iterable_of_specs(bad: object) -> None:
+    with pytest.raises(LayoutError, match="CacheLayout takes") as info:
+        CacheLayout(bad)  # type: ignore[arg-type]
+    assert isinstance(info.value, KVCacheError)
+
+
+def test_cache_layout_refuses_a_single_spec_and_accepts_any_iterable() -> None:
+    spec = make_spec(0, LayerKind.FULL)
+    with pytest.raises(LayoutError, match="iterable of LayerSpec"):
+        CacheLayout(spec)  # type: ignore[arg-type]
+    layout = CacheLayout(make_spec(i, LayerKind.FULL) for i in range(3))
+    assert layout.full_layer_ids == (0, 1, 2)

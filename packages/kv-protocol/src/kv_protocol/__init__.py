@@ -2,6 +2,7 @@
 
 from ._errors import (
     CacheStateError,
+    FusedRopeConfigError,
     InvalidPageError,
     KernelUnavailableError,
     KVCacheError,
@@ -11,6 +12,7 @@ from ._errors import (
     RequestStateError,
     ShapeMismatchError,
     TransferTimeoutError,
+    UnknownBackendError,
     UnknownRequestError,
     UnsupportedModelError,
 )
@@ -47,6 +49,7 @@ __all__ = [
     "CacheLayout",
     "CacheStateError",
     "DecodeKVCache",
+    "FusedRopeConfigError",
     "InvalidPageError",
     "KVCache",
     "KVCacheError",
@@ -69,6 +72,7 @@ __all__ = [
     "RopeScatterKernel",
     "ShapeMismatchError",
     "TransferTimeoutError",
+    "UnknownBackendError",
     "UnknownRequestError",
     "UnsupportedModelError",
     "as_int",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "CacheStateError",
+    "FusedRopeConfigError",
     "InvalidPageError",
     "KVCacheError",
     "KernelUnavailableError",
@@ -18,6 +19,7 @@ __all__ = [
     "RequestStateError",
     "ShapeMismatchError",
     "TransferTimeoutError",
+    "UnknownBackendError",
     "UnknownRequestError",
     "UnsupportedModelError",
 ]
@@ -78,6 +80,23 @@ class RequestStateError(KVCacheError, ValueError):
 
 class KernelUnavailableError(KVCacheError, RuntimeError):
     """A kernel backend was requested that this machine or MLX build cannot run."""
+
+
+class UnknownBackendError(KernelUnavailableError, ValueError):
+    """A kernel backend name is not one of the known choices (a bad argument or env value).
+
+    It is a :class:`KernelUnavailableError` (no kernel can be built for that name) and a
+    ``ValueError`` (the name itself is wrong), so ``except RuntimeError`` and ``except
+    ValueError`` both catch it.
+    """
+
+
+class FusedRopeConfigError(KVCacheError, ValueError):
+    """Batched decode enables the fused RoPE + pool-scatter kernel without what it needs.
+
+    The kernel writes K into the full-attention sub-pool, so the decode context must map
+    each full layer to its pool index (``full_kv_pool_index_by_layer``).
+    """
 
 
 class TransferTimeoutError(KVCacheError, TimeoutError):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ._errors import LayerKindError, LayoutError
+from ._validate import check_int
 
 __all__ = ["KVGeometry", "LayerKind", "LayerSpec"]
 
@@ -56,34 +57,35 @@ class LayerSpec:
     dtype: mx.Dtype = mx.float32
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layer_id, int) or isinstance(self.layer_id, bool):
-            raise LayoutError(f"layer_id must be an int, got {self.layer_id!r}")
-        if self.layer_id < 0:
-            raise LayoutError(f"layer_id must be >= 0, got {self.layer_id}")
+        # Ids, windows and head counts are ints (not bools, not floats such as 8.0, which
+        # would name a sub-pool "sliding-w8.0"); integer types such as numpy's are stored as
+        # plain ints.
+        setter = object.__setattr__
+        layer_id = check_int(self.layer_id, "layer_id", minimum=0, error=LayoutError)
+        setter(self, "layer_id", layer_id)
         if not isinstance(self.kind, LayerKind):
             raise LayoutError(f"kind must be a LayerKind, got {self.kind!r}")
         if self.kind is LayerKind.SLIDING:
-            if self.window is None or isinstance(self.window, bool) or self.window < 1:
+            if self.window is None:
                 raise LayoutError(
-                    f"window must be an int >= 1 for SLIDING layer {self.layer_id}, "
-                    f"got {self.window!r}"
+                    f"window must be an int >= 1 for SLIDING layer {layer_id}, got None"
                 )
+            window = check_int(
+                self.window, f"window of SLIDING layer {layer_id}", minimum=1, error=LayoutError
+            )
+            setter(self, "window", window)
         elif self.window is not None:
             raise LayoutError(
-                f"window must be None for {self.kind.name} layer {self.layer_id}, "
-                f"got {self.window!r}"
+                f"window must be None for {self.kind.name} layer {layer_id}, got {self.window!r}"
             )
         for name in ("n_kv_heads", "head_dim"):
             value = getattr(self, name)
             if value is None:
                 if self.kind is not LayerKind.STATE:
-                    raise LayoutError(
-                        f"{name} is required for {self.kind.name} layer {self.layer_id}"
-                    )
-            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LayoutError(
-                    f"{name} must be a positive int for layer {self.layer_id}, got {value!r}"
-                )
+                    raise LayoutError(f"{name} is required for {self.kind.name} layer {layer_id}")
+                continue
+            number = check_int(value, f"{name} of layer {layer_id}", minimum=1, error=LayoutError)
+            setter(self, name, number)
         if not isinstance(self.dtype, mx.Dtype):
             raise LayoutError(f"dtype must be an mlx dtype, got {self.dtype!r}")
 

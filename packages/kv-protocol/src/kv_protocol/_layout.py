@@ -8,12 +8,24 @@ from types import MappingProxyType
 
 from ._errors import LayerKindError, LayoutError
 from ._layer_spec import KVGeometry, LayerKind, LayerSpec
+from ._validate import as_int
 
 __all__ = ["CacheLayout"]
 
 
 def _dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("mlx.core.")
+
+
+def _index(mapping: Mapping[int, int], layer_id: object) -> int | None:
+    """``mapping[layer_id]`` for an int id (not a bool or float), else ``None``.
+
+    A plain dict lookup would find key ``1`` for ``1.0`` (and ``True``) and raise a bare
+    ``TypeError`` for ``[1]``; here both are simply not ids, so the caller raises its
+    ``LayerKindError`` with the same text as for an unknown id.
+    """
+    key = as_int(layer_id)
+    return None if key is None else mapping.get(key)
 
 
 def _dense(ids: tuple[int, ...]) -> Mapping[int, int]:
@@ -52,10 +64,15 @@ class CacheLayout:
     sliding_layer_id_mapping: Mapping[int, int] = field(init=False, repr=False, compare=False)
 
     def __init__(self, specs: Iterable[LayerSpec]) -> None:
-        ordered = tuple(sorted(specs, key=lambda s: s.layer_id))
-        for spec in ordered:
+        if isinstance(specs, str | bytes | LayerSpec) or not isinstance(specs, Iterable):
+            raise LayoutError(
+                f"CacheLayout takes an iterable of LayerSpec objects, got {type(specs).__name__}"
+            )
+        given = list(specs)
+        for spec in given:
             if not isinstance(spec, LayerSpec):
                 raise LayoutError(f"CacheLayout takes LayerSpec objects, got {spec!r}")
+        ordered = tuple(sorted(given, key=lambda s: s.layer_id))
         if not ordered:
             raise LayoutError("CacheLayout needs at least one layer spec")
         ids = [s.layer_id for s in ordered]
@@ -93,13 +110,14 @@ class CacheLayout:
 
     def spec(self, layer_id: int) -> LayerSpec:
         """The spec of ``layer_id``; a ``LayerKindError`` for an id that is not a layer."""
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+        number = as_int(layer_id)
+        if number is None:
             raise LayerKindError(f"{layer_id=} is not a layer id of this layout")
-        if not 0 <= layer_id < len(self.specs):
+        if not 0 <= number < len(self.specs):
             raise LayerKindError(
                 f"{layer_id=} not in layers: valid ids are 0..{len(self.specs) - 1}"
             )
-        return self.specs[layer_id]
+        return self.specs[number]
 
     def kind(self, layer_id: int) -> LayerKind:
         """The lifetime kind of ``layer_id``."""
@@ -115,30 +133,26 @@ class CacheLayout:
 
     def full_pool_index(self, layer_id: int) -> int:
         """Dense index of ``layer_id`` among FULL layers; raises for any other id."""
-        index = self.full_attention_layer_id_mapping.get(layer_id)
-        if index is None or isinstance(layer_id, bool):
-            raise LayerKindError(
-                f"{layer_id=} not in full attention layers: "
-                f"{self.full_attention_layer_id_mapping.keys()}"
-            )
+        mapping = self.full_attention_layer_id_mapping
+        index = _index(mapping, layer_id)
+        if index is None:
+            raise LayerKindError(f"{layer_id=} not in full attention layers: {mapping.keys()}")
         return index
 
     def sliding_pool_index(self, layer_id: int) -> int:
         """Dense index of ``layer_id`` among SLIDING layers; raises for any other id."""
-        index = self.sliding_layer_id_mapping.get(layer_id)
-        if index is None or isinstance(layer_id, bool):
-            raise LayerKindError(
-                f"{layer_id=} not in sliding window layers: {self.sliding_layer_id_mapping.keys()}"
-            )
+        mapping = self.sliding_layer_id_mapping
+        index = _index(mapping, layer_id)
+        if index is None:
+            raise LayerKindError(f"{layer_id=} not in sliding window layers: {mapping.keys()}")
         return index
 
     def attention_index(self, layer_id: int) -> int:
         """Dense index of ``layer_id`` among all attention layers; raises for any other id."""
-        index = self.attention_index_by_layer.get(layer_id)
-        if index is None or isinstance(layer_id, bool):
-            raise LayerKindError(
-                f"{layer_id=} not in attention layers: {self.attention_index_by_layer.keys()}"
-            )
+        mapping = self.attention_index_by_layer
+        index = _index(mapping, layer_id)
+        if index is None:
+            raise LayerKindError(f"{layer_id=} not in attention layers: {mapping.keys()}")
         return index
 
     def full_kv_bytes_per_token(self) -> int:

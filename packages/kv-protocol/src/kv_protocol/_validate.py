@@ -3,7 +3,8 @@
 An id, count or size is an ``int`` (or an integer type with ``__index__``, such as numpy's),
 never a ``bool`` and never a ``float`` (``8.0`` is refused: silently truncating ``1.7`` to
 ``1`` or naming a sub-pool ``sliding-w8.0`` is worse than an error). A number (temperature,
-top-p, a timeout) is a real, finite ``int`` or ``float``, not a ``bool``. Each check raises
+top-p, a timeout) is a real, finite ``int`` or ``float`` (or another real number type, such as
+numpy's ``float32``), not a ``bool``. Each check raises
 the project error the caller names, so ``except KVCacheError`` and the builtin the error
 derives from (``ValueError`` for most) both catch it.
 """
@@ -11,6 +12,7 @@ derives from (``ValueError`` for most) both catch it.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Iterable
 from typing import NoReturn
@@ -119,10 +121,15 @@ def check_number(
 
     ``min_inclusive=False`` makes the lower bound strict (``top_p`` in ``(0, 1]``).
     """
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    number = float(value) if ok else math.nan  # type: ignore[arg-type]
-    low_ok = minimum is None or (number >= minimum if min_inclusive else number > minimum)
-    high_ok = maximum is None or number <= maximum
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    try:
+        number = float(value) if ok else math.nan  # type: ignore[arg-type]
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    # Compare an int exactly: float(2**53 + 1) rounds down and would fail a bound it meets.
+    exact: float = value if ok and isinstance(value, int) else number
+    low_ok = minimum is None or (exact >= minimum if min_inclusive else exact > minimum)
+    high_ok = maximum is None or exact <= maximum
     if not ok or not math.isfinite(number) or not low_ok or not high_ok:
         if minimum is not None and maximum is not None:
             bracket = "[" if min_inclusive else "("
