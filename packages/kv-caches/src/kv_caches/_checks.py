@@ -1,26 +1,79 @@
-"""Input checks shared by the caches: every failure leaves the cache untouched."""
+"""Input checks shared by the caches: every failure leaves the cache untouched.
+
+Counts and sizes follow kv_protocol's one rule (``check_int``/``as_int``): an ``int`` or an
+integer type with ``__index__`` (numpy's), never a ``bool`` and never a ``float``. Each check
+raises the project error the caches have always raised for it: ``LayoutError`` for a size
+that configures a cache, ``ShapeMismatchError`` for a count or an array that does not fit,
+``CacheStateError`` for a trim the cache cannot do.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import mlx.core as mx
 
-from kv_protocol import CacheStateError, LayoutError, ShapeMismatchError
+from kv_protocol import (
+    CacheStateError,
+    KVCacheError,
+    LayoutError,
+    ShapeMismatchError,
+    as_int,
+    check_int,
+)
 
-__all__ = ["check_count", "check_kv", "check_positive", "check_trim"]
+__all__ = [
+    "check_choice",
+    "check_count",
+    "check_flag",
+    "check_kv",
+    "check_positive",
+    "check_trim",
+    "is_empty_state",
+]
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
 
 
 def check_positive(name: str, value: object, *, minimum: int = 1) -> int:
     """``value`` as an ``int >= minimum``, or a ``LayoutError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise LayoutError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+    return check_int(value, name, minimum=minimum, error=LayoutError)
 
 
 def check_count(name: str, value: object) -> int:
     """``value`` as an ``int >= 0``, or a ``ShapeMismatchError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ShapeMismatchError(f"{name} must be an int >= 0, got {value!r}")
+    return check_int(value, name, minimum=0, error=ShapeMismatchError)
+
+
+def check_choice(
+    name: str,
+    value: object,
+    choices: Collection[int],
+    *,
+    error: type[KVCacheError] = LayoutError,
+) -> int:
+    """``value`` as an ``int`` among ``choices`` (``8.0`` and ``True`` are refused)."""
+    number = as_int(value)
+    if number is None or number not in choices:
+        raise error(f"{name} must be one of {tuple(choices)}, got {_describe(value)}")
+    return number
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is a ``bool``, else a ``LayoutError`` naming ``name``."""
+    if not isinstance(value, bool):
+        raise LayoutError(f"{name} must be a bool, got {_describe(value)}")
     return value
+
+
+def is_empty_state(value: object) -> bool:
+    """True for the values that reset a cache's ``state``: ``None``, ``()`` and ``[]``."""
+    return value is None or (isinstance(value, tuple | list) and len(value) == 0)
 
 
 def check_kv(
@@ -36,7 +89,7 @@ def check_kv(
 
     ``expect = (B, H, D_k, D_v)`` pins the batch, head count and head dims (``None`` before
     the cache knows its geometry); ``dtype`` pins the dtype; ``single_token`` requires
-    ``S == 1``.
+    ``S == 1``. Batch, heads and head dims must be at least 1, ``S`` at least 1.
     """
     if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
         raise ShapeMismatchError(
@@ -55,6 +108,11 @@ def check_kv(
         )
     if keys.shape[2] < 1:
         raise ShapeMismatchError(f"{owner}: expected at least one new token, got S = 0")
+    if min(keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]) < 1:
+        raise ShapeMismatchError(
+            f"{owner}: B, n_kv_heads and head_dim must be at least 1, got keys "
+            f"{tuple(keys.shape)} and values {tuple(values.shape)}"
+        )
     if single_token and keys.shape[2] != 1:
         raise ShapeMismatchError(
             f"{owner}: write_token takes one token (B, n_kv_heads, 1, head_dim), got S = "
@@ -78,10 +136,9 @@ def check_kv(
 
 def check_trim(owner: str, n: object, offset: int) -> int:
     """``n`` as an ``int`` in ``0 .. offset``, or a ``CacheStateError``."""
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise CacheStateError(f"{owner}: trim takes an int, got {n!r}")
-    if n < 0 or n > offset:
+    count = check_int(n, f"{owner}: trim's n", error=CacheStateError)
+    if count < 0 or count > offset:
         raise CacheStateError(
-            f"{owner}: cannot trim {n} tokens from offset {offset}; expected 0 <= n <= {offset}"
+            f"{owner}: cannot trim {count} tokens from offset {offset}; expected 0 <= n <= {offset}"
         )
-    return n
+    return count

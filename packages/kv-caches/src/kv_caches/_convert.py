@@ -6,19 +6,15 @@ import mlx.core as mx
 
 from kv_protocol import CacheStateError
 
+from ._checks import check_positive
 from ._contiguous import ContiguousAttentionKVCache
 from ._offset import AttentionOffsetCache
 from ._pool_backed import PoolBackedKVCache
 from ._quantized import QuantizedAttentionKVCache
+from ._storage import StorageCache
 from ._windowed import WindowedAttentionKVCache
 
 __all__ = ["is_storage_backed", "to_contiguous"]
-
-_STORAGE_CACHES = (
-    ContiguousAttentionKVCache,
-    WindowedAttentionKVCache,
-    QuantizedAttentionKVCache,
-)
 
 
 def is_storage_backed(cache: object) -> bool:
@@ -29,7 +25,7 @@ def is_storage_backed(cache: object) -> bool:
     mlx-lm's caches); False for the data-free ``AttentionOffsetCache``, for a
     ``PoolBackedKVCache`` (its K/V live in the pool) and for anything that is not a cache.
     """
-    if isinstance(cache, _STORAGE_CACHES):
+    if isinstance(cache, StorageCache):  # the contiguous, windowed and quantized caches
         return True
     if isinstance(cache, AttentionOffsetCache | PoolBackedKVCache):
         return False
@@ -45,10 +41,12 @@ def to_contiguous(cache: object, *, max_seq_len: int | None = None) -> Contiguou
 
     A contiguous cache is returned as it is. A windowed cache converts only while it still
     holds every token since position 0, a quantized cache is dequantized, a pool-backed cache
-    is read from the pool. ``max_seq_len`` sets the initial capacity of the new cache
-    (default: 4096, or the tokens held if more). Raises ``CacheStateError`` for a windowed
-    cache that has dropped history, for an ``AttentionOffsetCache`` and for unknown objects.
+    is read from the pool. ``max_seq_len`` (an ``int >= 1``, else ``LayoutError``) sets the
+    initial capacity of the new cache (default: 4096, or the tokens held if more). Raises
+    ``CacheStateError`` for a windowed cache that has dropped history, for an
+    ``AttentionOffsetCache`` and for unknown objects.
     """
+    initial = 4096 if max_seq_len is None else check_positive("max_seq_len", max_seq_len)
     if isinstance(cache, ContiguousAttentionKVCache):
         return cache
     keys: mx.array | None
@@ -74,7 +72,7 @@ def to_contiguous(cache: object, *, max_seq_len: int | None = None) -> Contiguou
             "expected a cache of kv_caches"
         )
     n_tokens = 0 if keys is None else int(keys.shape[2])
-    capacity = max(4096 if max_seq_len is None else max_seq_len, n_tokens, 1)
+    capacity = max(initial, n_tokens)
     out = ContiguousAttentionKVCache(max_seq_len=capacity)
     if keys is not None and values is not None:
         out.update_and_fetch(keys, values)

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kv_protocol import CacheStateError, LayoutError, MaskSpec, ShapeMismatchError
+from kv_protocol import CacheStateError, LayoutError, MaskSpec, ShapeMismatchError, check_int
+
+from ._checks import check_count, check_flag
 
 __all__ = ["causal_band_mask", "make_attention_mask", "trailing_window_mask"]
 
 
-def _check_mask_args(N: int, offset: int, window_size: int | None) -> None:
-    if isinstance(N, bool) or not isinstance(N, int) or N < 1:
-        raise ShapeMismatchError(f"N (number of new queries) must be an int >= 1, got {N!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ShapeMismatchError(f"offset must be an int >= 0, got {offset!r}")
-    if window_size is not None and (
-        isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1
-    ):
-        raise LayoutError(f"window_size must be None or an int >= 1, got {window_size!r}")
+def _check_mask_args(
+    N: object, offset: object, window_size: object, return_array: object = False
+) -> tuple[int, int, int | None]:
+    """``(N, offset, window_size)`` as ints, every argument checked before any is used."""
+    n_queries = check_int(N, "N (number of new queries)", minimum=1, error=ShapeMismatchError)
+    start = check_count("offset", offset)
+    window = (
+        None
+        if window_size is None
+        else check_int(window_size, "window_size", minimum=1, error=LayoutError)
+    )
+    check_flag("return_array", return_array)
+    return n_queries, start, window
 
 
 def causal_band_mask(N: int, offset: int, window_size: int | None = None) -> mx.array:
@@ -27,7 +33,7 @@ def causal_band_mask(N: int, offset: int, window_size: int | None = None) -> mx.
     and, with a window, ``j > offset + i - window_size`` (``window_size`` keys, itself
     included).
     """
-    _check_mask_args(N, offset, window_size)
+    N, offset, window_size = _check_mask_args(N, offset, window_size)
     queries = mx.arange(offset, offset + N)[:, None]
     keys = mx.arange(offset + N)[None]
     mask = queries >= keys
@@ -45,7 +51,7 @@ def make_attention_mask(
     one it is ``None`` for a single query, the causal array when ``return_array`` is set, and
     the string ``"causal"`` (mlx's fused causal path) otherwise.
     """
-    _check_mask_args(N, offset, window_size)
+    N, offset, window_size = _check_mask_args(N, offset, window_size, return_array)
     if window_size is not None:
         return causal_band_mask(N, offset, window_size)
     if N == 1:
@@ -72,7 +78,7 @@ def trailing_window_mask(
     query). ``owner`` names the cache in the error raised when a full-context mask (or a
     window wider than the cache's) is asked for after older keys were dropped.
     """
-    _check_mask_args(N, offset, window_size)
+    N, offset, window_size = _check_mask_args(N, offset, window_size, return_array)
     kept = min(offset, window - 1)
     dropped = offset > kept
     if dropped and window_size is None:

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from kv_protocol import CacheStateError, MaskSpec
 
-from ._checks import check_count, check_trim
+from ._checks import check_count, check_trim, is_empty_state
 from ._masks import make_attention_mask
 
 __all__ = ["AttentionOffsetCache"]
@@ -44,7 +44,7 @@ class AttentionOffsetCache:
 
     @state.setter
     def state(self, value: Any) -> None:
-        if value:
+        if not is_empty_state(value):
             raise CacheStateError(
                 f"AttentionOffsetCache holds no data; cannot set a non-empty state {value!r}"
             )
