@@ -20,7 +20,12 @@ from kv_metal_kernels import (
     split_plan,
     window_page_count,
 )
-from kv_protocol import KernelUnavailableError, PagedDecodeAttention, ShapeMismatchError
+from kv_protocol import (
+    KernelUnavailableError,
+    PagedDecodeAttention,
+    RequestStateError,
+    ShapeMismatchError,
+)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 TOL = {"float32": 2e-5, "float16": 5e-3, "bfloat16": 3e-2}
@@ -271,14 +276,14 @@ def test_validate_mode_checks_index_values() -> None:
     kernel = ReferencePagedAttention(validate=True)
     args = _args()
     args["seq_lens"] = mx.array([0, 2], dtype=mx.int32)
-    with pytest.raises(ShapeMismatchError, match="seq_lens must be >= 1"):
+    with pytest.raises(RequestStateError, match="seq_lens must be >= 1"):
         kernel(**args)  # type: ignore[arg-type]
     args["seq_lens"] = mx.array([1, 25], dtype=mx.int32)
-    with pytest.raises(ShapeMismatchError, match="needs more pages"):
+    with pytest.raises(RequestStateError, match="needs more pages"):
         kernel(**args)  # type: ignore[arg-type]
     args["seq_lens"] = mx.array([1, 2], dtype=mx.int32)
     args["page_table"] = mx.array([[4, 0, 0], [1, 0, 0]], dtype=mx.int32)
-    with pytest.raises(ShapeMismatchError, match=r"entries must lie in 0 \.\. 3"):
+    with pytest.raises(RequestStateError, match=r"entries must lie in 0 \.\. 3"):
         kernel(**args)  # type: ignore[arg-type]
 
 

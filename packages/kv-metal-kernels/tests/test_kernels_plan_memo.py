@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import kv_metal_kernels._paged_reference as paged_reference
 import kv_metal_kernels._scatter as scatter_module
 from kv_metal_kernels import ReferencePagedAttention, ReferenceRopeScatter
-from kv_protocol import RopeConfig, ShapeMismatchError
+from kv_protocol import RequestStateError, RopeConfig
 
 PAGE = 4
 HKV, RATIO, D = 2, 2, 64
@@ -119,7 +119,8 @@ def test_attention_memo_is_bounded_and_replans_evicted_arrays(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = counting(monkeypatch, paged_reference, "_plan_buckets")
-    layers = Layers(2, 3, 20, n_layers=1)
+    # max_len 28 (not 20): seq_lens 9 + 19 = 28 must fit the page table, or it is refused.
+    layers = Layers(2, 3, 28, n_layers=1)
     kernel = ReferencePagedAttention()
     arrays = [mx.array([3, 20, 9 + i], dtype=mx.int32) for i in range(20)]
     for arr in arrays:
@@ -229,13 +230,13 @@ def test_rope_checks_every_new_slots_array(bad: list[int], message: str) -> None
     good = mx.array([5, -1, 2, 9], dtype=mx.int32)
     for layer in range(3):
         kernel(**rope_args(layer, 4, good, 16), rope=ROPE)
-    with pytest.raises(ShapeMismatchError, match=message):
+    with pytest.raises(RequestStateError, match=message):
         kernel(**rope_args(0, 4, mx.array(bad, dtype=mx.int32), 16), rope=ROPE)
     # Still raises on every call: a bad array is never stored as planned.
-    with pytest.raises(ShapeMismatchError, match=message):
+    with pytest.raises(RequestStateError, match=message):
         kernel(**rope_args(1, 4, mx.array(bad, dtype=mx.int32), 16), rope=ROPE)
     # The validated array against a smaller pool is checked again, too.
-    with pytest.raises(ShapeMismatchError, match="past the end of the pool"):
+    with pytest.raises(RequestStateError, match="past the end of the pool"):
         kernel(**rope_args(2, 4, good, 9), rope=ROPE)
     # And a new array with the good values still works after the failures.
     kernel(**rope_args(3, 4, mx.array([5, -1, 2, 9], dtype=mx.int32), 16), rope=ROPE)

@@ -19,7 +19,12 @@ from kv_metal_kernels import (
     plan_scatter,
     scatter_token_rows,
 )
-from kv_protocol import KernelUnavailableError, RopeConfig, ShapeMismatchError
+from kv_protocol import (
+    KernelUnavailableError,
+    RequestStateError,
+    RopeConfig,
+    ShapeMismatchError,
+)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # Tolerance of one rounding of the output dtype on values of magnitude ~4.
@@ -286,10 +291,10 @@ def test_rotary_dims_must_fit_and_be_even() -> None:
 def test_slot_past_the_end_and_duplicates_raise_before_any_work() -> None:
     args = _good_args()
     args["slots"] = mx.array([1, 8], dtype=mx.int32)
-    with pytest.raises(ShapeMismatchError, match="slot 8 of token 1 is past the end"):
+    with pytest.raises(RequestStateError, match="slot 8 of token 1 is past the end"):
         ReferenceRopeScatter()(**args, rope=RopeConfig(dims=64))
     args["slots"] = mx.array([3, 3], dtype=mx.int32)
-    with pytest.raises(ShapeMismatchError, match="same pool slot 3"):
+    with pytest.raises(RequestStateError, match="same pool slot 3"):
         ReferenceRopeScatter()(**args, rope=RopeConfig(dims=64))
     args["slots"] = mx.array([-1, -1], dtype=mx.int32)
     ReferenceRopeScatter()(**args, rope=RopeConfig(dims=64))
@@ -298,7 +303,7 @@ def test_slot_past_the_end_and_duplicates_raise_before_any_work() -> None:
 def test_validate_mode_checks_positions() -> None:
     args = _good_args()
     args["positions"] = mx.array([0, -3], dtype=mx.int32)
-    with pytest.raises(ShapeMismatchError, match="positions must be >= 0"):
+    with pytest.raises(RequestStateError, match="positions must be >= 0"):
         ReferenceRopeScatter(validate=True)(**args, rope=RopeConfig(dims=64))
 
 

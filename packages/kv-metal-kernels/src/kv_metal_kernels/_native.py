@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from kv_protocol import KernelUnavailableError, RopeConfig
+from kv_protocol import KernelUnavailableError, RopeConfig, UnknownBackendError
 
 from ._memo import IdentityMemo
 from ._scatter import ScatterPlan, memoized_plan_scatter, scatter_token_rows
@@ -21,8 +21,8 @@ from ._sources import (
     paged_group_size,
 )
 from ._validate import (
+    PagedIndexCheck,
     check_paged_attention_args,
-    check_paged_attention_values,
     check_rope_scatter_args,
     check_rope_scatter_values,
 )
@@ -66,9 +66,13 @@ def native_backend() -> str | None:
 
 
 def require_backend(backend: str) -> None:
-    """Raise :class:`kv_protocol.KernelUnavailableError` unless ``backend`` can run here."""
-    if backend not in NATIVE_BACKENDS:
-        raise KernelUnavailableError(
+    """Raise :class:`kv_protocol.KernelUnavailableError` unless ``backend`` can run here.
+
+    A name that is not a native backend at all is a :class:`kv_protocol.UnknownBackendError`
+    (also a ``ValueError``).
+    """
+    if not isinstance(backend, str) or backend not in NATIVE_BACKENDS:
+        raise UnknownBackendError(
             f"unknown native kernel backend {backend!r}; expected one of {NATIVE_BACKENDS}"
         )
     if backend_available(backend):
@@ -185,14 +189,17 @@ class NativePagedAttention:
     share a kv head, request, key range), so each K/V row is read once per group and long
     contexts spread over many blocks (split-K); the ranges' partial softmax states are
     combined by :func:`merge_partials`. No gathered copy of K/V is made. Same contract as
-    :class:`ReferencePagedAttention`; ``seq_lens`` must be >= 1 (a request with no visible
-    key and no sink returns zeros).
+    :class:`ReferencePagedAttention`, including its index-value checks (page ids within
+    the pool, ``seq_lens`` in ``1 .. max_pages * page_size``, once per array object, on
+    every call with ``validate=True``): the kernel reads the page table directly, so an
+    unchecked id would read outside the pool.
     """
 
     def __init__(self, backend: str, *, validate: bool = False) -> None:
         require_backend(backend)
         self._backend = backend
         self._validate = validate
+        self._index_check = PagedIndexCheck()
 
     @property
     def name(self) -> str:
@@ -213,14 +220,15 @@ class NativePagedAttention:
         sinks: mx.array | None = None,
     ) -> mx.array:
         """Attention output ``(B, Hq, 1, D)``; see :class:`kv_protocol.PagedDecodeAttention`."""
-        check_paged_attention_args(
+        page_size, scale, window = check_paged_attention_args(
             q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window, sinks
         )
-        if self._validate:
-            check_paged_attention_values(page_table, seq_lens, page_size, k_pool.shape[1])
         b, hq, _, d = q.shape
         if b == 0:
             return mx.zeros_like(q)
+        self._index_check(
+            page_table, seq_lens, page_size, k_pool.shape[1], every_call=self._validate
+        )
         hkv = k_pool.shape[0]
         group = paged_group_size(hq, hkv, d)
         capacity = page_table.shape[1] * page_size

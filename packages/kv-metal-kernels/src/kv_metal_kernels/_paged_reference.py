@@ -8,10 +8,10 @@ from typing import cast
 
 import mlx.core as mx
 
-from kv_protocol import ShapeMismatchError
+from kv_protocol import ShapeMismatchError, check_int
 
 from ._memo import IdentityMemo
-from ._validate import check_paged_attention_args, check_paged_attention_values
+from ._validate import PagedIndexCheck, check_paged_attention_args
 
 __all__ = ["ReferencePagedAttention", "window_page_count"]
 
@@ -91,15 +91,21 @@ class ReferencePagedAttention:
     every page-table column. The plan (host lengths, groups, row order) is kept for the
     last few ``seq_lens`` array objects, so the layers of one decode step, which share one
     ``seq_lens`` object, read it back once; pass a new array rather than writing into one
-    already passed. ``validate=True`` also checks index values (a device sync).
+    already passed.
+
+    Index values are always checked before any work (an out-of-range page id would make
+    the gather read outside the pool): page ids within the pool, ``seq_lens`` in ``1 ..
+    max_pages * page_size``, else :class:`kv_protocol.RequestStateError`. The check is one
+    fused min/max reduction read back to the host, kept per ``page_table`` / ``seq_lens``
+    array object like the plan (so once per decode step and sub-pool);
+    ``validate=True`` repeats it on every call.
     """
 
     def __init__(self, *, buckets: int = 4, validate: bool = False) -> None:
-        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0:
-            raise ShapeMismatchError(f"buckets must be an int >= 0, got {buckets!r}")
-        self._buckets = buckets
+        self._buckets = check_int(buckets, "buckets", minimum=0, error=ShapeMismatchError)
         self._validate = validate
         self._plans: IdentityMemo[_BucketPlan] = IdentityMemo()
+        self._index_check = PagedIndexCheck()
 
     @property
     def name(self) -> str:
@@ -120,14 +126,15 @@ class ReferencePagedAttention:
         sinks: mx.array | None = None,
     ) -> mx.array:
         """Attention output ``(B, Hq, 1, D)``; see :class:`kv_protocol.PagedDecodeAttention`."""
-        check_paged_attention_args(
+        page_size, scale, window = check_paged_attention_args(
             q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window, sinks
         )
-        if self._validate:
-            check_paged_attention_values(page_table, seq_lens, page_size, k_pool.shape[1])
         b = q.shape[0]
         if b == 0:
             return mx.zeros_like(q)
+        self._index_check(
+            page_table, seq_lens, page_size, k_pool.shape[1], every_call=self._validate
+        )
         max_pages = page_table.shape[1]
 
         def run(rows_q: mx.array, table: mx.array, lens: mx.array, n_cols: int) -> mx.array:

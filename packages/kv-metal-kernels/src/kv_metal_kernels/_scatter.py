@@ -9,7 +9,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from kv_protocol import ShapeMismatchError
+from kv_protocol import RequestStateError, as_int
 
 from ._memo import IdentityMemo
 
@@ -45,25 +45,31 @@ def plan_scatter(slots: mx.array | Sequence[int], num_slots: int) -> ScatterPlan
 
     Slots are tiny and normally built from host data (a pool's slot queries), so reading
     them costs nothing; only slots computed lazily on a device make this wait for them.
-    A slot ``>= num_slots`` or two tokens writing one slot raise
-    :class:`kv_protocol.ShapeMismatchError` before anything is written.
+    A slot ``>= num_slots``, two tokens writing one slot, or (in a plain sequence) a slot
+    that is not an int raise :class:`kv_protocol.RequestStateError` before anything is
+    written, the error ``HybridKVPool.set_kv`` raises for the same slot values.
     """
-    values = cast(list[int], slots.tolist()) if isinstance(slots, mx.array) else list(slots)
+    values = cast(list[object], slots.tolist()) if isinstance(slots, mx.array) else list(slots)
     tokens: list[int] = []
     targets: list[int] = []
     seen: set[int] = set()
-    for t, slot in enumerate(values):
-        slot = int(slot)
+    for t, value in enumerate(values):
+        slot = as_int(value)
+        if slot is None:
+            raise RequestStateError(
+                f"slot {value!r} of token {t} is not an int; expected a negative slot (skip) "
+                f"or 0 .. {num_slots - 1}"
+            )
         if slot < 0:
             continue
         if slot >= num_slots:
-            raise ShapeMismatchError(
+            raise RequestStateError(
                 f"slot {slot} of token {t} is past the end of the pool "
                 f"(num_slots={num_slots}); expected a negative slot (skip) or "
                 f"0 .. {num_slots - 1}"
             )
         if slot in seen:
-            raise ShapeMismatchError(f"two tokens write the same pool slot {slot}")
+            raise RequestStateError(f"two tokens write the same pool slot {slot}")
         seen.add(slot)
         tokens.append(t)
         targets.append(slot)

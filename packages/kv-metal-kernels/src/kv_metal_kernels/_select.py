@@ -10,10 +10,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kv_protocol import (
-    KernelUnavailableError,
     PagedDecodeAttention,
     RopeConfig,
     RopeScatterKernel,
+    UnknownBackendError,
 )
 
 from ._native import NativePagedAttention, NativeRopeScatter, native_backend, require_backend
@@ -89,18 +89,31 @@ def rope_config_from_module(module: object) -> tuple[RopeConfig | None, str]:
     return config, ""
 
 
-def _choice(value: str | None, env: str, default: str, choices: tuple[str, ...]) -> str:
+def _choice(
+    value: object, env: str, default: str, choices: tuple[str, ...], *, argument: str
+) -> str:
+    """The backend named by ``value`` (else by the environment variable ``env``).
+
+    A name that is not one of ``choices`` (or not a string) is a
+    :class:`kv_protocol.UnknownBackendError`, both a ``KernelUnavailableError`` and a
+    ``ValueError``.
+    """
     if value is None:
-        value = os.environ.get(env, "").strip().lower() or default
+        name = os.environ.get(env, "").strip().lower() or default
         source = f"environment variable {env}"
     else:
-        value = value.strip().lower()
-        source = "argument"
-    if value not in choices:
-        raise KernelUnavailableError(
-            f"unknown kernel backend {value!r} from {source}; expected one of {choices}"
+        source = f"argument {argument}"
+        if not isinstance(value, str):
+            raise UnknownBackendError(
+                f"unknown kernel backend {value!r} from {source}: expected one of {choices} "
+                f"(a string), got {type(value).__name__}"
+            )
+        name = value.strip().lower()
+    if name not in choices:
+        raise UnknownBackendError(
+            f"unknown kernel backend {name!r} from {source}; expected one of {choices}"
         )
-    return value
+    return name
 
 
 def select_kernels(
@@ -117,15 +130,18 @@ def select_kernels(
     unfused (``rope=None``); ``auto`` takes the native backend of this machine (Metal or
     CUDA), else ``reference``; ``reference``, ``metal``, ``cuda`` name one. ``attention``
     (default: env ``KV_PAGED_ATTENTION``, else ``reference``) chooses the paged decode
-    attention the same way (``auto``, ``reference``, ``metal``, ``cuda``). Naming a backend
-    this machine lacks raises :class:`kv_protocol.KernelUnavailableError` saying what is
-    missing. When fusion is asked for but ``rope`` is ``None`` (the model's RoPE cannot be
-    described, e.g. YaRN; pass :func:`rope_config_from_module`'s reason as
-    ``rope_unsupported_reason``) or the kernel does not support ``rope``, RoPE stays unfused
+    attention the same way (``auto``, ``reference``, ``metal``, ``cuda``). A name that is
+    none of these (argument or environment variable) raises
+    :class:`kv_protocol.UnknownBackendError` (a ``KernelUnavailableError`` and a
+    ``ValueError``); naming a backend this machine lacks raises
+    :class:`kv_protocol.KernelUnavailableError` saying what is missing. When fusion is
+    asked for but ``rope`` is ``None`` (the model's RoPE cannot be described, e.g. YaRN;
+    pass :func:`rope_config_from_module`'s reason as ``rope_unsupported_reason``) or the
+    kernel does not support ``rope``, RoPE stays unfused
     and one log line says why.
     """
-    fused = _choice(fused_rope, FUSED_ROPE_ENV, "off", _FUSED_CHOICES)
-    attn = _choice(attention, ATTENTION_ENV, "reference", _ATTENTION_CHOICES)
+    fused = _choice(fused_rope, FUSED_ROPE_ENV, "off", _FUSED_CHOICES, argument="fused_rope")
+    attn = _choice(attention, ATTENTION_ENV, "reference", _ATTENTION_CHOICES, argument="attention")
     native = native_backend()
     if attn == "auto":
         attn = native or "reference"
@@ -177,7 +193,7 @@ def paged_decode_attention(
     ``backend`` is ``reference`` (default), ``auto``, ``metal`` or ``cuda``; see
     :class:`ReferencePagedAttention` for the semantics.
     """
-    choice = _choice(backend, ATTENTION_ENV, "reference", _ATTENTION_CHOICES)
+    choice = _choice(backend, ATTENTION_ENV, "reference", _ATTENTION_CHOICES, argument="backend")
     if choice == "auto":
         choice = native_backend() or "reference"
     kernel: PagedDecodeAttention = (

@@ -1,13 +1,32 @@
-"""Argument checks shared by every backend; they run before any work is queued."""
+"""Argument checks shared by every backend; they run before any work is queued.
+
+Error types follow the pool's: a wrong rank, shape, dtype or geometry argument is a
+:class:`kv_protocol.ShapeMismatchError`; a bad index *value* (a page id outside the pool, a
+``seq_len`` the page table cannot hold, a slot past the pool end or written twice, a negative
+position) is a :class:`kv_protocol.RequestStateError`, as ``HybridKVPool.set_kv`` raises for
+bad slot values. Both are ``ValueError``.
+"""
 
 from __future__ import annotations
 
+from typing import cast
+
 import mlx.core as mx
 
-from kv_protocol import RopeConfig, ShapeMismatchError
+from kv_protocol import (
+    RequestStateError,
+    RopeConfig,
+    ShapeMismatchError,
+    as_int,
+    check_int,
+    check_number,
+)
+
+from ._memo import IdentityMemo
 
 __all__ = [
     "FLOAT_DTYPES",
+    "PagedIndexCheck",
     "check_paged_attention_args",
     "check_paged_attention_values",
     "check_rope_scatter_args",
@@ -112,7 +131,7 @@ def check_rope_scatter_args(
 def check_rope_scatter_values(positions: mx.array) -> None:
     """Check that positions are >= 0 (reads them back: a device sync, validate mode only)."""
     if positions.size and int(mx.min(positions)) < 0:
-        raise ShapeMismatchError(f"positions must be >= 0, got minimum {int(mx.min(positions))}")
+        raise RequestStateError(f"positions must be >= 0, got minimum {int(mx.min(positions))}")
 
 
 def check_paged_attention_args(
@@ -125,8 +144,11 @@ def check_paged_attention_args(
     scale: float,
     window: int | None,
     sinks: mx.array | None,
-) -> None:
-    """Check shapes and dtypes of a paged decode attention call (no device sync)."""
+) -> tuple[int, float, int | None]:
+    """Check shapes and dtypes of a paged decode attention call (no device sync).
+
+    Returns ``(page_size, scale, window)`` as plain ``int`` / ``float`` / ``int | None``.
+    """
     for name, x in (
         ("q", q),
         ("k_pool", k_pool),
@@ -160,8 +182,7 @@ def check_paged_attention_args(
         raise ShapeMismatchError(
             f"q and the pools must share one dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
         )
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ShapeMismatchError(f"page_size must be an int >= 1, got {page_size!r}")
+    page_size = check_int(page_size, "page_size", minimum=1, error=ShapeMismatchError)
     if num_slots % page_size:
         raise ShapeMismatchError(
             f"pool slots ({num_slots}) must be a whole number of pages of {page_size}"
@@ -181,12 +202,12 @@ def check_paged_attention_args(
             f"seq_lens must have one entry per request: expected ({b},), "
             f"got {tuple(seq_lens.shape)}"
         )
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise ShapeMismatchError(f"scale must be a float, got {scale!r}")
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ShapeMismatchError(f"window must be None or an int >= 1, got {window!r}")
+    scale = check_number(scale, "scale", error=ShapeMismatchError)
+    if window is not None:
+        checked_window = as_int(window)
+        if checked_window is None or checked_window < 1:
+            raise ShapeMismatchError(f"window must be None or an int >= 1, got {window!r}")
+        window = checked_window
     if sinks is not None:
         _require_array("sinks", sinks)
         if sinks.ndim != 1 or sinks.shape[0] != hq:
@@ -195,30 +216,104 @@ def check_paged_attention_args(
                 f"got {tuple(sinks.shape)}"
             )
         _require_float("sinks", sinks)
+    return page_size, scale, window
+
+
+def _value_ranges(arrays: list[mx.array]) -> list[tuple[int, int]]:
+    """``(min, max)`` of each array, from one reduction and one host read (a device sync)."""
+    stats = mx.stack([r for x in arrays for r in (mx.min(x), mx.max(x))])
+    flat = cast(list[int], stats.tolist())
+    return [(int(flat[2 * i]), int(flat[2 * i + 1])) for i in range(len(arrays))]
+
+
+def _check_lens(lo: int, hi: int, page_table: mx.array, page_size: int) -> None:
+    if lo < 1:
+        raise RequestStateError(
+            f"seq_lens must be >= 1 (they include the token being decoded), got {lo}"
+        )
+    capacity = page_table.shape[1] * page_size
+    if hi > capacity:
+        raise RequestStateError(
+            f"seq_len {hi} needs more pages than the page table's {page_table.shape[1]} "
+            f"columns of {page_size} tokens"
+        )
+
+
+def _check_pages(lo: int, hi: int, num_pages: int) -> None:
+    if lo < 0 or hi >= num_pages:
+        raise RequestStateError(
+            f"page_table entries must lie in 0 .. {num_pages - 1} (the pool has {num_pages} "
+            f"pages), got {lo} .. {hi}"
+        )
 
 
 def check_paged_attention_values(
     page_table: mx.array, seq_lens: mx.array, page_size: int, num_slots: int
 ) -> None:
-    """Check index *values* (a device sync, so only in validate mode)."""
+    """Check index *values*: every page id a page of the pool, every length servable.
+
+    Page ids must lie in ``0 .. num_slots // page_size - 1`` (page 0, the null page, is
+    allowed: padding points to it) and each ``seq_len`` in ``1 .. max_pages * page_size``.
+    Raises :class:`kv_protocol.RequestStateError`. One fused min/max reduction read back to
+    the host (a small device sync); :class:`PagedIndexCheck` does it once per array object.
+    """
     if seq_lens.size == 0:
         return
-    lo = int(mx.min(seq_lens))
-    if lo < 1:
-        raise ShapeMismatchError(
-            f"seq_lens must be >= 1 (they include the token being decoded), got {lo}"
-        )
-    hi = int(mx.max(seq_lens))
-    capacity = page_table.shape[1] * page_size
-    if hi > capacity:
-        raise ShapeMismatchError(
-            f"seq_len {hi} needs more pages than the page table's {page_table.shape[1]} "
-            f"columns of {page_size} tokens"
-        )
-    num_pages = num_slots // page_size
-    pmin = int(mx.min(page_table))
-    pmax = int(mx.max(page_table))
-    if pmin < 0 or pmax >= num_pages:
-        raise ShapeMismatchError(
-            f"page_table entries must lie in 0 .. {num_pages - 1}, got {pmin} .. {pmax}"
-        )
+    (pmin, pmax), (lo, hi) = _value_ranges([page_table, seq_lens])
+    _check_lens(lo, hi, page_table, page_size)
+    _check_pages(pmin, pmax, num_slots // page_size)
+
+
+class PagedIndexCheck:
+    """The page-id and ``seq_lens`` value checks of paged attention, once per array object.
+
+    An out-of-range page id makes the gather (or a native kernel) read outside the pool,
+    which can crash the process, so every backend checks values before any work. Batched
+    decode hands every layer of a step the same ``seq_lens`` object and one page-table
+    object per sub-pool, so the check (one fused min/max reduction and a host read) runs
+    once per step and sub-pool, not once per layer. Like the plans, it trusts that an array
+    already checked is not written in place afterwards; ``every_call=True`` checks anyway.
+    A failed check is never remembered.
+    """
+
+    def __init__(self) -> None:
+        self._tables: IdentityMemo[bool] = IdentityMemo()
+        self._lens: IdentityMemo[bool] = IdentityMemo()
+
+    def clear(self) -> None:
+        """Forget every array checked so far."""
+        self._tables.clear()
+        self._lens.clear()
+
+    def __call__(
+        self,
+        page_table: mx.array,
+        seq_lens: mx.array,
+        page_size: int,
+        num_slots: int,
+        *,
+        every_call: bool = False,
+    ) -> None:
+        """Raise :class:`kv_protocol.RequestStateError` for a bad page id or length."""
+        if seq_lens.size == 0:
+            return
+        num_pages = num_slots // page_size
+        capacity = page_table.shape[1] * page_size
+        todo: list[mx.array] = []
+        table_known = not every_call and self._tables.get(page_table, num_pages) is not None
+        lens_known = not every_call and self._lens.get(seq_lens, capacity) is not None
+        if not lens_known:
+            todo.append(seq_lens)
+        if not table_known:
+            todo.append(page_table)
+        if not todo:
+            return
+        ranges = _value_ranges(todo)
+        if not lens_known:
+            _check_lens(*ranges[0], page_table, page_size)
+        if not table_known:
+            _check_pages(*ranges[-1], num_pages)
+        if not lens_known:
+            self._lens.put(seq_lens, capacity, True)
+        if not table_known:
+            self._tables.put(page_table, num_pages, True)
