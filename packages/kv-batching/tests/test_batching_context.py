@@ -77,6 +77,7 @@ def test_fused_rope_without_full_map_raises_the_exact_error() -> None:
         "+ pool-scatter kernel is active"
     )
     assert str(info.value) == FUSED_ROPE_MAP_ERROR
+    assert isinstance(info.value, KVCacheError)
 
 
 def test_fused_rope_with_full_map_is_accepted() -> None:

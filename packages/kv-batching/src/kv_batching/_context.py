@@ -12,6 +12,7 @@ import mlx.core as mx
 from kv_protocol import (
     CacheLayout,
     CacheStateError,
+    FusedRopeConfigError,
     KernelSet,
     KVPool,
     LayerKind,
@@ -169,7 +170,7 @@ class BatchedDecodeContext:
                 )
         setter(self, "full_kv_pool_index_by_layer", full_map)
         if self.aot.rope is not None and not full_map:
-            raise ValueError(FUSED_ROPE_MAP_ERROR)
+            raise FusedRopeConfigError(FUSED_ROPE_MAP_ERROR)
         setter(self, "page_tables", MappingProxyType(dict(self.page_tables)))
         setter(self, "new_token_slots", MappingProxyType(dict(self.new_token_slots)))
 
@@ -218,18 +219,26 @@ class BatchedDecodeContext:
                     f"the pool cannot hold one more token for each of the {len(ids)} requests "
                     f"{ids}; finish or preempt requests first (nothing was reserved)"
                 ) from err
-            # (B, 1) -> (B,) rebuilt from host values, not a lazy reshape: a pool that checks
-            # slot arrays it did not issue then reads host data, never device results.
-            slots = {
-                name: mx.array(
-                    [row[0] for row in cast(list[list[int]], reserved[name].tolist())],
-                    dtype=mx.int32,
-                )
-                for name in plan.sub_pools
-            }
+            try:
+                # (B, 1) -> (B,) rebuilt from host values, not a lazy reshape: a pool that
+                # checks slot arrays it did not issue then reads host data, never device
+                # results.
+                slots = {
+                    name: mx.array(
+                        [row[0] for row in cast(list[list[int]], reserved[name].tolist())],
+                        dtype=mx.int32,
+                    )
+                    for name in plan.sub_pools
+                }
+                page_tables = {name: pool.batch_page_table(ids, name) for name in plan.sub_pools}
+            except BaseException:
+                # Whatever interrupts the step's setup, the token reserved above goes back.
+                for rid in ids:
+                    pool.trim_request(rid, 1)
+                raise
         else:
             slots = {name: pool.batch_slots(ids, name, seq_lens) for name in plan.sub_pools}
-        page_tables = {name: pool.batch_page_table(ids, name) for name in plan.sub_pools}
+            page_tables = {name: pool.batch_page_table(ids, name) for name in plan.sub_pools}
         return cls(
             request_ids=tuple(ids),
             seq_lens=tuple(seq_lens),

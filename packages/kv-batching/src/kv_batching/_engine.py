@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -21,7 +23,13 @@ from kv_protocol import (
     RequestStateError,
     UnknownRequestError,
     UnsupportedModelError,
+    as_int,
+    check_int,
+    check_int_sequence,
+    check_number,
+    language_model_container,
     layout_from_model,
+    model_args,
 )
 
 from ._context import BatchedDecodeContext, PoolAddressing
@@ -36,7 +44,13 @@ __all__ = [
     "RequestStatus",
     "pages_in_use",
     "sample_top_p",
+    "vocabulary_size",
 ]
+
+logger = logging.getLogger(__name__)
+
+#: Attribute names under which mlx-lm models keep their input embedding table.
+_EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embedding")
 
 #: ``make_prefill_cache(pool, request_id, layer_id)`` -> a per-request, per-layer cache.
 PrefillCacheFactory = Callable[[KVPool, int, int], KVCache]
@@ -57,7 +71,8 @@ class RequestOutput:
 
     ``finish_reason`` is ``"stop"`` (a stop token was generated, and is included),
     ``"length"`` (``max_tokens`` reached), ``"aborted"``, ``"pool_exhausted"`` (the request
-    alone does not fit in the pool) or ``None`` while it runs.
+    alone does not fit in the pool), ``"error"`` (its prefill or decode raised; ``error``
+    holds the exception) or ``None`` while it runs.
     """
 
     request_id: int
@@ -65,6 +80,7 @@ class RequestOutput:
     tokens: tuple[int, ...]
     status: RequestStatus
     finish_reason: str | None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -84,6 +100,7 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0
+    errors: int = 0
     queue_length: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     pages_used: list[dict[str, int]] = field(default_factory=list)
@@ -113,8 +130,10 @@ class EngineStats:
 class _Request:
     __slots__ = (
         "caches",
+        "error",
         "finish_reason",
         "generated",
+        "in_pool",
         "max_tokens",
         "prefilled",
         "prompt",
@@ -145,6 +164,8 @@ class _Request:
         self.finish_reason: str | None = None
         self.prefilled = 0
         self.caches: list[Any] | None = None
+        self.in_pool = False
+        self.error: BaseException | None = None
 
     def prefill_tokens(self) -> list[int]:
         # After a preemption the generated tokens but the pending last one are re-prefilled.
@@ -162,6 +183,23 @@ def pages_in_use(pool: object) -> dict[str, int] | None:
     if callable(direct):
         return {str(k): int(v) for k, v in dict(direct()).items()}
     return None
+
+
+def vocabulary_size(model: object) -> int | None:
+    """Rows of the model's input embedding table (or its ``args.vocab_size``), if it tells.
+
+    Token ids must be below it: an id past the table reads memory past its end.
+    """
+    owners: list[object] = [model]
+    with contextlib.suppress(UnsupportedModelError):
+        owners.insert(0, language_model_container(model))
+    for owner in owners:
+        for name in _EMBEDDING_NAMES:
+            weight = getattr(getattr(owner, name, None), "weight", None)
+            if isinstance(weight, mx.array) and weight.ndim == 2:
+                return int(weight.shape[0])
+    declared = as_int(getattr(model_args(model), "vocab_size", None))
+    return declared if declared is not None and declared > 0 else None
 
 
 def _check_layouts(model_layout: CacheLayout, pool_layout: CacheLayout) -> None:
@@ -200,6 +238,17 @@ class DecodeEngine:
 
     Sampling is greedy at ``temperature == 0``; otherwise temperature and nucleus
     (``top_p``) sampling from a key seeded by ``seed``.
+
+    Token ids are checked against the vocabulary at :meth:`submit` (``vocab_size``, read off
+    the model's embedding table unless given). A step is a transaction: if anything raises
+    inside it, what the step reserved in the pool is given back and every request is either
+    as it was before the step or finished with ``finish_reason == "error"`` and the
+    exception in :attr:`RequestOutput.error`. An ``Exception`` in one request's prefill
+    (model, cache factory, sampling) finishes that request; a failed batched decode is
+    retried request by request in the same step, so only the requests that fail alone are
+    finished. Anything else (``KeyboardInterrupt``, ``SystemExit``) is re-raised after the
+    rollback with every request as it was; the tokens the step had produced by then are
+    returned by the next :meth:`step`. The engine goes on serving after either.
     """
 
     def __init__(
@@ -213,10 +262,11 @@ class DecodeEngine:
         prefill_chunk: int = 512,
         seed: int = 0,
         record_pages: bool = True,
+        vocab_size: int | None = None,
     ) -> None:
-        for name, value in (("max_running", max_running), ("prefill_chunk", prefill_chunk)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RequestStateError(f"{name} must be an int >= 1, got {value!r}")
+        max_running = check_int(max_running, "max_running", minimum=1)
+        prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
+        seed = check_int(seed, "seed", minimum=0, maximum=2**64 - 1)
         model_layout = layout_from_model(model)
         if model_layout.state_layer_ids:
             raise UnsupportedModelError(
@@ -225,6 +275,20 @@ class DecodeEngine:
                 "models (full and sliding-window layers) for now"
             )
         _check_layouts(model_layout, pool.layout)
+        table_rows = vocabulary_size(model)
+        if vocab_size is None:
+            if table_rows is None:
+                raise UnsupportedModelError(
+                    f"cannot tell the vocabulary size of {type(model).__name__} (no embedding "
+                    "table, no args.vocab_size): pass vocab_size= to DecodeEngine"
+                )
+            vocab_size = table_rows
+        vocab_size = check_int(vocab_size, "vocab_size", minimum=1)
+        if table_rows is not None and vocab_size > table_rows:
+            raise UnsupportedModelError(
+                f"vocab_size={vocab_size} is larger than the model's embedding table "
+                f"({table_rows} rows)"
+            )
         patch_model_attention(model, pool.layout)
         self.model = model
         self.pool = pool
@@ -233,6 +297,7 @@ class DecodeEngine:
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
         self.record_pages = record_pages
+        self.vocab_size = vocab_size
         self.stats = EngineStats()
         self._addressing = PoolAddressing.from_pool(pool)
         self._num_layers = model_layout.num_layers
@@ -242,6 +307,8 @@ class DecodeEngine:
         self._running: list[_Request] = []
         self._next_id = 0
         self._key = mx.random.key(seed)
+        # Tokens of a step that raised, handed out by the next step.
+        self._undelivered: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -254,29 +321,36 @@ class DecodeEngine:
         top_p: float = 1.0,
         stop_tokens: Iterable[int] = (),
     ) -> int:
-        """Queue a request; returns its id. Nothing runs until :meth:`step`."""
-        prompt = [int(t) for t in prompt_tokens]
+        """Queue a request; returns its id. Nothing runs until :meth:`step`.
+
+        Every argument is checked first (token ids in ``0 .. vocab_size - 1``, ints that are
+        not bools or floats, finite numbers); a bad one raises ``RequestStateError`` (a
+        ``ValueError``) and nothing is queued, no request id is used.
+        """
+        top = self.vocab_size - 1
+        prompt = check_int_sequence(
+            _host_tokens(prompt_tokens, "prompt_tokens"), "prompt_tokens", minimum=0, maximum=top
+        )
         if not prompt:
             raise RequestStateError("prompt_tokens must hold at least one token")
-        if any(t < 0 for t in prompt):
-            raise RequestStateError("prompt_tokens must be token ids >= 0")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise RequestStateError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        if not temperature >= 0.0:
-            raise RequestStateError(f"temperature must be >= 0, got {temperature!r}")
-        if not 0.0 < top_p <= 1.0:
-            raise RequestStateError(f"top_p must be in (0, 1], got {top_p!r}")
+        max_tokens = check_int(max_tokens, "max_tokens", minimum=1)
+        temperature = check_number(temperature, "temperature", minimum=0.0)
+        top_p = check_number(top_p, "top_p", minimum=0.0, maximum=1.0, min_inclusive=False)
+        stops = check_int_sequence(
+            _host_tokens(stop_tokens, "stop_tokens"), "stop_tokens", minimum=0, maximum=top
+        )
         rid = self._next_id
         self._next_id += 1
-        request = _Request(
-            rid, prompt, max_tokens, float(temperature), float(top_p), frozenset(stop_tokens)
-        )
+        request = _Request(rid, prompt, max_tokens, temperature, top_p, frozenset(stops))
         self._requests[rid] = request
         self._queue.append(request)
         return rid
 
     def _get(self, request_id: int) -> _Request:
-        request = self._requests.get(request_id)
+        key = as_int(request_id)
+        if key is None:
+            raise RequestStateError(f"request ids are ints, got {request_id!r}")
+        request = self._requests.get(key)
         if request is None:
             raise UnknownRequestError(f"request {request_id} was never submitted to this engine")
         return request
@@ -293,7 +367,9 @@ class DecodeEngine:
     def output(self, request_id: int) -> RequestOutput:
         """The request's prompt, generated tokens so far, status and finish reason."""
         r = self._get(request_id)
-        return RequestOutput(r.rid, tuple(r.prompt), tuple(r.generated), r.status, r.finish_reason)
+        return RequestOutput(
+            r.rid, tuple(r.prompt), tuple(r.generated), r.status, r.finish_reason, r.error
+        )
 
     @property
     def has_work(self) -> bool:
@@ -315,23 +391,32 @@ class DecodeEngine:
     def step(self) -> dict[int, list[int]]:
         """One engine step: a batched decode of the running requests, then prefill work.
 
-        Returns the tokens produced in this step per request id.
+        Returns the tokens produced in this step per request id (plus those of an earlier
+        step that raised before it could return them).
         """
-        produced: dict[int, list[int]] = {}
-        if self._running:
-            self._decode(produced)
-        middle = time.perf_counter()
-        self._prefill(produced)
-        end = time.perf_counter()
-        stats = self.stats
-        stats.steps += 1
-        stats.prefill_seconds += end - middle
-        stats.queue_length.append(len(self._queue))
-        stats.running.append(len(self._running))
-        if self.record_pages:
-            pages = pages_in_use(self.pool)
-            if pages is not None:
-                stats.pages_used.append(pages)
+        produced = self._undelivered
+        self._undelivered = {}
+        start = time.perf_counter()
+        middle = start
+        try:
+            if self._running:
+                self._decode(produced)
+            middle = time.perf_counter()
+            self._prefill(produced)
+        except BaseException:
+            self._undelivered = produced
+            raise
+        finally:
+            end = time.perf_counter()
+            stats = self.stats
+            stats.steps += 1
+            stats.prefill_seconds += end - middle
+            stats.queue_length.append(len(self._queue))
+            stats.running.append(len(self._running))
+            if self.record_pages:
+                pages = pages_in_use(self.pool)
+                if pages is not None:
+                    stats.pages_used.append(pages)
         return produced
 
     def stream(self) -> Iterator[tuple[int, int]]:
@@ -357,6 +442,13 @@ class DecodeEngine:
         elif len(request.generated) >= request.max_tokens:
             self._finish(request, "length")
 
+    def _release(self, request: _Request) -> None:
+        """Give back every page the request holds in the pool (if it holds any)."""
+        request.caches = None
+        if request.in_pool:
+            request.in_pool = False
+            self.pool.free_request(request.rid)
+
     def _finish(self, request: _Request, reason: str) -> None:
         if request in self._running:
             self._running.remove(request)
@@ -364,20 +456,26 @@ class DecodeEngine:
             self._prefilling = None
         if request.status is RequestStatus.QUEUED and request in self._queue:
             self._queue.remove(request)
-        if self.pool.has_request(request.rid):
-            self.pool.free_request(request.rid)
-        request.caches = None
+        self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.stats.finished += 1
+
+    def _fail(self, request: _Request, error: Exception) -> None:
+        """Finish ``request`` with reason ``"error"``, keeping the exception."""
+        logger.error(
+            "request %d failed and was finished with reason 'error': %r", request.rid, error
+        )
+        request.error = error
+        self.stats.errors += 1
+        self._finish(request, "error")
 
     def _preempt(self, request: _Request) -> None:
         if request in self._running:
             self._running.remove(request)
         if self._prefilling is request:
             self._prefilling = None
-        self.pool.free_request(request.rid)
-        request.caches = None
+        self._release(request)
         request.prefilled = 0
         request.status = RequestStatus.QUEUED
         self._queue.appendleft(request)
@@ -394,20 +492,55 @@ class DecodeEngine:
             else:
                 self._preempt(self._running[-1])
 
+    def _rollback(self, batch: Sequence[_Request], lengths: Sequence[int]) -> None:
+        """Trim each request of ``batch`` back to its length before the step."""
+        for request, length in zip(batch, lengths, strict=True):
+            if request.in_pool:
+                extra = self.pool.seq_len(request.rid) - length
+                if extra > 0:
+                    self.pool.trim_request(request.rid, extra)
+
+    def _decode_batch(self, batch: Sequence[_Request]) -> list[int]:
+        """One batched decode of ``batch``: the sampled tokens, or a rollback and a raise."""
+        key = self._key
+        lengths = [self.pool.seq_len(r.rid) for r in batch]
+        try:
+            ctx = BatchedDecodeContext.from_pool(
+                self.pool, [r.rid for r in batch], self.kernels, addressing=self._addressing
+            )
+            tokens = mx.array([[r.generated[-1]] for r in batch], dtype=mx.int32)
+            logits = self.model(tokens, cache=batched_layer_caches(ctx))
+            return cast(list[int], self._sample(logits[:, -1, :], batch).tolist())
+        except BaseException:
+            self._key = key
+            self._rollback(batch, lengths)
+            raise
+
     def _decode(self, produced: dict[int, list[int]]) -> None:
         start = time.perf_counter()
         self._make_decode_room()
         if not self._running:
             return
         batch = list(self._running)
-        ctx = BatchedDecodeContext.from_pool(
-            self.pool, [r.rid for r in batch], self.kernels, addressing=self._addressing
-        )
-        tokens = mx.array([[r.generated[-1]] for r in batch], dtype=mx.int32)
-        logits = self.model(tokens, cache=batched_layer_caches(ctx))
-        chosen = cast(list[int], self._sample(logits[:, -1, :], batch).tolist())
-        for request, token in zip(batch, chosen, strict=True):
-            self._emit(request, token, produced)
+        try:
+            chosen = self._decode_batch(batch)
+        except Exception as error:
+            # Nothing of the batch was kept; find the request(s) that fail on their own.
+            logger.warning(
+                "batched decode of %d requests failed (%r); retrying them one by one",
+                len(batch),
+                error,
+            )
+            for request in batch:
+                try:
+                    token = self._decode_batch([request])[0]
+                except Exception as alone:
+                    self._fail(request, alone)
+                else:
+                    self._emit(request, token, produced)
+        else:
+            for request, token in zip(batch, chosen, strict=True):
+                self._emit(request, token, produced)
         elapsed = time.perf_counter() - start
         stats = self.stats
         stats.decode_steps += 1
@@ -428,22 +561,66 @@ class DecodeEngine:
     def _admit(self) -> _Request | None:
         if not self._queue or len(self._running) >= self.max_running:
             return None
-        request = self._queue.popleft()
-        self.pool.add_request(request.rid)
-        request.caches = [
-            self.make_prefill_cache(self.pool, request.rid, layer_id)
-            for layer_id in range(self._num_layers)
-        ]
+        request = self._queue[0]
+        try:
+            self.pool.add_request(request.rid)
+        except Exception as error:
+            self._queue.popleft()
+            self._fail(request, error)
+            return None
+        self._queue.popleft()
+        request.in_pool = True
+        request.caches = None
         request.prefilled = 0
         request.status = RequestStatus.PREFILLING
         self._prefilling = request
         return request
+
+    def _prefill_chunk(
+        self, request: _Request, tokens: list[int], n: int, produced: dict[int, list[int]]
+    ) -> None:
+        """Prefill ``tokens[prefilled : prefilled + n]``: all of it, or nothing and a raise."""
+        begin = request.prefilled
+        key = self._key
+        first: int | None = None
+        try:
+            if request.caches is None:
+                # (Re)built at the pool's length, which is `begin` after any rollback.
+                request.caches = [
+                    self.make_prefill_cache(self.pool, request.rid, layer_id)
+                    for layer_id in range(self._num_layers)
+                ]
+            self.pool.reserve(request.rid, n)
+            chunk = mx.array(tokens[begin : begin + n], dtype=mx.int32)
+            logits = self.model(chunk[None], cache=request.caches)
+            if begin + n < len(tokens) or request.generated:
+                mx.eval(logits)
+            else:
+                first = cast(list[int], self._sample(logits[:, -1, :], [request]).tolist())[0]
+        except BaseException:
+            self._key = key
+            # The caches' offsets may have moved past `begin`: rebuild them next time.
+            request.caches = None
+            self._rollback([request], [begin])
+            raise
+        request.prefilled = begin + n
+        self.stats.prefill_tokens += n
+        if request.prefilled < len(tokens):
+            return
+        self._prefilling = None
+        request.caches = None
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
+        if first is not None:
+            self._emit(request, first, produced)
 
     def _prefill(self, produced: dict[int, list[int]]) -> None:
         budget = self.prefill_chunk
         while budget > 0:
             request = self._prefilling if self._prefilling is not None else self._admit()
             if request is None:
+                if self._queue and len(self._running) < self.max_running:
+                    continue  # the head of the queue failed admission; try the next one
                 return
             tokens = request.prefill_tokens()
             n = self._fit_chunk(request, min(budget, len(tokens) - request.prefilled))
@@ -454,29 +631,15 @@ class DecodeEngine:
                     continue
                 if request.prefilled == 0:
                     self._prefilling = None
-                    self.pool.free_request(request.rid)
-                    request.caches = None
+                    self._release(request)
                     request.status = RequestStatus.QUEUED
                     self._queue.appendleft(request)
                 return
-            self.pool.reserve(request.rid, n)
-            chunk = mx.array(tokens[request.prefilled : request.prefilled + n], dtype=mx.int32)
-            logits = self.model(chunk[None], cache=request.caches)
-            request.prefilled += n
+            try:
+                self._prefill_chunk(request, tokens, n, produced)
+            except Exception as error:
+                self._fail(request, error)
             budget -= n
-            self.stats.prefill_tokens += n
-            if request.prefilled < len(tokens):
-                mx.eval(logits)
-                continue
-            self._prefilling = None
-            request.caches = None
-            request.status = RequestStatus.RUNNING
-            self._running.append(request)
-            if request.generated:
-                mx.eval(logits)
-            else:
-                first = cast(list[int], self._sample(logits[:, -1, :], [request]).tolist())
-                self._emit(request, first[0], produced)
 
     def _sample(self, logits: mx.array, batch: Sequence[_Request]) -> mx.array:
         greedy = mx.argmax(logits, axis=-1)
@@ -495,6 +658,18 @@ class DecodeEngine:
     def pages_in_use(self) -> Mapping[str, int] | None:
         """Pages in use per sub-pool now, if the pool can tell."""
         return pages_in_use(self.pool)
+
+
+def _host_tokens(tokens: object, what: str) -> object:
+    """Token ids as host values: an ``mx.array`` of an integer dtype becomes a list."""
+    if isinstance(tokens, mx.array):
+        if not mx.issubdtype(tokens.dtype, mx.integer) or tokens.ndim > 1:
+            raise RequestStateError(
+                f"{what} must be a 1-D integer array or a sequence of ints, got an array of "
+                f"shape {tuple(tokens.shape)} and dtype {tokens.dtype}"
+            )
+        return tokens.reshape(-1).tolist()
+    return tokens
 
 
 def sample_top_p(
