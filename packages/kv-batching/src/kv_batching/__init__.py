@@ -9,6 +9,7 @@ from ._engine import (
     RequestStatus,
     pages_in_use,
     sample_top_p,
+    vocabulary_size,
 )
 from ._layer_cache import BatchedLayerCache, batched_layer_caches
 from ._wrapper import (
@@ -39,4 +40,5 @@ __all__ = [
     "is_patched",
     "patch_model_attention",
     "unpatch_model_attention",
+    "vocabulary_size",
 ]

@@ -314,12 +314,12 @@ class DecodeEngine:
 
     def submit(
         self,
-        prompt_tokens: Sequence[int],
+        prompt_tokens: Iterable[int] | mx.array,
         max_tokens: int,
         *,
         temperature: float = 0.0,
         top_p: float = 1.0,
-        stop_tokens: Iterable[int] = (),
+        stop_tokens: Iterable[int] | mx.array = (),
     ) -> int:
         """Queue a request; returns its id. Nothing runs until :meth:`step`.
 
