@@ -100,7 +100,7 @@ def test_empty_batch_is_a_clear_error() -> None:
 @pytest.mark.parametrize(
     ("seq_lens", "ids", "match"),
     [
-        ([3, -1], (0, 1), "must be >= 0"),
+        ([3, -1], (0, 1), "must be an int >= 0"),
         ([3, 1.5], (0, 1), "must be an int"),
         ([3, 4], (0, 0), "duplicated"),
         ([3, 4], (0, 1, 2), "one length per request"),
@@ -268,3 +268,19 @@ def test_batched_layer_cache_is_a_data_free_shim() -> None:
     with pytest.raises(CacheStateError, match="not patched"):
         shim.update_and_fetch(mx.zeros((2, 2, 1, 8)), mx.zeros((2, 2, 1, 8)))
     assert "layer_id=1" in repr(shim)
+
+
+@pytest.mark.parametrize(
+    "maps",
+    [
+        {"attention_pool_index_by_layer": {1.0: 0}},
+        {"attention_pool_index_by_layer": {0: 0.0}},
+        {"attention_pool_index_by_layer": [0, 1]},
+        {"full_kv_pool_index_by_layer": {1.0: 0}},
+        {"full_kv_pool_index_by_layer": {True: 0}},
+        {"full_kv_pool_index_by_layer": 5},
+    ],
+)
+def test_layer_maps_take_int_ids_only(maps: dict[str, Any]) -> None:
+    with pytest.raises(LayerKindError, match="layer id"):
+        ctx([3, 5], **maps)

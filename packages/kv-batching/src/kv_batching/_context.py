@@ -20,6 +20,8 @@ from kv_protocol import (
     PoolExhaustedError,
     RequestStateError,
     ShapeMismatchError,
+    as_int,
+    check_int,
 )
 
 __all__ = ["FUSED_ROPE_MAP_ERROR", "BatchedDecodeContext", "PoolAddressing"]
@@ -79,10 +81,20 @@ def _checked_lengths(request_ids: Sequence[int], seq_lens: Sequence[int]) -> Non
         duplicates = sorted({r for r in request_ids if list(request_ids).count(r) > 1})
         raise RequestStateError(f"request ids must be unique in a batch; duplicated: {duplicates}")
     for rid, length in zip(request_ids, seq_lens, strict=True):
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise RequestStateError(f"seq_len of request {rid} must be an int >= 0, got {length!r}")
-        if length < 0:
-            raise RequestStateError(f"seq_len of request {rid} must be >= 0, got {length}")
+        check_int(rid, "request id")
+        check_int(length, f"seq_len of request {rid}", minimum=0)
+
+
+def _checked_layer_map(value: object, what: str) -> Mapping[int, int]:
+    """A read-only copy of a layer-id map whose keys and values are ints (not floats)."""
+    if not isinstance(value, Mapping):
+        raise LayerKindError(f"{what} must be a mapping of layer id -> index, got {value!r}")
+    for key, index in value.items():
+        if as_int(key) is None or as_int(index) is None:
+            raise LayerKindError(
+                f"{what} must map int layer ids to int indices, got {key!r}: {index!r}"
+            )
+    return MappingProxyType({int(k): int(v) for k, v in value.items()})
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -141,7 +153,9 @@ class BatchedDecodeContext:
                 {layer_id: layer_id for layer_id in layout.attention_layer_ids}
             )
         else:
-            attention_map = MappingProxyType(dict(self.attention_pool_index_by_layer))
+            attention_map = _checked_layer_map(
+                self.attention_pool_index_by_layer, "attention_pool_index_by_layer"
+            )
             for layer_id in attention_map:
                 if layer_id not in layout.attention_index_by_layer:
                     raise LayerKindError(
@@ -150,7 +164,9 @@ class BatchedDecodeContext:
                     )
         setter(self, "attention_pool_index_by_layer", attention_map)
 
-        full_map = MappingProxyType(dict(self.full_kv_pool_index_by_layer))
+        full_map = _checked_layer_map(
+            self.full_kv_pool_index_by_layer, "full_kv_pool_index_by_layer"
+        )
         for layer_id, index in full_map.items():
             if layer_id not in layout.full_attention_layer_id_mapping:
                 kind = (
@@ -263,10 +279,8 @@ class BatchedDecodeContext:
         cached = self._padding_by_window.get(window)
         if cached is not None:
             return list(cached[0]), cached[1]
-        if window is not None and (
-            isinstance(window, bool) or not isinstance(window, int) or window < 1
-        ):
-            raise ShapeMismatchError(f"window must be None or an int >= 1, got {window!r}")
+        if window is not None:
+            window = check_int(window, "window", minimum=1, error=ShapeMismatchError)
         valid = [s + 1 if window is None else min(s + 1, window) for s in self.seq_lens]
         width = max(valid)
         pads = [width - v for v in valid]
