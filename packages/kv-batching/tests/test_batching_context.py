@@ -281,6 +281,6 @@ def test_batched_layer_cache_is_a_data_free_shim() -> None:
         {"full_kv_pool_index_by_layer": 5},
     ],
 )
-def test_layer_maps_take_int_ids_only(maps: dict[str, Any]) -> None:
+def test_layer_maps_take_int_ids_only(maps: dict[str, object]) -> None:
     with pytest.raises(LayerKindError, match="layer id"):
         ctx([3, 5], **maps)
