@@ -1,17 +1,15 @@
-"""Root pytest configuration shared by every package's tests and the cross-package tests."""
+"""Root pytest configuration shared by every package's tests and the cross-package tests.
+
+It only sets the Hypothesis profiles: a member's tests import nothing from the repository root
+(their test support is the ``kv-testing`` member), so ``uv run --package X pytest packages/X``
+needs nothing outside that member's own dependencies.
+"""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 from hypothesis import HealthCheck, settings
-
-ROOT = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:
-    # Lets tests import the shared helpers in tools/ (tiny model builders).
-    sys.path.insert(0, str(ROOT))
 
 settings.register_profile(
     "ci",

@@ -1,4 +1,7 @@
-"""The command line as a user runs it (subprocess): the default demo and each bad input."""
+"""The command line as a user runs it (subprocess): the default demo and bad model inputs.
+
+Every bad option value is covered by test_cli_bad_input.py.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from tools.tiny_models import build_tiny_model, tiny_model_config
+from kv_testing import build_tiny_model, tiny_model_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--requests", "4", "--max-prompt", "60", "--max-tokens", "10", "--min-tokens", "4"]
@@ -90,17 +93,6 @@ def test_directory_that_is_not_a_model(tmp_path: Path) -> None:
 
 def test_budget_too_small_for_one_request() -> None:
     assert_one_line_error(run_cli("--budget-mib", "0.001"), "too small for one request")
-
-
-def test_bad_numbers_and_plot_paths(tmp_path: Path) -> None:
-    assert_one_line_error(run_cli("--requests", "0"), "--requests must be >= 1")
-    assert_one_line_error(run_cli("--prefill-chunk", "0"), "--prefill-chunk must be >= 1")
-    assert_one_line_error(run_cli("--min-tokens", "0"), "--min-tokens must be >= 1")
-    assert_one_line_error(run_cli("--min-prompt", "9", "--max-prompt", "3"), "--min-prompt")
-    assert_one_line_error(run_cli("--min-tokens", "9", "--max-tokens", "3"), "--min-tokens")
-    missing_dir = tmp_path / "nope" / "pages.png"
-    assert_one_line_error(run_cli("--plot", str(missing_dir)), "does not exist")
-    assert_one_line_error(run_cli("--plot", str(tmp_path / "pages.txt")), "name a .png file")
 
 
 def test_help_explains_every_option() -> None:

@@ -14,7 +14,7 @@ from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import select_kernels
 from kv_pool import HybridKVPool
 from kv_protocol import KVCache, KVPool, layout_from_model
-from tools.tiny_models import build_tiny_model
+from kv_testing import build_tiny_model
 
 
 def mlx_lm_alone(model: Any, prompt: list[int], max_tokens: int) -> list[int]:

@@ -21,7 +21,7 @@ from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
 from kv_protocol import KernelSet, KVCache, KVPool, layout_from_model
-from tools.tiny_models import build_tiny_model
+from kv_testing import build_tiny_model
 
 WINDOWS = {"gpt_oss": 8, "gemma3_text": 16, "cohere2": 12, "olmo3": 16}
 PROMPT_LENGTHS = (1, 7, 16, 33, 64, 100, 150, 200)

@@ -36,8 +36,8 @@ from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
 from kv_protocol import KernelSet, KVCache, KVPool, RequestStateError, layout_from_model
+from kv_testing import build_tiny_model
 from tools.reference import mlx_lm_greedy
-from tools.tiny_models import build_tiny_model
 
 VOCAB = 48
 MAX_GEN = 24

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kv_caches import PoolBackedKVCache
 from kv_pool import HybridKVPool
 from kv_protocol import KVPool, layout_from_model
-from tools.tiny_models import build_tiny_model
+from kv_testing import build_tiny_model
 
 WINDOW = 8
 PROMPT = 29

@@ -18,7 +18,9 @@ def test_the_repository_obeys_the_dependency_rule() -> None:
         "kv-pool",
         "kv-metal-kernels",
         "kv-batching",
+        "kv-testing",
     }
+    assert [m.dist for m in find_members(ROOT) if m.test_support] == ["kv-testing"]
 
 
 def _copy_skeleton(tmp_path: Path) -> Path:
@@ -70,4 +72,64 @@ def test_the_check_runs_as_a_script() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "dependency rule holds for 5 members" in result.stdout
+    assert "dependency rule holds for 6 members (5 toolkit, 1 test support)" in result.stdout
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, (path, old)
+    path.write_text(text.replace(old, new))
+
+
+def test_test_support_member_is_allowed_in_dev_groups_only(tmp_path: Path) -> None:
+    ws = _copy_skeleton(tmp_path)
+    support = ws / "packages" / "kv-testing" / "src" / "kv_testing" / "__init__.py"
+    support.write_text("import mlx.core\nfrom mlx_lm.models import llama\n")
+    # The skeleton already lists kv-testing in member dev groups, and kv-testing uses mlx-lm.
+    assert check_workspace(ws) == []
+    kv_pool = ws / "packages" / "kv-pool" / "pyproject.toml"
+    _edit(kv_pool, '"mlx>=0.32.4",', '"mlx>=0.32.4", "kv-testing",')
+    _edit(
+        kv_pool,
+        "[dependency-groups]",
+        '[project.optional-dependencies]\nx = ["kv-testing"]\n\n[dependency-groups]',
+    )
+    problems = check_workspace(ws)
+    assert problems == [
+        "kv-pool: depends at run time on test-support member kv-testing (list it in the dev "
+        "dependency group)",
+        "kv-pool: an extra depends on test-support member kv-testing",
+    ]
+
+
+def test_test_support_member_must_be_private_and_in_the_root_dev_group(tmp_path: Path) -> None:
+    ws = _copy_skeleton(tmp_path)
+    _edit(ws / "packages" / "kv-testing" / "pyproject.toml", '"Private :: Do Not Upload"', "")
+    _edit(ws / "pyproject.toml", '    "kv-testing",\n', "")
+    assert check_workspace(ws) == [
+        "kv-testing: a test-support member must be marked Private :: Do Not Upload",
+        "workspace root's dev group does not include test-support member kv-testing",
+    ]
+
+
+def test_member_tests_import_only_what_the_member_declares(tmp_path: Path) -> None:
+    ws = _copy_skeleton(tmp_path)
+    tests = ws / "packages" / "kv-pool" / "tests"
+    tests.mkdir()
+    (tests / "test_ok.py").write_text("import kv_pool\nfrom kv_protocol import LayerKind\n")
+    assert check_workspace(ws) == []
+    (tests / "test_bad.py").write_text(
+        "from tools.reference import mlx_lm_greedy\nfrom kv_testing import build_tiny_model\n"
+    )
+    assert check_workspace(ws) == [
+        "packages/kv-pool/tests/test_bad.py: imports 'tools' from the repository root; a "
+        "member's tests use only its dependencies (test support belongs in a test-support "
+        "member)",
+        "packages/kv-pool/tests/test_bad.py: imports 'kv_testing' but kv-pool lists kv-testing "
+        "neither as a dependency nor in its dev dependency group",
+    ]
+    # Listing it in the dev group is what makes the kv_testing import legitimate.
+    _edit(
+        ws / "packages" / "kv-pool" / "pyproject.toml", '"numpy>=2",', '"numpy>=2", "kv-testing",'
+    )
+    assert len(check_workspace(ws)) == 1

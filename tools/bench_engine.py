@@ -20,6 +20,7 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,14 +28,25 @@ from importlib.metadata import version
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 from kv_batching import DecodeEngine
 from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
-from kv_protocol import CacheLayout, KVCache, KVPool, layout_from_model
-from tools.tiny_models import build_tiny_model
+from kv_protocol import CacheLayout, KVCache, KVCacheError, KVPool, layout_from_model
+from kv_testing import build_tiny_model
+from tools.cli_args import (
+    MAX_LAYERS,
+    MAX_PAGE_SIZE,
+    MAX_REQUESTS,
+    MAX_TOKENS,
+    MAX_WORKLOAD_TOKENS,
+    ArgumentParser,
+    finite_float,
+    int_in_range,
+    positive_int,
+    random_seed,
+)
 
 
 @dataclass
@@ -80,11 +92,15 @@ def build_model(*, num_layers: int, window: int, vocab: int) -> Any:
 def workload(
     n: int, *, max_prompt: int, min_out: int, max_out: int, vocab: int, seed: int
 ) -> list[tuple[list[int], int]]:
-    """``n`` (prompt, max_tokens) pairs; prompt lengths log-uniform in 16..max_prompt."""
+    """``n`` (prompt, max_tokens) pairs; prompt lengths log-uniform in 16..max_prompt.
+
+    A ``max_prompt`` below 16 makes every prompt ``max_prompt`` tokens long.
+    """
     rng = random.Random(seed)
     out = []
+    shortest = min(16, max_prompt)
     for _ in range(n):
-        length = int(math.exp(rng.uniform(math.log(16), math.log(max_prompt))))
+        length = int(math.exp(rng.uniform(math.log(shortest), math.log(max_prompt))))
         out.append(([rng.randrange(vocab) for _ in range(length)], rng.randint(min_out, max_out)))
     return out
 
@@ -98,6 +114,8 @@ def _cache_bytes(caches: Any) -> int:
 
 def run_mlx_lm(model: Any, requests: list[tuple[list[int], int]], running: int) -> RunResult:
     """mlx-lm's BatchGenerator with at most ``running`` sequences decoding."""
+    from mlx_lm.generate import BatchGenerator  # imported here: a bad option fails fast
+
     gen = BatchGenerator(
         model,
         completion_batch_size=running,
@@ -226,30 +244,57 @@ def machine_description() -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Parse arguments, run both systems, print the comparison."""
-    parser = argparse.ArgumentParser(
-        prog="python -m tools.kv bench", description=__doc__.splitlines()[0]
-    )
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m tools.kv bench``, each checked while parsing."""
+    parser = ArgumentParser(prog="python -m tools.kv bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small workload, under a minute")
     parser.add_argument(
-        "--requests", type=int, default=None, help="number of requests (default 48, quick 16)"
+        "--requests",
+        type=positive_int(MAX_REQUESTS),
+        default=None,
+        help=f"number of requests, 1..{MAX_REQUESTS} (default 48, quick 16)",
     )
     parser.add_argument(
-        "--max-prompt", type=int, default=None, help="longest prompt (default 3800, quick 1024)"
+        "--max-prompt",
+        type=positive_int(MAX_TOKENS),
+        default=None,
+        help=f"longest prompt, 1..{MAX_TOKENS} tokens (default 3800, quick 1024)",
     )
     parser.add_argument(
-        "--running", type=int, default=16, help="most requests decoding at once (default 16)"
+        "--running",
+        type=positive_int(MAX_REQUESTS),
+        default=16,
+        help="most requests decoding at once (default 16)",
     )
-    parser.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
-    parser.add_argument("--window", type=int, default=128, help="sliding window (default 128)")
-    parser.add_argument("--page-size", type=int, default=16, help="pool page size (default 16)")
-    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
+    parser.add_argument(
+        "--layers",
+        type=int_in_range(
+            2, MAX_LAYERS, why="; layers alternate sliding/full, so 2 is the fewest with a full one"
+        ),
+        default=4,
+        help=f"model layers, alternating sliding/full, 2..{MAX_LAYERS} (default 4)",
+    )
+    parser.add_argument(
+        "--window",
+        type=positive_int(MAX_TOKENS),
+        default=128,
+        help="sliding window (default 128)",
+    )
+    parser.add_argument(
+        "--page-size",
+        type=positive_int(MAX_PAGE_SIZE),
+        default=16,
+        help=f"pool page size, 1..{MAX_PAGE_SIZE} (default 16)",
+    )
+    parser.add_argument(
+        "--chunk", type=positive_int(MAX_TOKENS), default=512, help="prefill chunk (default 512)"
+    )
     parser.add_argument(
         "--kv-fraction",
-        type=float,
+        type=finite_float(0.0, 1.0, min_inclusive=False),
         default=0.5,
-        help="engine pool budget as a fraction of mlx-lm's measured peak KV (default 0.5)",
+        help="engine pool budget as a fraction in (0, 1] of mlx-lm's measured peak KV "
+        "(default 0.5)",
     )
     parser.add_argument(
         "--fused-rope",
@@ -257,14 +302,48 @@ def main(argv: Sequence[str] | None = None) -> None:
         choices=["off", "auto", "reference", "metal", "cuda"],
         help="fused RoPE + pool-scatter kernel (default off)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument(
+        "--seed", type=random_seed, default=0, help="workload seed, 0..2**32-1 (default 0)"
+    )
     parser.add_argument(
         "--markdown", action="store_true", help="also print the results as a Markdown section"
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, run both systems, print the comparison; returns the exit status.
+
+    A bad option is one ``error:`` line and status 2 before anything runs; a pool the
+    ``--kv-fraction`` makes too small for the workload is one ``error:`` line and status 2.
+    """
+    parser = build_parser()
     args = parser.parse_args(argv)
+    n, max_prompt, _, max_out = _workload_shape(args)
+    if n * (max_prompt + max_out) > MAX_WORKLOAD_TOKENS:
+        parser.error(
+            f"{n} requests of up to {max_prompt} prompt tokens are more than "
+            f"{MAX_WORKLOAD_TOKENS} tokens in all; ask for fewer (--requests) or shorter "
+            "(--max-prompt) requests"
+        )
+    try:
+        _run(args, argv)
+    except KVCacheError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _workload_shape(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """Requests, longest prompt, fewest and most output tokens of the run ``args`` ask for."""
     n = args.requests or (16 if args.quick else 48)
     max_prompt = args.max_prompt or (1024 if args.quick else 3800)
     min_out, max_out = (8, 48) if args.quick else (16, 192)
+    return n, max_prompt, min_out, max_out
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    n, max_prompt, min_out, max_out = _workload_shape(args)
     vocab = 512
 
     model = build_model(num_layers=args.layers, window=args.window, vocab=vocab)
@@ -368,4 +447,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,7 +16,6 @@ Run: ``uv run --no-sync python -m tools.bench_kernels`` (about 2 minutes on a 2-
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +31,14 @@ from kv_metal_kernels import (
     native_backend,
 )
 from kv_protocol import PagedDecodeAttention, RopeConfig, RopeScatterKernel
+from tools.cli_args import (
+    MAX_REQUESTS,
+    MAX_TOKENS,
+    ArgumentParser,
+    finite_float,
+    int_list,
+    positive_int,
+)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GEOMETRIES = {"gpt-oss": (64, 8, 64), "llama": (32, 8, 128)}
@@ -225,22 +232,58 @@ def bench_attention(
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Run the benchmarks and print markdown tables."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> ArgumentParser:
+    """The options of ``python -m tools.bench_kernels``, each checked while parsing."""
+    parser = ArgumentParser(
+        prog="python -m tools.bench_kernels", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--batches", default="1,8,32", help="RoPE batch sizes")
     parser.add_argument(
-        "--contexts", default="1024,2048,4096,8192,16384", help="attention contexts"
+        "--batches",
+        type=int_list(1, MAX_REQUESTS),
+        default=[1, 8, 32],
+        metavar="B,B,...",
+        help="RoPE batch sizes (default: 1,8,32)",
     )
-    parser.add_argument("--attn-batch", type=int, default=8, help="requests per attention call")
     parser.add_argument(
-        "--attn-heads", default="8,2,64", help="attention q_heads,kv_heads,head_dim"
+        "--contexts",
+        type=int_list(16, MAX_TOKENS),
+        default=[1024, 2048, 4096, 8192, 16384],
+        metavar="N,N,...",
+        help="attention contexts, each >= 16 (default: 1024,2048,4096,8192,16384)",
     )
-    parser.add_argument("--min-time", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument(
+        "--attn-batch",
+        type=positive_int(MAX_REQUESTS),
+        default=8,
+        help="requests per attention call (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--attn-heads",
+        type=int_list(1, 1024, length=3),
+        default=[8, 2, 64],
+        metavar="Q,KV,D",
+        help="attention q_heads,kv_heads,head_dim; q_heads a multiple of kv_heads "
+        "(default: 8,2,64)",
+    )
+    parser.add_argument(
+        "--min-time",
+        type=finite_float(0.0, 600.0, min_inclusive=False),
+        default=0.5,
+        help="seconds per measurement, in (0, 600] (default: %(default)s)",
+    )
     parser.add_argument("--skip-rope", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmarks and print markdown tables."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    hq, hkv, d = args.attn_heads
+    if hq % hkv:
+        parser.error(f"argument --attn-heads: q_heads {hq} is not a multiple of kv_heads {hkv}")
     dtype = DTYPES[args.dtype]
     native = native_backend()
     print(f"device: {mx.default_device()}, native backend: {native}, dtype: {args.dtype}")
@@ -253,13 +296,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"RoPE + pool scatter per decode step, one layer (fused = {fused.name})\n")
         print("| geometry (q/kv/d) | B | unfused us | fused us | speed-up |")
         print("|---|---|---|---|---|")
-        batches = [int(x) for x in args.batches.split(",")]
-        for row in bench_rope(dtype, batches, fused, args.min_time):
+        for row in bench_rope(dtype, args.batches, fused, args.min_time):
             print(row)
         print()
     if not args.skip_attention:
-        hq, hkv, d = (int(x) for x in args.attn_heads.split(","))
-        contexts = [int(x) for x in args.contexts.split(",")]
         print(
             f"Decode attention, one layer, B={args.attn_batch}, {hq} q / {hkv} kv heads, "
             f"d {d}, page 16, ragged lengths uniform in [ctx/16, ctx]\n"
@@ -267,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         print("| context | window | variant | ms | vs dense | KV GB/s | of copy bw |")
         print("|---|---|---|---|---|---|---|")
         for row in bench_attention(
-            dtype, contexts, args.attn_batch, (hq, hkv, d), copy_bw, args.min_time
+            dtype, args.contexts, args.attn_batch, (hq, hkv, d), copy_bw, args.min_time
         ):
             print(row)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from importlib.metadata import version
 from typing import Any
@@ -47,6 +47,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kv_pool import HybridKVPool, PageAllocator
 from kv_protocol import CacheLayout, LayerKind, LayerSpec, layout_from_model
+from tools.cli_args import MAX_PAGE_SIZE, MAX_REQUESTS, MAX_TOKENS, ArgumentParser, positive_int
 from tools.model_configs import REAL_MODEL_CONFIGS, lazy_model_from_config
 
 MODELS = {"gpt-oss-20b": "gpt-oss-20b", "Gemma-3-27B": "gemma-3-27b"}
@@ -386,15 +387,47 @@ def in_place() -> None:
         print(f"| {label} | {ms:.3f} | {(mx.get_peak_memory() - base) / 2**20:.1f} |")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m tools.bench_pool``, each checked while parsing."""
+    parser = ArgumentParser(prog="python -m tools.bench_pool", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--requests",
+        type=positive_int(MAX_REQUESTS),
+        default=32,
+        help="concurrent requests of the KV-bytes tables (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--contexts",
+        type=positive_int(MAX_TOKENS),
+        nargs="+",
+        default=[8192, 32768],
+        metavar="TOKENS",
+        help="context lengths of the KV-bytes tables (default: 8192 32768)",
+    )
+    parser.add_argument(
+        "--chunk",
+        type=positive_int(MAX_TOKENS),
+        default=2048,
+        help="prefill chunk in tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--page-size",
+        type=positive_int(MAX_PAGE_SIZE),
+        default=16,
+        help="tokens per pool page (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ops-requests",
+        type=positive_int(1_000_000),
+        default=10_000,
+        help="requests of the page-operations benchmark (default: %(default)s)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     """Run the three sections and print markdown tables."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--ops-requests", type=int, default=10_000)
-    args = parser.parse_args()
+    args = build_parser().parse_args(argv)
     print(f"mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, device {mx.default_device()}")
     kv_bytes_table(args.requests, args.contexts, args.chunk, args.page_size)
     ragged_table(args.requests, args.contexts, args.chunk, args.page_size)

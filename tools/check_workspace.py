@@ -1,9 +1,24 @@
-"""Check the workspace's dependency rule (DESIGN.md section 2).
+"""Check the workspace's dependency rule.
 
-- No package imports a sibling package other than ``kv_protocol``, and none imports mlx-lm.
+The rule: every toolkit package depends at run time on ``mlx`` and ``kv-protocol`` and on no
+sibling, so the packages meet only where they are wired (in ``tools/``, ``tests/`` and the
+user's code), and mlx-lm is never a run-time dependency of a toolkit package. Test support
+lives in its own member, which the others use from their ``dev`` dependency group only.
+
+Checked:
+
+- No toolkit package's source imports a sibling package other than ``kv_protocol``, and none
+  imports mlx-lm.
 - Every member declares ``mlx`` and declares no sibling except ``kv-protocol``; a declared
   inter-member version range must admit the member's current version.
-- The workspace root depends on every member.
+- A test-support member (``kv-testing``) may depend on mlx-lm; it may appear in a member's
+  ``dev`` dependency group, never among a toolkit package's run-time dependencies or extras,
+  and it is marked ``Private :: Do Not Upload``.
+- A member's tests import nothing from ``tools`` (the repository root is not on their path) and
+  no sibling the member does not declare (as a dependency or in its ``dev`` group), so
+  ``uv run --package X pytest packages/X`` needs only that member's dependencies.
+- The workspace root depends on every toolkit member, and on every test-support member in its
+  ``dev`` dependency group.
 
 Run ``uv run python tools/check_workspace.py``; exits non-zero and lists each violation.
 """
@@ -13,15 +28,22 @@ from __future__ import annotations
 import ast
 import sys
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from packaging.requirements import Requirement
 
-__all__ = ["Member", "check_workspace", "find_members", "main"]
+__all__ = ["TEST_SUPPORT_MEMBERS", "Member", "check_workspace", "find_members", "main"]
 
 ALLOWED_SHARED_IMPORT = "kv_protocol"
 FORBIDDEN_RUNTIME_IMPORTS = ("mlx_lm",)
+#: Members that hold test support (model builders for tests), not toolkit code.
+TEST_SUPPORT_MEMBERS = frozenset({"kv-testing"})
+PRIVATE_CLASSIFIER = "Private :: Do Not Upload"
+#: Top-level modules of the repository root that members' tests must not import.
+ROOT_ONLY_IMPORTS = ("tools",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,21 +55,39 @@ class Member:
     version: str
     root: Path
     requirements: tuple[Requirement, ...]
+    optional_requirements: tuple[Requirement, ...] = ()
+    dev_requirements: tuple[Requirement, ...] = ()
+    classifiers: tuple[str, ...] = ()
+
+    @property
+    def test_support(self) -> bool:
+        """True for a test-support member (allowed in dev groups only)."""
+        return self.dist in TEST_SUPPORT_MEMBERS
+
+
+def _requirements(entries: Iterable[Any]) -> tuple[Requirement, ...]:
+    # Dependency groups may hold ``{include-group = ...}`` tables besides requirement strings.
+    return tuple(Requirement(entry) for entry in entries if isinstance(entry, str))
 
 
 def find_members(root: Path) -> list[Member]:
     """Every member under ``packages/`` with its pyproject metadata."""
     members = []
     for pyproject in sorted(root.glob("packages/*/pyproject.toml")):
-        project = tomllib.loads(pyproject.read_text())["project"]
+        data = tomllib.loads(pyproject.read_text())
+        project = data["project"]
         dist = str(project["name"])
+        extras = project.get("optional-dependencies", {})
         members.append(
             Member(
                 dist=dist,
                 import_name=dist.replace("-", "_"),
                 version=str(project["version"]),
                 root=pyproject.parent,
-                requirements=tuple(Requirement(r) for r in project.get("dependencies", [])),
+                requirements=_requirements(project.get("dependencies", [])),
+                optional_requirements=_requirements(r for rs in extras.values() for r in rs),
+                dev_requirements=_requirements(data.get("dependency-groups", {}).get("dev", [])),
+                classifiers=tuple(str(c) for c in project.get("classifiers", [])),
             )
         )
     return members
@@ -64,43 +104,93 @@ def _imported_top_levels(source: Path) -> set[str]:
     return names
 
 
+def _check_sources(root: Path, member: Member, by_import: dict[str, Member]) -> list[str]:
+    problems: list[str] = []
+    import_names = set(by_import)
+    for source in sorted((member.root / "src").rglob("*.py")):
+        rel = source.relative_to(root)
+        for name in sorted(_imported_top_levels(source)):
+            if name in import_names and name not in (member.import_name, ALLOWED_SHARED_IMPORT):
+                problems.append(f"{rel}: imports sibling package {name!r}")
+            if name in FORBIDDEN_RUNTIME_IMPORTS and not member.test_support:
+                problems.append(f"{rel}: imports {name!r}, which is not a run-time dependency")
+    available = {r.name for r in (*member.requirements, *member.dev_requirements)}
+    for source in sorted((member.root / "tests").rglob("*.py")):
+        rel = source.relative_to(root)
+        imported = _imported_top_levels(source)
+        for name in sorted(imported & set(ROOT_ONLY_IMPORTS)):
+            problems.append(
+                f"{rel}: imports {name!r} from the repository root; a member's tests use only "
+                "its dependencies (test support belongs in a test-support member)"
+            )
+        for name in sorted(imported & import_names):
+            sibling = by_import[name]
+            if sibling is not member and sibling.dist not in available:
+                problems.append(
+                    f"{rel}: imports {name!r} but {member.dist} lists {sibling.dist} neither as a "
+                    "dependency nor in its dev dependency group"
+                )
+    return problems
+
+
+def _check_declared(member: Member, by_dist: dict[str, Member]) -> list[str]:
+    problems: list[str] = []
+    declared = {req.name: req for req in member.requirements}
+    if "mlx" not in declared:
+        problems.append(f"{member.dist}: does not declare its run-time dependency on mlx")
+    if not member.test_support:
+        for name in FORBIDDEN_RUNTIME_IMPORTS:
+            if name.replace("_", "-") in declared:
+                problems.append(f"{member.dist}: declares {name} as a run-time dependency")
+    for name, req in declared.items():
+        sibling = by_dist.get(name)
+        if sibling is None:
+            continue
+        if sibling.test_support:
+            problems.append(
+                f"{member.dist}: depends at run time on test-support member {name} "
+                "(list it in the dev dependency group)"
+            )
+            continue
+        if name != ALLOWED_SHARED_IMPORT.replace("_", "-"):
+            problems.append(f"{member.dist}: depends on sibling {name}")
+        if not str(req.specifier):
+            problems.append(f"{member.dist}: dependency on {name} has no version range")
+        elif not req.specifier.contains(sibling.version, prereleases=True):
+            problems.append(
+                f"{member.dist}: requires {name}{req.specifier} but the workspace has "
+                f"{name} {sibling.version}"
+            )
+    for req in member.optional_requirements:
+        sibling = by_dist.get(req.name)
+        if sibling is not None and sibling.test_support:
+            problems.append(f"{member.dist}: an extra depends on test-support member {req.name}")
+    if member.test_support and PRIVATE_CLASSIFIER not in member.classifiers:
+        problems.append(f"{member.dist}: a test-support member must be marked {PRIVATE_CLASSIFIER}")
+    return problems
+
+
 def check_workspace(root: Path) -> list[str]:
     """All violations of the dependency rule under ``root`` (empty when the rule holds)."""
     members = find_members(root)
     by_dist = {m.dist: m for m in members}
-    import_names = {m.import_name for m in members}
+    by_import = {m.import_name: m for m in members}
     problems: list[str] = []
     for member in members:
-        for source in sorted((member.root / "src").rglob("*.py")):
-            rel = source.relative_to(root)
-            for name in sorted(_imported_top_levels(source)):
-                if name in import_names and name not in (member.import_name, ALLOWED_SHARED_IMPORT):
-                    problems.append(f"{rel}: imports sibling package {name!r}")
-                if name in FORBIDDEN_RUNTIME_IMPORTS:
-                    problems.append(f"{rel}: imports {name!r}, which is not a run-time dependency")
-        declared = {req.name: req for req in member.requirements}
-        if "mlx" not in declared:
-            problems.append(f"{member.dist}: does not declare its run-time dependency on mlx")
-        for name in FORBIDDEN_RUNTIME_IMPORTS:
-            if name.replace("_", "-") in declared:
-                problems.append(f"{member.dist}: declares {name} as a run-time dependency")
-        for name, req in declared.items():
-            sibling = by_dist.get(name)
-            if sibling is None:
-                continue
-            if name != ALLOWED_SHARED_IMPORT.replace("_", "-"):
-                problems.append(f"{member.dist}: depends on sibling {name}")
-            if not str(req.specifier):
-                problems.append(f"{member.dist}: dependency on {name} has no version range")
-            elif not req.specifier.contains(sibling.version, prereleases=True):
-                problems.append(
-                    f"{member.dist}: requires {name}{req.specifier} but the workspace has "
-                    f"{name} {sibling.version}"
-                )
-    root_project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
-    root_deps = {Requirement(r).name for r in root_project.get("dependencies", [])}
+        problems += _check_sources(root, member, by_import)
+        problems += _check_declared(member, by_dist)
+    root_data = tomllib.loads((root / "pyproject.toml").read_text())
+    root_deps = {r.name for r in _requirements(root_data["project"].get("dependencies", []))}
+    root_dev = {
+        r.name for r in _requirements(root_data.get("dependency-groups", {}).get("dev", []))
+    }
     for member in members:
-        if member.dist not in root_deps:
+        if member.test_support:
+            if member.dist not in root_dev:
+                problems.append(
+                    f"workspace root's dev group does not include test-support member {member.dist}"
+                )
+        elif member.dist not in root_deps:
             problems.append(f"workspace root does not depend on member {member.dist}")
     return problems
 
@@ -112,7 +202,12 @@ def main() -> int:
     for problem in problems:
         print(problem)
     if not problems:
-        print(f"workspace dependency rule holds for {len(find_members(root))} members")
+        members = find_members(root)
+        support = sum(m.test_support for m in members)
+        print(
+            f"workspace dependency rule holds for {len(members)} members "
+            f"({len(members) - support} toolkit, {support} test support)"
+        )
     return min(len(problems), 100)
 
 

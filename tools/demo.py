@@ -34,6 +34,7 @@ from kv_protocol import (
     find_layers,
     layout_from_model,
 )
+from tools.cli_args import memory_limit_bytes
 
 __all__ = [
     "DemoConfig",
@@ -204,8 +205,8 @@ class _Progress:
 
 def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
     """Serve the workload, verify it against mlx-lm, and measure throughput and KV memory."""
+    from kv_testing import build_tiny_model
     from tools.reference import mlx_lm_greedy
-    from tools.tiny_models import build_tiny_model
 
     if config.model_path is not None:
         model = load_local_model(Path(config.model_path))
@@ -228,6 +229,13 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
             page_size=config.page_size,
             prefill_chunk=config.prefill_chunk,
         )
+        limit = memory_limit_bytes()
+        if budget > limit:
+            raise DemoError(
+                f"the workload needs a {budget / 2**20:.1f} MiB KV pool for {concurrency} "
+                f"requests of up to {max_context} tokens, more than this machine's memory "
+                f"({limit / 2**30:.1f} GiB); lower --max-running, --max-prompt or --max-tokens"
+            )
     else:
         budget = int(config.budget_mib * 2**20)
         one = HybridKVPool.required_bytes(

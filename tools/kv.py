@@ -12,15 +12,31 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
 
+from tools.cli_args import (
+    MAX_PAGE_SIZE,
+    MAX_REQUESTS,
+    MAX_TOKENS,
+    MAX_WORKLOAD_TOKENS,
+    ArgumentParser,
+    budget_mib,
+    existing_directory,
+    png_file,
+    positive_int,
+    random_seed,
+)
+
 __all__ = ["build_parser", "main"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+#: Context lengths the layout command reports on: positive int32 token positions.
+MAX_CONTEXT = 2**31 - 1
 
 
 class CliError(Exception):
@@ -29,17 +45,15 @@ class CliError(Exception):
 
 def _layout_command(args: argparse.Namespace) -> int:
     from kv_protocol import KVCacheError, layout_from_model
+    from kv_testing import build_tiny_model
     from tools.model_configs import (
         REAL_MODEL_CONFIGS,
         lazy_model_from_config,
         lazy_model_from_directory,
     )
-    from tools.tiny_models import build_tiny_model
 
     if args.model is not None:
-        path = Path(args.model)
-        if not path.is_dir():
-            raise CliError(f"--model {path}: no such directory")
+        path = Path(args.model)  # an existing directory (checked while parsing)
         try:
             model = lazy_model_from_directory(path)
         except (FileNotFoundError, ValueError, ImportError, TypeError) as exc:
@@ -76,33 +90,30 @@ def _layout_command(args: argparse.Namespace) -> int:
 def _demo_command(args: argparse.Namespace) -> int:
     from tools.demo import DemoConfig, DemoError, format_result, result_json, run_demo
 
+    # Each value was checked on its own while parsing (tools.cli_args); what is left are the
+    # checks that relate two options, still before anything is built.
     if args.min_prompt is None:
         args.min_prompt = min(8, args.max_prompt)
     if args.min_tokens is None:
         args.min_tokens = min(16, args.max_tokens)
-    for option in (
-        "requests",
-        "max_tokens",
-        "min_tokens",
-        "page_size",
-        "max_running",
-        "prefill_chunk",
-        "window",
-    ):
-        if getattr(args, option) < 1:
-            raise CliError(f"--{option.replace('_', '-')} must be >= 1")
-    if not 1 <= args.min_prompt <= args.max_prompt:
-        raise CliError("need 1 <= --min-prompt <= --max-prompt")
+    if args.min_prompt > args.max_prompt:
+        raise CliError(
+            f"need --min-prompt <= --max-prompt, got {args.min_prompt} > {args.max_prompt}"
+        )
     if args.min_tokens > args.max_tokens:
-        raise CliError("need --min-tokens <= --max-tokens")
-    if args.budget_mib is not None and args.budget_mib <= 0:
-        raise CliError("--budget-mib must be > 0")
-    if args.plot is not None:
-        plot = Path(args.plot)
-        if plot.suffix.lower() != ".png":
-            raise CliError(f"--plot {plot}: the picture is written as PNG; name a .png file")
-        if not plot.parent.is_dir():
-            raise CliError(f"--plot {plot}: directory {plot.parent} does not exist")
+        raise CliError(
+            f"need --min-tokens <= --max-tokens, got {args.min_tokens} > {args.max_tokens}"
+        )
+    if args.requests * (args.max_prompt + args.max_tokens) > MAX_WORKLOAD_TOKENS:
+        raise CliError(
+            f"--requests {args.requests} x (--max-prompt {args.max_prompt} + --max-tokens "
+            f"{args.max_tokens}) is more than {MAX_WORKLOAD_TOKENS} tokens in all; ask for "
+            "fewer or shorter requests"
+        )
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise CliError(
+            "--plot needs matplotlib: install the optional extra with `uv sync --extra plot`"
+        )
     config = DemoConfig(
         arch=args.arch,
         model_path=args.model,
@@ -135,12 +146,11 @@ def _demo_command(args: argparse.Namespace) -> int:
 def _bench_command(argv: Sequence[str]) -> int:
     from tools.bench_engine import main as bench_main
 
-    bench_main(argv)
-    return 0
+    return bench_main(argv)
 
 
 def _add_demo_options(demo: argparse.ArgumentParser) -> None:
-    from tools.tiny_models import ARCHITECTURES
+    from kv_testing import ARCHITECTURES
 
     model = demo.add_argument_group("model")
     model.add_argument(
@@ -152,46 +162,74 @@ def _add_demo_options(demo: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model",
         metavar="PATH",
+        type=existing_directory,
         help="a local mlx-lm model directory (config.json + *.safetensors) instead of --arch",
     )
     model.add_argument(
         "--window",
-        type=int,
+        type=positive_int(MAX_TOKENS),
         default=32,
-        help="sliding window of the embedded model (default: %(default)s)",
+        help=f"sliding window of the embedded model, 1..{MAX_TOKENS} (default: %(default)s)",
     )
     work = demo.add_argument_group("workload")
-    work.add_argument("--requests", type=int, default=16, help="number of prompts (default: 16)")
+    work.add_argument(
+        "--requests",
+        type=positive_int(MAX_REQUESTS),
+        default=16,
+        help=f"number of prompts, 1..{MAX_REQUESTS} (default: %(default)s)",
+    )
     work.add_argument(
         "--min-prompt",
-        type=int,
+        type=positive_int(MAX_TOKENS),
         help="shortest prompt (default: 8, or --max-prompt if that is smaller)",
     )
-    work.add_argument("--max-prompt", type=int, default=320, help="longest prompt (default: 320)")
+    work.add_argument(
+        "--max-prompt",
+        type=positive_int(MAX_TOKENS),
+        default=320,
+        help=f"longest prompt, 1..{MAX_TOKENS} tokens (default: %(default)s)",
+    )
     work.add_argument(
         "--min-tokens",
-        type=int,
+        type=positive_int(MAX_TOKENS),
         help="fewest tokens to generate (default: 16, or --max-tokens if that is smaller)",
     )
     work.add_argument(
-        "--max-tokens", type=int, default=64, help="most tokens to generate (default: 64)"
+        "--max-tokens",
+        type=positive_int(MAX_TOKENS),
+        default=64,
+        help=f"most tokens to generate, 1..{MAX_TOKENS} (default: %(default)s)",
     )
-    work.add_argument("--seed", type=int, default=0, help="workload and model seed (default: 0)")
+    work.add_argument(
+        "--seed",
+        type=random_seed,
+        default=0,
+        help="workload and model seed, 0..2**32-1 (default: %(default)s)",
+    )
     engine = demo.add_argument_group("engine and pool")
     engine.add_argument(
-        "--page-size", type=int, default=16, help="tokens per pool page (default: 16)"
+        "--page-size",
+        type=positive_int(MAX_PAGE_SIZE),
+        default=16,
+        help=f"tokens per pool page, 1..{MAX_PAGE_SIZE} (default: %(default)s)",
     )
     engine.add_argument(
         "--budget-mib",
-        type=float,
-        help="KV pool budget in MiB (default: exactly what the workload needs at "
-        "--max-running concurrency)",
+        type=budget_mib,
+        help="KV pool budget in MiB, > 0 and at most this machine's memory (default: exactly "
+        "what the workload needs at --max-running concurrency)",
     )
     engine.add_argument(
-        "--max-running", type=int, default=8, help="requests decoded together (default: 8)"
+        "--max-running",
+        type=positive_int(MAX_REQUESTS),
+        default=8,
+        help="requests decoded together (default: %(default)s)",
     )
     engine.add_argument(
-        "--prefill-chunk", type=int, default=128, help="prefill chunk in tokens (default: 128)"
+        "--prefill-chunk",
+        type=positive_int(MAX_TOKENS),
+        default=128,
+        help="prefill chunk in tokens (default: %(default)s)",
     )
     engine.add_argument(
         "--fused-rope",
@@ -205,6 +243,7 @@ def _add_demo_options(demo: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--plot",
         metavar="FILE.png",
+        type=png_file,
         help="write pages per sub-pool and running requests over the steps (needs matplotlib: "
         "uv sync --extra plot)",
     )
@@ -213,10 +252,10 @@ def _add_demo_options(demo: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m tools.kv``."""
+    from kv_testing import ARCHITECTURES
     from tools.model_configs import REAL_MODEL_CONFIGS
-    from tools.tiny_models import ARCHITECTURES
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m tools.kv",
         description="Hybrid KV-cache toolkit for MLX: layouts, demo and benchmark.",
     )
@@ -256,7 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--arch", choices=ARCHITECTURES, help="an embedded tiny random-weight architecture"
     )
-    source.add_argument("--model", metavar="PATH", help="a local mlx-lm model directory")
+    source.add_argument(
+        "--model",
+        metavar="PATH",
+        type=existing_directory,
+        help="a local mlx-lm model directory",
+    )
     layout.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -265,11 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layout.add_argument(
         "--context",
-        type=int,
-        nargs="*",
+        type=positive_int(MAX_CONTEXT),
+        nargs="+",
         default=[8192, 32768],
         metavar="TOKENS",
-        help="context lengths to report KV bytes for (default: 8192 32768)",
+        help=f"context lengths to report KV bytes for, 1..{MAX_CONTEXT} (default: 8192 32768)",
     )
     layout.set_defaults(handler=_layout_command)
     return parser

@@ -23,7 +23,7 @@ from kv_protocol import (
     UnsupportedModelError,
     layout_from_model,
 )
-from tools.tiny_models import build_tiny_model
+from kv_testing import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batching_fakes import (
@@ -158,7 +158,7 @@ def test_stop_tokens_end_a_request_including_the_stop_token() -> None:
     ("args", "kwargs", "match"),
     [
         (([], 3), {}, "at least one token"),
-        (([1, -2], 3), {}, ">= 0"),
+        (([1, -2], 3), {}, r"prompt_tokens\[1\] must be an int in 0\.\."),
         (([1], 0), {}, "max_tokens"),
         (([1], 2), {"temperature": -1.0}, "temperature"),
         (([1], 2), {"top_p": 0.0}, "top_p"),

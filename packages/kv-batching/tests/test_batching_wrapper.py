@@ -28,7 +28,7 @@ from kv_protocol import (
     UnsupportedModelError,
     layout_from_model,
 )
-from tools.tiny_models import build_tiny_model
+from kv_testing import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batching_fakes import FakeKernels, FakePagedPool, FakeRope

@@ -14,7 +14,7 @@ from kv_caches import (
     WindowedAttentionKVCache,
 )
 from kv_protocol import LayerKind, layout_from_model
-from tools.tiny_models import build_tiny_model
+from kv_testing import build_tiny_model
 
 DECODE_STEPS = 40
 ATOL = 1e-5

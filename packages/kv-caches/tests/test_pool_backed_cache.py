@@ -33,7 +33,7 @@ from kv_protocol import (
     UnknownRequestError,
     layout_from_model,
 )
-from tools.tiny_models import build_tiny_model
+from kv_testing import build_tiny_model
 
 H, D = 2, 4
 
@@ -116,6 +116,14 @@ class FakePool:
             out[name] = mx.array(new, dtype=mx.int32)
         self.lengths[request_id] = old + n_tokens
         return out
+
+    def trim_request(self, request_id: int, n_tokens: int) -> None:
+        tables = self._tables(request_id)
+        new_len = self.lengths[request_id] - n_tokens
+        for name, table in tables.items():
+            for pos in [p for p in table if p >= new_len]:
+                self.free[name].append(table.pop(pos))
+        self.lengths[request_id] = new_len
 
     def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
         for rid in request_ids:

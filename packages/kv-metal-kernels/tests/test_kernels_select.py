@@ -30,7 +30,7 @@ from kv_protocol import (
     attention_module,
     find_layers,
 )
-from tools.tiny_models import build_tiny_model
+from kv_testing import build_tiny_model
 
 ROPE = RopeConfig(dims=64, base=10000.0)
 

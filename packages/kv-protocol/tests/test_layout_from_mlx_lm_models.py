@@ -12,7 +12,7 @@ from kv_protocol import (
     UnsupportedModelError,
     layout_from_model,
 )
-from tools.tiny_models import ARCHITECTURES, build_tiny_model
+from kv_testing import ARCHITECTURES, build_tiny_model
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

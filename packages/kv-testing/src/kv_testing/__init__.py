@@ -1,0 +1,10 @@
+"""Test support for the kv-* packages (not a toolkit package, never a run-time dependency).
+
+Tiny random-weight models of real hybrid architectures, built from mlx-lm's own ``Model``
+classes with small configurations; nothing is downloaded. The member tests, the cross-package
+tests, the demo and the benchmarks build their models here.
+"""
+
+from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
+
+__all__ = ["ARCHITECTURES", "build_tiny_model", "tiny_model_config"]
