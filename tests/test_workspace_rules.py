@@ -19,8 +19,32 @@ def test_the_repository_obeys_the_dependency_rule() -> None:
         "kv-metal-kernels",
         "kv-batching",
         "kv-testing",
+        "kv-serve",
     }
     assert [m.dist for m in find_members(ROOT) if m.test_support] == ["kv-testing"]
+    assert [m.dist for m in find_members(ROOT) if m.composition_root] == ["kv-serve"]
+
+
+def test_only_the_composition_root_may_wire_siblings(tmp_path: Path) -> None:
+    ws = _copy_skeleton(tmp_path)
+    wiring = (
+        "from kv_pool import HybridKVPool\nfrom kv_batching import DecodeEngine\nimport mlx_lm\n"
+    )
+    (ws / "packages" / "kv-serve" / "src" / "kv_serve" / "_engine.py").write_text(wiring)
+    assert check_workspace(ws) == []
+    (ws / "packages" / "kv-serve" / "src" / "kv_serve" / "_t.py").write_text("import kv_testing\n")
+    assert check_workspace(ws) == [
+        "packages/kv-serve/src/kv_serve/_t.py: imports sibling package 'kv_testing'"
+    ]
+    (ws / "packages" / "kv-serve" / "src" / "kv_serve" / "_t.py").unlink()
+    pyproject = ws / "packages" / "kv-serve" / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('"numpy>=2",', '"numpy>=2", "kv-testing",'))
+    problems = check_workspace(ws)
+    assert any("depends at run time on test-support member kv-testing" in p for p in problems)
+    (ws / "packages" / "kv-pool" / "src" / "kv_pool" / "_x.py").write_text(wiring)
+    assert any(
+        "kv_pool/_x.py: imports sibling package 'kv_batching'" in p for p in check_workspace(ws)
+    )
 
 
 def _copy_skeleton(tmp_path: Path) -> Path:
@@ -72,7 +96,8 @@ def test_the_check_runs_as_a_script() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "dependency rule holds for 6 members (5 toolkit, 1 test support)" in result.stdout
+    summary = "rule holds for 7 members (5 toolkit, 1 composition root, 1 test support)"
+    assert summary in result.stdout
 
 
 def _edit(path: Path, old: str, new: str) -> None:

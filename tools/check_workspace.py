@@ -19,6 +19,9 @@ Checked:
   ``uv run --package X pytest packages/X`` needs only that member's dependencies.
 - The workspace root depends on every toolkit member, and on every test-support member in its
   ``dev`` dependency group.
+- The composition root (``kv-serve``) is the one exception to the sibling rule: it may import
+  and depend on every toolkit member and on mlx-lm (with version ranges that admit the
+  members' versions), but never on a test-support member at run time.
 
 Run ``uv run python tools/check_workspace.py``; exits non-zero and lists each violation.
 """
@@ -35,12 +38,21 @@ from typing import Any
 
 from packaging.requirements import Requirement
 
-__all__ = ["TEST_SUPPORT_MEMBERS", "Member", "check_workspace", "find_members", "main"]
+__all__ = [
+    "COMPOSITION_ROOTS",
+    "TEST_SUPPORT_MEMBERS",
+    "Member",
+    "check_workspace",
+    "find_members",
+    "main",
+]
 
 ALLOWED_SHARED_IMPORT = "kv_protocol"
 FORBIDDEN_RUNTIME_IMPORTS = ("mlx_lm",)
 #: Members that hold test support (model builders for tests), not toolkit code.
 TEST_SUPPORT_MEMBERS = frozenset({"kv-testing"})
+#: Members that wire the toolkit together (may depend on every toolkit member and mlx-lm).
+COMPOSITION_ROOTS = frozenset({"kv-serve"})
 PRIVATE_CLASSIFIER = "Private :: Do Not Upload"
 #: Top-level modules of the repository root that members' tests must not import.
 ROOT_ONLY_IMPORTS = ("tools",)
@@ -63,6 +75,11 @@ class Member:
     def test_support(self) -> bool:
         """True for a test-support member (allowed in dev groups only)."""
         return self.dist in TEST_SUPPORT_MEMBERS
+
+    @property
+    def composition_root(self) -> bool:
+        """True for the member that wires the toolkit (may use every sibling and mlx-lm)."""
+        return self.dist in COMPOSITION_ROOTS
 
 
 def _requirements(entries: Iterable[Any]) -> tuple[Requirement, ...]:
@@ -110,9 +127,16 @@ def _check_sources(root: Path, member: Member, by_import: dict[str, Member]) -> 
     for source in sorted((member.root / "src").rglob("*.py")):
         rel = source.relative_to(root)
         for name in sorted(_imported_top_levels(source)):
-            if name in import_names and name not in (member.import_name, ALLOWED_SHARED_IMPORT):
+            sibling = by_import.get(name)
+            if (
+                sibling is not None
+                and name not in (member.import_name, ALLOWED_SHARED_IMPORT)
+                and not (member.composition_root and not sibling.test_support)
+            ):
                 problems.append(f"{rel}: imports sibling package {name!r}")
-            if name in FORBIDDEN_RUNTIME_IMPORTS and not member.test_support:
+            if name in FORBIDDEN_RUNTIME_IMPORTS and not (
+                member.test_support or member.composition_root
+            ):
                 problems.append(f"{rel}: imports {name!r}, which is not a run-time dependency")
     available = {r.name for r in (*member.requirements, *member.dev_requirements)}
     for source in sorted((member.root / "tests").rglob("*.py")):
@@ -138,7 +162,7 @@ def _check_declared(member: Member, by_dist: dict[str, Member]) -> list[str]:
     declared = {req.name: req for req in member.requirements}
     if "mlx" not in declared:
         problems.append(f"{member.dist}: does not declare its run-time dependency on mlx")
-    if not member.test_support:
+    if not (member.test_support or member.composition_root):
         for name in FORBIDDEN_RUNTIME_IMPORTS:
             if name.replace("_", "-") in declared:
                 problems.append(f"{member.dist}: declares {name} as a run-time dependency")
@@ -152,7 +176,7 @@ def _check_declared(member: Member, by_dist: dict[str, Member]) -> list[str]:
                 "(list it in the dev dependency group)"
             )
             continue
-        if name != ALLOWED_SHARED_IMPORT.replace("_", "-"):
+        if name != ALLOWED_SHARED_IMPORT.replace("_", "-") and not member.composition_root:
             problems.append(f"{member.dist}: depends on sibling {name}")
         if not str(req.specifier):
             problems.append(f"{member.dist}: dependency on {name} has no version range")
@@ -204,9 +228,11 @@ def main() -> int:
     if not problems:
         members = find_members(root)
         support = sum(m.test_support for m in members)
+        roots = sum(m.composition_root for m in members)
         print(
             f"workspace dependency rule holds for {len(members)} members "
-            f"({len(members) - support} toolkit, {support} test support)"
+            f"({len(members) - support - roots} toolkit, {roots} composition root, "
+            f"{support} test support)"
         )
     return min(len(problems), 100)
 

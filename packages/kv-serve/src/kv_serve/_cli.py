@@ -1,0 +1,127 @@
+"""The ``kv-serve`` command line: ``kv-serve generate --model NAME_OR_PATH --prompt TEXT``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+
+from kv_protocol import KVCacheError
+
+__all__ = ["main", "parser"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int in 0..2**64-1, got {text!r}") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an int in 0..2**64-1, got {text!r}")
+    return value
+
+
+def _number(low: float, high: float, *, low_open: bool = False) -> type[float]:
+    def parse(text: str) -> float:
+        bracket = "(" if low_open else "["
+        wanted = f"a number in {bracket}{low}, {high}]"
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        below = value <= low if low_open else value < low
+        if not math.isfinite(value) or below or value > high:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return value
+
+    return parse  # type: ignore[return-value]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"error: {message}\n")
+        raise SystemExit(2)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kv-serve``."""
+    top = _Parser(prog="kv-serve", description="Serve hybrid-attention models on MLX.")
+    commands = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = commands.add_parser("generate", help="stream the completion of one prompt")
+    gen.add_argument(
+        "--model",
+        required=True,
+        help="an mlx-lm model directory, a Gemma 3 .gguf file, or 'gemma3-270m'",
+    )
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=_positive_int, default=128)
+    gen.add_argument("--temperature", type=_number(0.0, 100.0), default=0.0)
+    gen.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0)
+    gen.add_argument("--seed", type=_seed, default=0)
+    gen.add_argument("--chat", action="store_true", help="use the model's chat template")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    gen.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
+    return top
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import time
+
+    from ._generate import GenerationStats, generate
+    from ._load import load_model
+
+    def progress(message: str) -> None:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+    start = time.perf_counter()
+    model, tokenizer = load_model(
+        args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=progress
+    )
+    progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
+    stats = GenerationStats()
+    for piece in generate(
+        model,
+        tokenizer,
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=args.chat,
+        stats=stats,
+    ):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    progress(
+        f"prompt {stats.prompt_tokens} tokens ({stats.prefill_tokens_per_s:.1f} tok/s), "
+        f"generated {stats.generated_tokens} ({stats.decode_tokens_per_s:.1f} tok/s), "
+        f"finish: {stats.finish_reason}"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kv-serve``; bad input is one ``error:`` line and exit status 2."""
+    args = parser().parse_args(argv)
+    try:
+        return _generate(args)
+    except (KVCacheError, OSError) as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

