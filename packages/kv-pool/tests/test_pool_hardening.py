@@ -199,3 +199,20 @@ def test_from_budget_refuses_a_pool_past_the_slot_limit() -> None:
     with pytest.raises(LayoutError, match="slots per layer buffer"):
         HybridKVPool.from_budget(layout(), 2**45, max_context=64, concurrency=1, page_size=16)
     assert HybridKVPool.from_budget(layout(), 2**20, max_context=64, concurrency=1)
+
+
+def test_trim_never_leaves_a_request_writing_into_a_page_it_shares() -> None:
+    pool = HybridKVPool(layout(), num_pages=16, page_size=2)
+    pool.add_request(0)
+    slots = pool.reserve(0, 4)["full"]
+    pool.set_kv(1, slots, kv(4, 1.0), kv(4, 1.0))
+    pool.fork_request(0, 1, 4)  # shares both full pages
+    state = snapshot(pool)
+    with pytest.raises(CacheStateError, match="shared with another request"):
+        pool.trim_request(0, 1)
+    assert snapshot(pool) == state
+    pool.trim_request(0, 2)  # back to a page boundary: the next write takes a fresh page
+    fresh = pool.reserve(0, 1)["full"]
+    pool.set_kv(1, fresh, kv(1, 9.0), kv(1, 9.0))
+    child, _ = pool.get_kv(1, pool.token_slots(1, 1, 0, 4))
+    assert child.reshape(-1).tolist() == [1.0] * 8

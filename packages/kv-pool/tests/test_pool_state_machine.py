@@ -350,6 +350,13 @@ class PoolMachine(RuleBasedStateMachine):
                 event("trim: refused, window released")
                 self.expect_unchanged(CacheStateError, lambda: self.pool.trim_request(rid, n))
                 return
+            keep = max(math.ceil(new_len / size), first)
+            if n and new_len % size and keep > first:
+                tail = req.pages[name][keep - 1]
+                if tail is not None and self.owners(name)[tail] > 1:
+                    event("trim: refused, shared tail page")
+                    self.expect_unchanged(CacheStateError, lambda: self.pool.trim_request(rid, n))
+                    return
         self.pool.trim_request(rid, n)
         event("trim: done")
         for name in NAMES:

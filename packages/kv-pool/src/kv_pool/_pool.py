@@ -663,11 +663,12 @@ class HybridKVPool:
 
         Pages that then hold no reserved position return to the free list. A sliding
         sub-pool must still hold what a query at the new length sees (positions ``>= new_len
-        - window + 1``): trimming back to the length a reservation started from always
+        - window + 1``); trimming back to the length a reservation started from always
         satisfies that, since a reservation releases only pages no query at that length can
-        see. Otherwise ``CacheStateError``, and nothing changes. The K/V of the kept
-        positions are untouched; the trimmed positions' next write overwrites whatever a
-        failed step left there.
+        see. A trim that would leave the request writing into a page it shares with a forked
+        request is refused too. Otherwise ``CacheStateError``, and nothing changes. The K/V
+        of the kept positions are untouched; the trimmed positions' next write overwrites
+        whatever a failed step left there.
         """
         req = self._request(request_id)
         n_tokens = check_int(n_tokens, "n_tokens", minimum=0, maximum=req.seq_len)
@@ -683,7 +684,16 @@ class HybridKVPool:
                         f"{pool.name!r} released positions below {table.first_live * size} "
                         f"that a query at position {new_len} still sees (from {needed})"
                     )
-            cuts.append(max(_cdiv(new_len, size), table.first_live))
+            keep = max(_cdiv(new_len, size), table.first_live)
+            if n_tokens and new_len % size and keep > table.first_live:
+                tail = table.pages[keep - 1]
+                if pool.allocator.refcount(tail) > 1:
+                    raise CacheStateError(
+                        f"cannot trim request {request_id} to {new_len} tokens: its page {tail} "
+                        f"of sub-pool {pool.name!r} is shared with another request (a fork), "
+                        "and the next write would land in it"
+                    )
+            cuts.append(keep)
         for pool, table, keep in zip(self._pools, req.tables, cuts, strict=True):
             extra = table.pages[keep:].tolist()
             if extra:
