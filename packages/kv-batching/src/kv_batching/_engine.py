@@ -39,10 +39,12 @@ from ._wrapper import patch_model_attention
 __all__ = [
     "DecodeEngine",
     "EngineStats",
+    "LastPositionForward",
     "PrefillCacheFactory",
     "RequestOutput",
     "RequestStatus",
     "pages_in_use",
+    "last_position_forward",
     "sample_top_p",
     "vocabulary_size",
 ]
@@ -202,6 +204,44 @@ def vocabulary_size(model: object) -> int | None:
     return declared if declared is not None and declared > 0 else None
 
 
+#: ``forward(tokens (1, T), caches) -> logits (1, 1, vocab)`` of the last position only.
+LastPositionForward = Callable[[mx.array, list[Any]], mx.array]
+
+
+def last_position_forward(model: nn.Module, vocab_size: int) -> LastPositionForward | None:
+    """A forward that projects only the last position onto the vocabulary, if it is exact.
+
+    mlx-lm models are ``head(backbone(tokens, cache))`` with ``head`` an ``lm_head`` or the
+    tied embedding's ``as_linear``. Prefill samples from the last position only, so the
+    head of every other position is wasted work (with a 262k vocabulary, more than the rest
+    of the model). The split is probed once on a short random input: it is used only when its
+    last-position logits equal the model's own, so a model that post-processes its logits
+    (soft-capping, scaling) keeps the full path.
+    """
+    backbone = getattr(model, "model", None)
+    if not isinstance(backbone, nn.Module):
+        return None
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module):
+        head = getattr(getattr(backbone, "embed_tokens", None), "as_linear", None)
+    if not callable(head):
+        return None
+    project = head
+
+    def forward(tokens: mx.array, caches: list[Any]) -> mx.array:
+        hidden = backbone(tokens, cache=caches)
+        return cast(mx.array, project(hidden[:, -1:, :]))
+
+    probe = mx.array([[(7 * i + 3) % vocab_size for i in range(5)]], dtype=mx.int32)
+    try:
+        full = model(probe)[:, -1:, :]
+        fast = forward(probe, cast(list[Any], None))
+        same = full.shape == fast.shape and bool(mx.allclose(full, fast, rtol=1e-5, atol=1e-5))
+    except Exception:  # any model the split does not fit keeps the full path
+        return None
+    return forward if same else None
+
+
 def _check_layouts(model_layout: CacheLayout, pool_layout: CacheLayout) -> None:
     if model_layout.num_layers != pool_layout.num_layers:
         raise LayoutError(
@@ -249,6 +289,10 @@ class DecodeEngine:
     finished. Anything else (``KeyboardInterrupt``, ``SystemExit``) is re-raised after the
     rollback with every request as it was; the tokens the step had produced by then are
     returned by the next :meth:`step`. The engine goes on serving after either.
+
+    With ``prefill_last_logits`` (the default) prefill chunks project only their last
+    position onto the vocabulary when :func:`last_position_forward` proves that exact for
+    this model; otherwise the model runs whole.
     """
 
     def __init__(
@@ -263,6 +307,7 @@ class DecodeEngine:
         seed: int = 0,
         record_pages: bool = True,
         vocab_size: int | None = None,
+        prefill_last_logits: bool = True,
     ) -> None:
         max_running = check_int(max_running, "max_running", minimum=1)
         prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
@@ -289,6 +334,9 @@ class DecodeEngine:
                 f"vocab_size={vocab_size} is larger than the model's embedding table "
                 f"({table_rows} rows)"
             )
+        self._prefill_forward = (
+            last_position_forward(model, vocab_size) if prefill_last_logits else None
+        )
         patch_model_attention(model, pool.layout)
         self.model = model
         self.pool = pool
@@ -592,7 +640,10 @@ class DecodeEngine:
                 ]
             self.pool.reserve(request.rid, n)
             chunk = mx.array(tokens[begin : begin + n], dtype=mx.int32)
-            logits = self.model(chunk[None], cache=request.caches)
+            if self._prefill_forward is not None:
+                logits = self._prefill_forward(chunk[None], request.caches)
+            else:
+                logits = self.model(chunk[None], cache=request.caches)
             if begin + n < len(tokens) or request.generated:
                 mx.eval(logits)
             else:
