@@ -9,11 +9,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from kv_batching import DecodeEngine
-from kv_caches import PoolBackedKVCache
-from kv_metal_kernels import select_kernels
 from kv_pool import HybridKVPool
-from kv_protocol import KVCache, KVPool, layout_from_model
+from kv_protocol import layout_from_model
+from kv_serve import build_engine
 from kv_testing import build_tiny_model
 
 
@@ -27,10 +25,6 @@ def mlx_lm_alone(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
-def prefill_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
-    return PoolBackedKVCache(pool, request_id, layer_id)
-
-
 @pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
 def test_tight_real_pool_preempts_and_still_matches_mlx_lm(arch: str) -> None:
     model = build_tiny_model(arch, window=8, num_layers=4, vocab_size=128)
@@ -40,7 +34,7 @@ def test_tight_real_pool_preempts_and_still_matches_mlx_lm(arch: str) -> None:
     layout = layout_from_model(model)
     # 6 usable full pages of 16 tokens: any one request (<= 69 tokens) fits, all six do not.
     pool = HybridKVPool(layout, num_pages={"full": 7, "sliding-w8": 64}, page_size=16)
-    engine = DecodeEngine(model, pool, select_kernels(), prefill_cache, prefill_chunk=16)
+    engine = build_engine(model, pool=pool, prefill_chunk=16)
     ids = [engine.submit(p, 24) for p in batch]
     out = engine.run()
     assert [out[i] for i in ids] == expected

@@ -17,20 +17,15 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from kv_batching import DecodeEngine
-from kv_caches import PoolBackedKVCache
-from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
-from kv_protocol import KernelSet, KVCache, KVPool, layout_from_model
+from kv_protocol import layout_from_model
+from kv_serve import build_engine
 from kv_testing import build_tiny_model
 
 WINDOWS = {"gpt_oss": 8, "gemma3_text": 16, "cohere2": 12, "olmo3": 16}
 PROMPT_LENGTHS = (1, 7, 16, 33, 64, 100, 150, 200)
 MAX_TOKENS = 48
 VOCAB = 256
-
-
-def prefill_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
-    return PoolBackedKVCache(pool, request_id, layer_id)
 
 
 @cache
@@ -62,21 +57,16 @@ def reference(arch: str, seed: int, lengths: tuple[int, ...]) -> list[list[int]]
     return [mlx_lm_alone(model, p, MAX_TOKENS) for p in prompts(seed, lengths)]
 
 
-def kernels_for(model: Any, fused: bool) -> KernelSet:
-    layout = layout_from_model(model)
-    full_rope = model.layers[layout.full_layer_ids[0]].self_attn.rope
-    config, why = rope_config_from_module(full_rope)
-    return select_kernels(
-        config, fused_rope="reference" if fused else "off", rope_unsupported_reason=why
-    )
-
-
 def make_engine(
     model: Any, *, page_size: int, fused: bool, num_pages: int, chunk: int = 64
 ) -> tuple[DecodeEngine, HybridKVPool]:
     pool = HybridKVPool(layout_from_model(model), num_pages=num_pages, page_size=page_size)
-    engine = DecodeEngine(
-        model, pool, kernels_for(model, fused), prefill_cache, max_running=16, prefill_chunk=chunk
+    engine = build_engine(
+        model,
+        pool=pool,
+        fused_rope="reference" if fused else "off",
+        max_running=16,
+        prefill_chunk=chunk,
     )
     return engine, pool
 

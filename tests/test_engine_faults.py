@@ -28,10 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kv_batching import DecodeEngine, RequestStatus
-from kv_caches import PoolBackedKVCache
-from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
-from kv_protocol import KVCache, KVPool, layout_from_model
+from kv_protocol import layout_from_model
+from kv_serve import build_engine
 from kv_testing import build_tiny_model
 from tools.reference import mlx_lm_greedy
 
@@ -88,20 +87,10 @@ class Fault:
             raise self.kind(f"injected at call {self.calls}")
 
 
-def prefill_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
-    return PoolBackedKVCache(pool, request_id, layer_id)
-
-
 def make_engine(num_pages: int | None = None, max_running: int = 16) -> DecodeEngine:
     m = model()
-    layout = layout_from_model(m)
-    pool = HybridKVPool(layout, num_pages=num_pages or 256, page_size=4)
-    rope = m.layers[layout.full_layer_ids[0]].self_attn.rope  # type: ignore[attr-defined]
-    config, why = rope_config_from_module(rope)
-    kernels = select_kernels(config, fused_rope="off", rope_unsupported_reason=why)
-    return DecodeEngine(
-        m, pool, kernels, prefill_cache, max_running=max_running, prefill_chunk=CHUNK
-    )
+    pool = HybridKVPool(layout_from_model(m), num_pages=num_pages or 256, page_size=4)
+    return build_engine(m, pool=pool, max_running=max_running, prefill_chunk=CHUNK)
 
 
 @contextmanager

@@ -31,11 +31,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from kv_batching import DecodeEngine, RequestStatus
+from kv_batching import RequestStatus
 from kv_caches import PoolBackedKVCache
-from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
-from kv_protocol import KernelSet, KVCache, KVPool, RequestStateError, layout_from_model
+from kv_protocol import RequestStateError, layout_from_model
+from kv_serve import build_engine
 from kv_testing import build_tiny_model
 from tools.reference import mlx_lm_greedy
 
@@ -73,18 +73,6 @@ def expected(full: Sequence[int], max_tokens: int, stops: frozenset[int]) -> lis
         if token in stops:
             break
     return out
-
-
-def prefill_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
-    return PoolBackedKVCache(pool, request_id, layer_id)
-
-
-def kernels_for(model: nn.Module, fused: bool) -> KernelSet:
-    layout = layout_from_model(model)
-    rope = model.layers[layout.full_layer_ids[0]].self_attn.rope  # type: ignore[attr-defined]
-    config, why = rope_config_from_module(rope)
-    mode = "reference" if fused else "off"
-    return select_kernels(config, fused_rope=mode, rope_unsupported_reason=why)
 
 
 @dataclass(frozen=True)
@@ -219,11 +207,10 @@ def check_accounting(pool: HybridKVPool) -> None:
 def run_scenario(s: Scenario) -> dict[str, Any]:
     model = tiny(s.arch, s.window, s.layers)
     pool = build_pool(s, model)
-    engine = DecodeEngine(
+    engine = build_engine(
         model,
-        pool,
-        kernels_for(model, s.fused),
-        prefill_cache,
+        pool=pool,
+        fused_rope="reference" if s.fused else "off",
         max_running=s.max_running,
         prefill_chunk=s.chunk,
     )

@@ -30,10 +30,9 @@ from typing import Any
 import mlx.core as mx
 
 from kv_batching import DecodeEngine
-from kv_caches import PoolBackedKVCache
-from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
-from kv_protocol import CacheLayout, KVCache, KVCacheError, KVPool, layout_from_model
+from kv_protocol import CacheLayout, KVCacheError, layout_from_model
+from kv_serve import build_engine
 from kv_testing import build_tiny_model
 from tools.cli_args import (
     MAX_LAYERS,
@@ -147,11 +146,6 @@ def run_mlx_lm(model: Any, requests: list[tuple[list[int], int]], running: int) 
     return RunResult("mlx-lm BatchGenerator", seconds, generated, peak, steps, tokens)
 
 
-def prefill_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
-    """The engine's prefill caches: views onto the pool."""
-    return PoolBackedKVCache(pool, request_id, layer_id)
-
-
 def run_engine(
     model: Any,
     requests: list[tuple[list[int], int]],
@@ -173,10 +167,8 @@ def run_engine(
         page_size=page_size,
         prefill_chunk=chunk,
     )
-    config, why = rope_config_from_module(model.layers[layout.full_layer_ids[0]].self_attn.rope)
-    kernels = select_kernels(config, fused_rope=fused, rope_unsupported_reason=why)
-    engine = DecodeEngine(
-        model, pool, kernels, prefill_cache, max_running=running, prefill_chunk=chunk
+    engine = build_engine(
+        model, pool=pool, fused_rope=fused, max_running=running, prefill_chunk=chunk
     )
     ids = [engine.submit(p, m) for p, m in requests]
     steps: list[float] = []

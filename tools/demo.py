@@ -20,27 +20,20 @@ from typing import Any, TextIO
 import mlx.nn as nn
 
 from kv_batching import DecodeEngine, unpatch_model_attention
-from kv_caches import PoolBackedKVCache
-from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool
 from kv_protocol import (
     CacheLayout,
-    KernelSet,
-    KVCache,
     KVCacheError,
-    KVPool,
     LayerKind,
-    attention_module,
-    find_layers,
     layout_from_model,
 )
+from kv_serve import build_engine
 from tools.cli_args import memory_limit_bytes
 
 __all__ = [
     "DemoConfig",
     "DemoError",
     "DemoResult",
-    "kernels_for_model",
     "load_local_model",
     "mlx_lm_kv_bytes",
     "run_demo",
@@ -119,18 +112,6 @@ def load_local_model(path: Path) -> nn.Module:
     except Exception as exc:  # mlx-lm raises many kinds; report them as one line
         raise DemoError(f"--model {path}: mlx-lm could not load it: {exc}") from exc
     return model  # type: ignore[no-any-return]
-
-
-def kernels_for_model(model: nn.Module, layout: CacheLayout, fused_rope: str) -> KernelSet:
-    """The kernel set for ``model``: fused RoPE (if asked and supported) on its full layers."""
-    rope_module = None
-    if layout.full_layer_ids:
-        attn = attention_module(find_layers(model)[layout.full_layer_ids[0]])
-        rope_module = getattr(attn, "rope", None)
-    if rope_module is None:
-        return select_kernels(None, fused_rope="off")
-    config, why = rope_config_from_module(rope_module)
-    return select_kernels(config, fused_rope=fused_rope, rope_unsupported_reason=why)
 
 
 def mlx_lm_kv_bytes(layout: CacheLayout, seq_len: int) -> int:
@@ -259,22 +240,16 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
             page_size=config.page_size,
             prefill_chunk=config.prefill_chunk,
         )
-        kernels = kernels_for_model(model, layout, config.fused_rope)
+        engine = build_engine(
+            model,
+            pool=pool,
+            fused_rope=config.fused_rope,
+            max_running=config.max_running,
+            prefill_chunk=config.prefill_chunk,
+            seed=config.seed,
+        )
     except KVCacheError as exc:
         raise DemoError(str(exc)) from exc
-
-    def prefill_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
-        return PoolBackedKVCache(pool, request_id, layer_id)
-
-    engine = DecodeEngine(
-        model,
-        pool,
-        kernels,
-        prefill_cache,
-        max_running=config.max_running,
-        prefill_chunk=config.prefill_chunk,
-        seed=config.seed,
-    )
     total_tokens = sum(n for _, n in work)
     progress = _Progress(total_tokens, stream, config.progress)
     ids = [engine.submit(prompt, n) for prompt, n in work]

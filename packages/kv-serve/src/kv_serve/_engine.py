@@ -93,6 +93,7 @@ def build_engine(
     fused_rope: str = "off",
     seed: int = 0,
     record_pages: bool = True,
+    pool: KVPool | None = None,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -100,18 +101,22 @@ def build_engine(
     ``max_running`` requests of ``max_context`` tokens), RoPE is fused only when
     ``fused_rope`` asks for it and the model's RoPE allows it, and prompts are prefilled in
     chunks of ``prefill_chunk`` tokens through :class:`kv_caches.PoolBackedKVCache`, so the
-    K/V land in the pool with no second copy.
+    K/V land in the pool with no second copy. A ready ``pool`` (any ``KVPool`` built for
+    the model's layout) replaces the sizing arguments.
     """
     layout = layout_from_model(model)
-    pool = build_pool(
-        layout,
-        kv_budget_bytes=kv_budget_bytes,
-        num_pages=num_pages,
-        page_size=page_size,
-        max_running=max_running,
-        max_context=max_context,
-        prefill_chunk=prefill_chunk,
-    )
+    if pool is None:
+        pool = build_pool(
+            layout,
+            kv_budget_bytes=kv_budget_bytes,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_running=max_running,
+            max_context=max_context,
+            prefill_chunk=prefill_chunk,
+        )
+    elif kv_budget_bytes is not None or num_pages is not None:
+        raise RequestStateError("give a pool or kv_budget_bytes / num_pages, not both")
     kernels = build_kernels(model, layout, fused_rope=fused_rope)
     return DecodeEngine(
         model,
