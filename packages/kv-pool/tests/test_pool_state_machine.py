@@ -333,6 +333,15 @@ class PoolMachine(RuleBasedStateMachine):
         pages = req.pages[name]
         return next((j for j, p in enumerate(pages) if p is not None), len(pages))
 
+    def model_trim(self, req: MReq, new_len: int) -> None:
+        """The model's side of a granted trim: drop pages and codes past ``new_len``."""
+        for name in NAMES:
+            keep = max(math.ceil(new_len / PAGE[name]), self.first_held(req, name))
+            del req.pages[name][keep:]
+        req.codes = {p: c for p, c in req.codes.items() if p < new_len}
+        req.seq_len = new_len
+        req.trimmed = True
+
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data(), n=st.integers(min_value=0, max_value=12))
     def trim(self, data: st.DataObject, n: int) -> None:
@@ -359,12 +368,7 @@ class PoolMachine(RuleBasedStateMachine):
                     return
         self.pool.trim_request(rid, n)
         event("trim: done")
-        for name in NAMES:
-            keep = max(math.ceil(new_len / PAGE[name]), self.first_held(req, name))
-            del req.pages[name][keep:]
-        req.codes = {p: c for p, c in req.codes.items() if p < new_len}
-        req.seq_len = new_len
-        req.trimmed = True
+        self.model_trim(req, new_len)
 
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data(), n=st.integers(min_value=1, max_value=6))
@@ -377,12 +381,7 @@ class PoolMachine(RuleBasedStateMachine):
         before_len = req.seq_len
         self._reserve(rid, n)
         self.pool.trim_request(rid, n)
-        for name in NAMES:
-            keep = max(math.ceil(before_len / PAGE[name]), self.first_held(req, name))
-            del req.pages[name][keep:]
-        req.codes = {p: c for p, c in req.codes.items() if p < before_len}
-        req.seq_len = before_len
-        req.trimmed = True
+        self.model_trim(req, before_len)
         # The next reservation from the same length is served as if nothing happened.
         self._reserve(rid, 1)
 
