@@ -37,6 +37,7 @@ from ._layer_cache import batched_layer_caches
 from ._wrapper import patch_model_attention
 
 __all__ = [
+    "DEFAULT_STATS_WINDOW",
     "DecodeEngine",
     "EngineStats",
     "LastPositionForward",
@@ -85,12 +86,21 @@ class RequestOutput:
     error: BaseException | None = None
 
 
+#: Steps of history an engine's :class:`EngineStats` series keep by default.
+DEFAULT_STATS_WINDOW = 16384
+
+
 @dataclass
 class EngineStats:
-    """Counters and per-step series of a :class:`DecodeEngine`.
+    """Counters, exact aggregates and bounded per-step series of a :class:`DecodeEngine`.
 
-    Series have one entry per :meth:`DecodeEngine.step`; ``decode_step_seconds`` has one
-    entry per batched decode (the step's decode part only).
+    Series have one entry per :meth:`DecodeEngine.step`; ``decode_step_seconds`` and
+    ``decode_batch_sizes`` have one entry per batched decode (the step's decode part only).
+    They are deques that keep the latest ``window`` entries (``None``: every entry, for
+    short offline runs that plot them), so a long-running engine's statistics stay bounded.
+    The counters and the aggregates (``max_queue_length``, ``max_running``,
+    ``max_decode_batch_size``, ``decode_batch_size_total``, ``max_decode_step_seconds``,
+    :attr:`peak_pages_used`) are exact over the engine's whole life, whatever the window.
     """
 
     steps: int = 0
@@ -103,11 +113,59 @@ class EngineStats:
     finished: int = 0
     aborted: int = 0
     errors: int = 0
-    queue_length: list[int] = field(default_factory=list)
-    running: list[int] = field(default_factory=list)
-    pages_used: list[dict[str, int]] = field(default_factory=list)
-    decode_step_seconds: list[float] = field(default_factory=list)
-    decode_batch_sizes: list[int] = field(default_factory=list)
+    window: int | None = DEFAULT_STATS_WINDOW
+    queue_length: deque[int] = field(default_factory=deque)
+    running: deque[int] = field(default_factory=deque)
+    pages_used: deque[dict[str, int]] = field(default_factory=deque)
+    decode_step_seconds: deque[float] = field(default_factory=deque)
+    decode_batch_sizes: deque[int] = field(default_factory=deque)
+    max_queue_length: int = 0
+    max_running: int = 0
+    max_decode_batch_size: int = 0
+    decode_batch_size_total: int = 0
+    max_decode_step_seconds: float = 0.0
+    _peak_pages: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.window is not None:
+            self.window = check_int(self.window, "window", minimum=1)
+        size = self.window
+        self.queue_length = deque(self.queue_length, maxlen=size)
+        self.running = deque(self.running, maxlen=size)
+        self.pages_used = deque(self.pages_used, maxlen=size)
+        self.decode_step_seconds = deque(self.decode_step_seconds, maxlen=size)
+        self.decode_batch_sizes = deque(self.decode_batch_sizes, maxlen=size)
+
+    def record_step(self, queue_length: int, running: int, pages: Mapping[str, int] | None) -> None:
+        """Account one engine step: the queue length and running count after it, and pages."""
+        self.steps += 1
+        self.queue_length.append(queue_length)
+        self.running.append(running)
+        self.max_queue_length = max(self.max_queue_length, queue_length)
+        self.max_running = max(self.max_running, running)
+        if pages is not None:
+            sample = dict(pages)
+            self.pages_used.append(sample)
+            peak = self._peak_pages
+            for name, count in sample.items():
+                if count > peak.get(name, -1):
+                    peak[name] = count
+
+    def record_decode(self, seconds: float, batch_size: int) -> None:
+        """Account one batched decode of ``batch_size`` requests that took ``seconds``."""
+        self.decode_steps += 1
+        self.decode_tokens += batch_size
+        self.decode_seconds += seconds
+        self.decode_step_seconds.append(seconds)
+        self.decode_batch_sizes.append(batch_size)
+        self.max_decode_batch_size = max(self.max_decode_batch_size, batch_size)
+        self.decode_batch_size_total += batch_size
+        self.max_decode_step_seconds = max(self.max_decode_step_seconds, seconds)
+
+    @property
+    def mean_decode_batch_size(self) -> float:
+        """Requests per batched decode, over every decode (exact, not windowed)."""
+        return self.decode_batch_size_total / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -121,8 +179,8 @@ class EngineStats:
 
     @property
     def peak_pages_used(self) -> dict[str, int]:
-        """The largest page count seen per sub-pool."""
-        peak: dict[str, int] = {}
+        """The largest page count seen per sub-pool (over every recorded step)."""
+        peak = dict(self._peak_pages)
         for sample in self.pages_used:
             for name, pages in sample.items():
                 peak[name] = max(peak.get(name, 0), pages)
@@ -293,6 +351,11 @@ class DecodeEngine:
     With ``prefill_last_logits`` (the default) prefill chunks project only their last
     position onto the vocabulary when :func:`last_position_forward` proves that exact for
     this model; otherwise the model runs whole.
+
+    Bounded memory for long-running callers (a server): the engine keeps every request it was
+    given until :meth:`release` forgets a finished one (its output is read once, then
+    dropped), and :attr:`stats` keeps its per-step series over the last ``stats_window``
+    steps (``None``: all of them) with exact counters and aggregates.
     """
 
     def __init__(
@@ -308,6 +371,7 @@ class DecodeEngine:
         record_pages: bool = True,
         vocab_size: int | None = None,
         prefill_last_logits: bool = True,
+        stats_window: int | None = DEFAULT_STATS_WINDOW,
     ) -> None:
         max_running = check_int(max_running, "max_running", minimum=1)
         prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
@@ -346,7 +410,7 @@ class DecodeEngine:
         self.prefill_chunk = prefill_chunk
         self.record_pages = record_pages
         self.vocab_size = vocab_size
-        self.stats = EngineStats()
+        self.stats = EngineStats(window=stats_window)
         self._addressing = PoolAddressing.from_pool(pool)
         self._num_layers = model_layout.num_layers
         self._requests: dict[int, _Request] = {}
@@ -400,8 +464,41 @@ class DecodeEngine:
             raise RequestStateError(f"request ids are ints, got {request_id!r}")
         request = self._requests.get(key)
         if request is None:
+            if 0 <= key < self._next_id:
+                raise UnknownRequestError(
+                    f"request {request_id} was released from this engine (its output was "
+                    "delivered and forgotten)"
+                )
             raise UnknownRequestError(f"request {request_id} was never submitted to this engine")
         return request
+
+    def release(self, request_id: int) -> RequestOutput:
+        """Forget a finished request and return its final output.
+
+        The engine drops everything it kept for the request (prompt, tokens, error), so a
+        long-running caller that releases each request once it has read its output keeps the
+        engine's memory bounded. Later calls that name the request raise
+        ``UnknownRequestError``. A request that has not finished raises
+        ``RequestStateError``: :meth:`abort` it first.
+        """
+        request = self._get(request_id)
+        if request.status is not RequestStatus.FINISHED:
+            raise RequestStateError(
+                f"request {request_id} is {request.status.value}; abort it before releasing it"
+            )
+        out = self.output(request_id)
+        del self._requests[request.rid]
+        self._undelivered.pop(request.rid, None)
+        return out
+
+    def is_finished(self, request_id: int) -> bool:
+        """Whether the request has finished (cheaper than :meth:`output`: no copies)."""
+        return self._get(request_id).status is RequestStatus.FINISHED
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the engine still keeps: active ones and finished ones not released."""
+        return len(self._requests)
 
     def abort(self, request_id: int) -> bool:
         """Stop a request and free its pages; False if it had finished already."""
@@ -457,14 +554,9 @@ class DecodeEngine:
         finally:
             end = time.perf_counter()
             stats = self.stats
-            stats.steps += 1
             stats.prefill_seconds += end - middle
-            stats.queue_length.append(len(self._queue))
-            stats.running.append(len(self._running))
-            if self.record_pages:
-                pages = pages_in_use(self.pool)
-                if pages is not None:
-                    stats.pages_used.append(pages)
+            pages = pages_in_use(self.pool) if self.record_pages else None
+            stats.record_step(len(self._queue), len(self._running), pages)
         return produced
 
     def stream(self) -> Iterator[tuple[int, int]]:
@@ -589,13 +681,7 @@ class DecodeEngine:
         else:
             for request, token in zip(batch, chosen, strict=True):
                 self._emit(request, token, produced)
-        elapsed = time.perf_counter() - start
-        stats = self.stats
-        stats.decode_steps += 1
-        stats.decode_tokens += len(batch)
-        stats.decode_seconds += elapsed
-        stats.decode_step_seconds.append(elapsed)
-        stats.decode_batch_sizes.append(len(batch))
+        self.stats.record_decode(time.perf_counter() - start, len(batch))
 
     def _fit_chunk(self, request: _Request, n: int) -> int:
         demands = {r.rid: 1 for r in self._running}
