@@ -194,6 +194,25 @@ def existing_directory(text: str) -> str:
     return text
 
 
+def model_source(text: str) -> str:
+    """An argparse ``type=``: ``gemma3-270m``, an existing ``.gguf`` file or a directory."""
+    if text == "gemma3-270m":
+        return text
+    path = Path(text)
+    if path.is_dir():
+        return text
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise argparse.ArgumentTypeError(
+                f"{text}: a file but not a .gguf file; expected an mlx-lm model directory, "
+                "a Gemma 3 .gguf file or gemma3-270m"
+            )
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text}: no such directory or .gguf file, and not the packaged model gemma3-270m"
+    )
+
+
 def png_file(text: str) -> str:
     """An argparse ``type=``: a ``.png`` path that can be written now (checked by a probe)."""
     path = Path(text)

@@ -1,9 +1,11 @@
 """The main job: serve a batch of prompts through ``DecodeEngine`` on ``HybridKVPool``.
 
-Builds a model (an embedded tiny random-weight hybrid, or a local mlx-lm directory), serves a
-workload of prompts with staggered lengths, checks every request's tokens against mlx-lm
+Builds a model (an embedded tiny random-weight hybrid, a local mlx-lm directory, or a trained
+model through :func:`kv_serve.load_model`: ``gemma3-270m`` or a Gemma 3 ``.gguf``), serves a
+workload of prompts (random token ids of staggered lengths, or for a trained model the real
+English prompts of :mod:`tools.real_prompts`), checks every request's tokens against mlx-lm
 generating that prompt alone, and reports throughput and KV memory against a pool that stores
-every layer in full and against mlx-lm's own caches.
+every layer in full and against mlx-lm's own caches. For a trained model it prints the texts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from kv_batching import DecodeEngine, unpatch_model_attention
@@ -27,7 +30,14 @@ from kv_protocol import (
     LayerKind,
     layout_from_model,
 )
-from kv_serve import build_engine
+from kv_serve import (
+    GEMMA3_270M,
+    active_blas,
+    build_engine,
+    encode_prompt,
+    load_model,
+    stop_token_ids,
+)
 from tools.cli_args import memory_limit_bytes
 
 __all__ = [
@@ -64,6 +74,7 @@ class DemoConfig:
     max_running: int = 8
     prefill_chunk: int = 128
     fused_rope: str = "off"
+    dtype: str = "float32"
     seed: int = 0
     verify: bool = True
     plot: str | None = None
@@ -75,6 +86,7 @@ class DemoResult:
     """What the demo measured."""
 
     model: str
+    blas: str
     layout: str
     requests: int
     prompt_tokens: int
@@ -92,7 +104,14 @@ class DemoResult:
     pages_total: dict[str, int]
     verified: bool | None
     mismatches: list[int] = field(default_factory=list)
+    ties: list[int] = field(default_factory=list)
     mlx_lm_measured_bytes_check: bool | None = None
+    texts: list[tuple[str, str]] = field(default_factory=list)
+
+
+def is_trained_model_name(text: str) -> bool:
+    """Whether ``--model`` names a model :func:`kv_serve.load_model` loads with a tokenizer."""
+    return text == GEMMA3_270M or text.endswith(".gguf")
 
 
 def load_local_model(path: Path) -> nn.Module:
@@ -184,12 +203,42 @@ class _Progress:
             self.stream.flush()
 
 
+def _real_workload(
+    config: DemoConfig, tokenizer: Any
+) -> tuple[list[tuple[list[int], int]], list[str]]:
+    from tools.real_prompts import real_prompts
+
+    rng = random.Random(config.seed)
+    work, names = [], []
+    for name, text in real_prompts(config.requests):
+        work.append(
+            (encode_prompt(tokenizer, text), rng.randint(config.min_tokens, config.max_tokens))
+        )
+        names.append(name)
+    return work, names
+
+
 def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
     """Serve the workload, verify it against mlx-lm, and measure throughput and KV memory."""
     from kv_testing import build_tiny_model
-    from tools.reference import mlx_lm_greedy
+    from tools.reference import first_divergence, mlx_lm_greedy
 
-    if config.model_path is not None:
+    tokenizer: Any = None
+    stops: set[int] = set()
+    if config.model_path is not None and is_trained_model_name(config.model_path):
+
+        def say(message: str) -> None:
+            if config.progress:
+                stream.write(message + "\n")
+                stream.flush()
+
+        try:
+            model, tokenizer = load_model(config.model_path, dtype=config.dtype, progress=say)
+        except (KVCacheError, OSError) as exc:
+            raise DemoError(f"--model {config.model_path}: {exc}") from exc
+        name = f"{config.model_path} ({config.dtype})"
+        stops = stop_token_ids(tokenizer)
+    elif config.model_path is not None:
         model = load_local_model(Path(config.model_path))
         name = config.model_path
     else:
@@ -199,7 +248,10 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
         layout = layout_from_model(model)
     except KVCacheError as exc:
         raise DemoError(f"{name}: {exc}") from exc
-    work = _workload(config, _vocab_size(model))
+    if tokenizer is not None:
+        work, prompt_names = _real_workload(config, tokenizer)
+    else:
+        work, prompt_names = _workload(config, _vocab_size(model)), []
     max_context = max(len(p) + n for p, n in work)
     concurrency = min(config.max_running, len(work))
     if config.budget_mib is None:
@@ -252,7 +304,7 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
         raise DemoError(str(exc)) from exc
     total_tokens = sum(n for _, n in work)
     progress = _Progress(total_tokens, stream, config.progress)
-    ids = [engine.submit(prompt, n) for prompt, n in work]
+    ids = [engine.submit(prompt, n, stop_tokens=sorted(stops)) for prompt, n in work]
     pages_total = {s.name: s.num_pages for s in pool.memory_report().sub_pools}
     peak = {"kv": 0, "full": 0, "mlx": 0}
     generated = 0
@@ -277,22 +329,41 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
     unpatch_model_attention(model)
     verified: bool | None = None
     mismatches: list[int] = []
+    ties: list[int] = []
     measured_check: bool | None = None
+    # The KV dtype is the dtype the model computes in.
+    dtype = layout.spec(layout.attention_layer_ids[0]).dtype if layout.attention_layer_ids else None
     if config.verify:
         if stream is not None and config.progress:
             stream.write("verifying every request against mlx-lm generating it alone ...\n")
         measured_check = True
         for index, ((prompt, n), mine) in enumerate(zip(work, outputs, strict=True)):
-            ref = mlx_lm_greedy(model, prompt, n, prefill_chunk=config.prefill_chunk)
+            ref = mlx_lm_greedy(
+                model, prompt, n, prefill_chunk=config.prefill_chunk, stop_tokens=sorted(stops)
+            )
             if ref.tokens != mine:
-                mismatches.append(index)
+                where = (
+                    first_divergence(model, prompt, ref.tokens, mine, dtype=dtype)
+                    if dtype is not None and dtype != mx.float32
+                    else None
+                )
+                (ties if where is not None and where.is_tie else mismatches).append(index)
             if ref.kv_bytes > mlx_lm_kv_bytes(layout, len(prompt) + n):
                 measured_check = False
         verified = not mismatches
+    texts = (
+        [
+            (label, str(tokenizer.decode(tokens)))
+            for label, tokens in zip(prompt_names, outputs, strict=True)
+        ]
+        if tokenizer is not None
+        else []
+    )
     if config.plot:
         _plot(engine, config.plot)
     return DemoResult(
         model=name,
+        blas=active_blas().describe(),
         layout=layout.describe(),
         requests=len(work),
         prompt_tokens=sum(len(p) for p, _ in work),
@@ -310,7 +381,9 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
         pages_total=pages_total,
         verified=verified,
         mismatches=mismatches,
+        ties=ties,
         mlx_lm_measured_bytes_check=measured_check,
+        texts=texts,
     )
 
 
@@ -352,6 +425,7 @@ def format_result(result: DemoResult) -> str:
 
     lines = [
         f"model: {result.model}",
+        f"BLAS: {result.blas}",
         result.layout,
         f"requests: {result.requests}  prompt tokens: {result.prompt_tokens}  "
         f"generated tokens: {result.generated_tokens}  engine steps: {result.steps}  "
@@ -370,10 +444,19 @@ def format_result(result: DemoResult) -> str:
             for name, total in result.pages_total.items()
         ),
     ]
+    for label, text in result.texts:
+        lines.append(f"[{label}] ...{' '.join(text.split())}")
+    tied = (
+        f"; {len(result.ties)} differ only after a tie of the top two logits within the "
+        f"dtype's precision: requests {result.ties}"
+        if result.ties
+        else ""
+    )
     if result.verified is None:
         lines.append("verification: skipped (--no-verify)")
     elif result.verified:
-        lines.append(f"verification: PASSED ({result.requests} requests token-identical to mlx-lm)")
+        same = result.requests - len(result.ties)
+        lines.append(f"verification: PASSED ({same} requests token-identical to mlx-lm{tied})")
     else:
         lines.append(
             f"verification: FAILED for requests {result.mismatches} (tokens differ from mlx-lm)"

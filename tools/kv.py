@@ -27,6 +27,7 @@ from tools.cli_args import (
     ArgumentParser,
     budget_mib,
     existing_directory,
+    model_source,
     png_file,
     positive_int,
     random_seed,
@@ -128,6 +129,7 @@ def _demo_command(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         prefill_chunk=args.prefill_chunk,
         fused_rope=args.fused_rope,
+        dtype=args.dtype,
         seed=args.seed,
         verify=not args.no_verify,
         plot=args.plot,
@@ -161,9 +163,18 @@ def _add_demo_options(demo: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--model",
-        metavar="PATH",
-        type=existing_directory,
-        help="a local mlx-lm model directory (config.json + *.safetensors) instead of --arch",
+        metavar="NAME_OR_PATH",
+        type=model_source,
+        help="instead of --arch: a local mlx-lm model directory (config.json + *.safetensors; "
+        "random prompts), or a trained model with its tokenizer, gemma3-270m or a Gemma 3 "
+        ".gguf file (the real English prompts of tools/real_prompts.py; texts printed)",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights of a gemma3-270m / .gguf model (default: %(default)s; in bfloat16 a "
+        "difference after a tie of the top two logits is reported as a tie)",
     )
     model.add_argument(
         "--window",

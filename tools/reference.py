@@ -9,7 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-__all__ = ["ReferenceRun", "mlx_lm_greedy"]
+from kv_batching import last_position_forward, vocabulary_size
+
+__all__ = ["TIE_ULPS", "Divergence", "ReferenceRun", "first_divergence", "mlx_lm_greedy"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,15 +30,22 @@ def mlx_lm_greedy(
     prefill_chunk: int = 512,
     stop_tokens: Sequence[int] = (),
 ) -> ReferenceRun:
-    """Greedy-decode ``prompt`` alone through mlx-lm's ``make_prompt_cache`` caches."""
+    """Greedy-decode ``prompt`` alone through mlx-lm's ``make_prompt_cache`` caches.
+
+    Prefill chunks project only their last position onto the vocabulary when
+    :func:`kv_batching.last_position_forward` proves that split exact for the model (with a
+    262k vocabulary the head of the other positions costs more than the rest of the model).
+    """
     if not prompt:
         raise ValueError("prompt must contain at least one token")
     cache = make_prompt_cache(model)
     tokens = list(prompt)
+    vocab = vocabulary_size(model)
+    last_only = last_position_forward(model, vocab) if vocab is not None else None
     logits = None
     for start in range(0, len(tokens), prefill_chunk):
         chunk = mx.array([tokens[start : start + prefill_chunk]])
-        logits = model(chunk, cache=cache)
+        logits = model(chunk, cache=cache) if last_only is None else last_only(chunk, cache)
         mx.eval(logits, [c.state for c in cache])
     assert logits is not None
     out: list[int] = []
@@ -49,3 +58,79 @@ def mlx_lm_greedy(
         logits = model(mx.array([[token]]), cache=cache)
     mx.eval([c.state for c in cache])
     return ReferenceRun(tokens=out, kv_bytes=sum(int(c.nbytes) for c in cache))
+
+
+#: Machine epsilon of the dtypes a model can run in: the spacing of values near 1.
+_EPSILON = {mx.float32: 2.0**-23, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+#: A tie is a gap of at most this many units in the last place of the larger logit: the
+#: two paths round their many intermediate values differently, so a few ulps apart is
+#: still a tie that either side may break its own way.
+TIE_ULPS = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Divergence:
+    """Where two greedy continuations of one prompt first differ, and whether it is a tie.
+
+    ``gap`` is the reference's logit of its own token minus its logit of the other side's
+    token at ``index``; ``tolerance`` is :data:`TIE_ULPS` units in the last place of the
+    dtype at the larger logit.
+    """
+
+    index: int
+    reference_token: int
+    other_token: int
+    gap: float
+    tolerance: float
+
+    @property
+    def is_tie(self) -> bool:
+        """Whether the two tokens' logits tie within the dtype's precision."""
+        return self.gap <= self.tolerance
+
+
+def first_divergence(
+    model: nn.Module,
+    prompt: Sequence[int],
+    reference: Sequence[int],
+    other: Sequence[int],
+    *,
+    dtype: mx.Dtype,
+) -> Divergence | None:
+    """Compare ``other`` with the ``reference`` greedy tokens of ``prompt``.
+
+    Returns ``None`` when they agree (one may be a prefix of the other only if both
+    stopped). Otherwise mlx-lm re-runs the prompt and the agreed prefix and reads its logits
+    of the two tokens at the first difference.
+    """
+    index = next(
+        (i for i, (a, b) in enumerate(zip(reference, other, strict=False)) if a != b), None
+    )
+    if index is None:
+        if len(reference) == len(other):
+            return None
+        index = min(len(reference), len(other))
+    if index >= len(reference) or index >= len(other):
+        # One side stopped where the other went on: compare the stop with the extra token.
+        return Divergence(
+            index=index,
+            reference_token=reference[index] if index < len(reference) else -1,
+            other_token=other[index] if index < len(other) else -1,
+            gap=float("inf"),
+            tolerance=0.0,
+        )
+    cache = make_prompt_cache(model)
+    context = mx.array([list(prompt) + list(reference[:index])])
+    vocab = vocabulary_size(model)
+    last_only = last_position_forward(model, vocab) if vocab is not None else None
+    out = model(context, cache=cache) if last_only is None else last_only(context, cache)
+    logits = out[0, -1].astype(mx.float32)
+    mine, theirs = float(logits[reference[index]]), float(logits[other[index]])
+    eps = _EPSILON.get(dtype, 2.0**-23)
+    return Divergence(
+        index=index,
+        reference_token=int(reference[index]),
+        other_token=int(other[index]),
+        gap=mine - theirs,
+        tolerance=TIE_ULPS * eps * max(abs(mine), abs(theirs), 1.0),
+    )

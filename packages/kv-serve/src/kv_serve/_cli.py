@@ -72,6 +72,7 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="use the model's chat template")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     gen.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
+    gen.set_defaults(handler=_generate)
     return top
 
 
@@ -85,11 +86,14 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
 
+    from ._blas import active_blas
+
     start = time.perf_counter()
     model, tokenizer = load_model(
         args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=progress
     )
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
+    progress(f"BLAS: {active_blas().describe()}")
     stats = GenerationStats()
     for piece in generate(
         model,
@@ -117,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kv-serve``; bad input is one ``error:`` line and exit status 2."""
     args = parser().parse_args(argv)
     try:
-        return _generate(args)
+        status: int = args.handler(args)
+        return status
     except (KVCacheError, OSError) as err:
         sys.stderr.write(f"error: {err}\n")
         return 2

