@@ -1,15 +1,19 @@
 """Benchmark: kv-batching's DecodeEngine against mlx-lm's BatchGenerator in one process.
 
-Both serve the same workload on the same attention-dominated gpt-oss-like model (random
-fp32 weights; alternating sliding-window / full layers with attention sinks): requests with
-prompts up to ~4k tokens and varied output lengths, at most 16 decoding at once, greedy.
-mlx-lm runs first and its peak KV bytes (the batch caches it holds, summed after every
-step) size the engine's pool: by default the pool gets half of that, so the engine must
-serve the same work in half the KV memory. Reported: throughput (generated tokens per
-second of wall time, prefill included), peak KV bytes, p50/p99 step time, token agreement.
+Both serve the same workload on the same model, greedy, at most 16 decoding at once. By
+default the model is an attention-dominated gpt-oss-like one (random fp32 weights;
+alternating sliding-window / full layers with attention sinks) with random prompts up to ~4k
+tokens; ``--model gemma3-270m`` (or a Gemma 3 ``.gguf``) serves the 16 real English prompts
+of :mod:`tools.real_prompts` on the trained model instead. mlx-lm runs first and its peak KV
+bytes (the batch caches it holds, summed after every step) size the engine's pool: by
+default the pool gets half of that, so the engine must serve the same work in half the KV
+memory. The two then alternate (``--rounds``). Reported: throughput (generated tokens per
+second of wall time, prefill included), peak KV bytes, the process's peak memory above the
+weights (``mx.get_peak_memory()``), p50/p99 step time, token agreement, and the BLAS.
 
     uv run python -m tools.kv bench            # full run (minutes on CPU)
     uv run python -m tools.kv bench --quick    # under a minute
+    uv run python -m tools.kv bench --model gemma3-270m
 """
 
 from __future__ import annotations
@@ -22,17 +26,17 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from importlib.metadata import version
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
 from kv_batching import DecodeEngine
 from kv_pool import HybridKVPool
 from kv_protocol import CacheLayout, KVCacheError, layout_from_model
-from kv_serve import build_engine
+from kv_serve import active_blas, build_engine, encode_prompt, load_model
 from kv_testing import build_tiny_model
 from tools.cli_args import (
     MAX_LAYERS,
@@ -43,9 +47,12 @@ from tools.cli_args import (
     ArgumentParser,
     finite_float,
     int_in_range,
+    model_source,
     positive_int,
     random_seed,
 )
+
+_R = TypeVar("_R")
 
 
 @dataclass
@@ -58,6 +65,7 @@ class RunResult:
     peak_kv_bytes: int
     step_seconds: list[float]
     tokens: dict[int, list[int]]
+    peak_memory_bytes: int = 0
 
     @property
     def throughput(self) -> float:
@@ -188,6 +196,22 @@ def run_engine(
     )
 
 
+def measured(run: Callable[[], _R]) -> tuple[_R, int]:
+    """``run()`` and the process's peak MLX memory above what was active before it.
+
+    What was active before is the weights (and anything else the caller holds); the MLX
+    buffer cache is emptied first so that a previous run's freed buffers do not hide this
+    run's allocations.
+    """
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    result = run()
+    mx.synchronize()
+    return result, max(0, mx.get_peak_memory() - before)
+
+
 def memcpy_bandwidth() -> float:
     """GB/s of a large device copy, measured now (the KV read-bandwidth yardstick)."""
     a = mx.random.normal((64 * 1024 * 1024 // 4,))
@@ -298,6 +322,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=random_seed, default=0, help="workload seed, 0..2**32-1 (default 0)"
     )
     parser.add_argument(
+        "--model",
+        type=model_source,
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="a trained model with a tokenizer (gemma3-270m, a Gemma 3 .gguf) serving the real "
+        "prompts of tools/real_prompts.py instead of the random-weight model",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights of --model (default float32)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int(16),
+        default=2,
+        help="alternating rounds of both systems, 1..16 (default 2)",
+    )
+    parser.add_argument(
         "--markdown", action="store_true", help="also print the results as a Markdown section"
     )
     return parser
@@ -328,31 +372,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _workload_shape(args: argparse.Namespace) -> tuple[int, int, int, int]:
     """Requests, longest prompt, fewest and most output tokens of the run ``args`` ask for."""
+    if args.model is not None:
+        from tools.real_prompts import REAL_PROMPTS
+
+        # A token holds at least one character (plus BOS): a bound without the tokenizer.
+        longest_prompt = 1 + max(len(text) for text in REAL_PROMPTS.values())
+        n = args.requests or len(REAL_PROMPTS)
+        return (n, longest_prompt, *((8, 32) if args.quick else (32, 96)))
     n = args.requests or (16 if args.quick else 48)
     max_prompt = args.max_prompt or (1024 if args.quick else 3800)
     min_out, max_out = (8, 48) if args.quick else (16, 192)
     return n, max_prompt, min_out, max_out
 
 
-def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
-    n, max_prompt, min_out, max_out = _workload_shape(args)
-    vocab = 512
+@dataclass(frozen=True, kw_only=True)
+class EngineReport:
+    """What an engine run leaves to report once its pool and engine are gone."""
 
-    model = build_model(num_layers=args.layers, window=args.window, vocab=vocab)
-    requests = workload(
-        n, max_prompt=max_prompt, min_out=min_out, max_out=max_out, vocab=vocab, seed=args.seed
-    )
-    print(
-        f"workload: {n} requests, prompts {min(len(p) for p, _ in requests)}.."
-        f"{max(len(p) for p, _ in requests)} tokens, outputs {min_out}..{max_out}, "
-        f"at most {args.running} running; model gpt_oss-like {args.layers} layers, "
-        f"window {args.window}, 8 q / 2 kv heads x 64, fp32"
-    )
-    # Warm both paths (JIT / compile) on a throwaway request.
-    run_mlx_lm(model, requests[:1], args.running)
-    base = run_mlx_lm(model, requests, args.running)
-    budget = int(base.peak_kv_bytes * args.kv_fraction)
-    mine, pool, engine = run_engine(
+    pool: str
+    peak_pages_used: dict[str, int]
+    peak_pages_bytes: int
+    preemptions: int
+    max_queue: int
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+    decode_step_p50_ms: float
+    mean_decode_batch: float
+    decode_seconds: float
+
+
+def _engine_run(
+    model: Any, requests: list[tuple[list[int], int]], args: argparse.Namespace, budget: int
+) -> tuple[RunResult, EngineReport]:
+    result, pool, engine = run_engine(
         model,
         requests,
         args.running,
@@ -361,46 +413,131 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
         chunk=args.chunk,
         fused=args.fused_rope,
     )
+    stats = engine.stats
+    peak_used = stats.peak_pages_used
+    report = EngineReport(
+        pool=repr(pool),
+        peak_pages_used=peak_used,
+        peak_pages_bytes=sum(
+            peak_used.get(s.name, 0) * s.bytes_per_page for s in pool.memory_report().sub_pools
+        ),
+        preemptions=stats.preemptions,
+        max_queue=stats.max_queue_length,
+        decode_tokens_per_s=stats.decode_tokens_per_s,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        decode_step_p50_ms=1000 * statistics.median(stats.decode_step_seconds or [0.0]),
+        mean_decode_batch=stats.decode_batch_size_total / max(stats.decode_steps, 1),
+        decode_seconds=stats.decode_seconds,
+    )
+    return result, report
+
+
+def _combine(runs: list[RunResult]) -> RunResult:
+    """One system's rounds as one result: mean throughput, highest peaks, all step times."""
+    seconds = statistics.mean(r.seconds for r in runs)
+    first = runs[0]
+    return replace(
+        first,
+        seconds=seconds,
+        peak_kv_bytes=max(r.peak_kv_bytes for r in runs),
+        peak_memory_bytes=max(r.peak_memory_bytes for r in runs),
+        step_seconds=[t for r in runs for t in r.step_seconds],
+    )
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    n, max_prompt, min_out, max_out = _workload_shape(args)
+    if args.model is not None:
+        from tools.real_prompts import real_prompts
+
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
+        rng = random.Random(args.seed)
+        requests = [
+            (encode_prompt(tokenizer, text), rng.randint(min_out, max_out))
+            for _, text in real_prompts(n)
+        ]
+        described = (
+            f"{args.model} ({args.dtype}); the real English prompts of tools/real_prompts.py"
+        )
+    else:
+        vocab = 512
+        model = build_model(num_layers=args.layers, window=args.window, vocab=vocab)
+        requests = workload(
+            n, max_prompt=max_prompt, min_out=min_out, max_out=max_out, vocab=vocab, seed=args.seed
+        )
+        described = (
+            f"gpt_oss-like model, {args.layers} layers (alternating window {args.window} / "
+            "full), 8 q / 2 kv heads x 64, fp32"
+        )
+    shape = (
+        f"{n} requests, prompts {min(len(p) for p, _ in requests)}.."
+        f"{max(len(p) for p, _ in requests)} tokens, outputs {min_out}..{max_out}, "
+        f"at most {args.running} running"
+    )
+    print(f"workload: {shape}; model {described}")
+    print(f"BLAS: {active_blas().describe()}")
+    # Warm both paths (JIT / compile) on a throwaway request.
+    run_mlx_lm(model, requests[:1], args.running)
+    first, first_peak = measured(lambda: run_mlx_lm(model, requests, args.running))
+    bases = [replace(first, peak_memory_bytes=first_peak)]
+    budget = int(bases[0].peak_kv_bytes * args.kv_fraction)
+    _engine_run(model, requests[:1], args, budget)
+    mines: list[RunResult] = []
+    report: EngineReport | None = None
+    # Round 0 is mlx-lm then the engine; each further round reverses the order.
+    for round_index in range(args.rounds):
+        order = ("engine", "mlx-lm") if round_index % 2 else ("mlx-lm", "engine")
+        for system in order:
+            if system == "mlx-lm":
+                if round_index == 0:
+                    continue  # the measured first run above
+                base, peak = measured(lambda: run_mlx_lm(model, requests, args.running))
+                bases.append(replace(base, peak_memory_bytes=peak))
+            else:
+                (mine, report), peak = measured(lambda: _engine_run(model, requests, args, budget))
+                mines.append(replace(mine, peak_memory_bytes=peak))
+    assert report is not None
+    base, mine = _combine(bases), _combine(mines)
     agree = sum(
         sum(a == b for a, b in zip(base.tokens[i], mine.tokens[i], strict=False))
         for i in base.tokens
     )
     total = sum(len(t) for t in base.tokens.values())
+    mib = 2**20
     print(
-        f"\n{'':26s} {'tok/s':>9s} {'peak KV MiB':>11s} {'p50 ms':>8s} {'p99 ms':>8s} {'steps':>6s}"
+        f"\n{'':26s} {'tok/s':>9s} {'peak KV MiB':>11s} {'peak mem MiB':>12s} {'p50 ms':>8s} "
+        f"{'p99 ms':>8s} {'steps':>6s}"
     )
     for r in (base, mine):
         print(
-            f"{r.name:26s} {r.throughput:9.1f} {r.peak_kv_bytes / 2**20:11.2f} "
-            f"{r.percentile(0.5):8.2f} {r.percentile(0.99):8.2f} {len(r.step_seconds):6d}"
+            f"{r.name:26s} {r.throughput:9.1f} {r.peak_kv_bytes / mib:11.2f} "
+            f"{r.peak_memory_bytes / mib:12.2f} {r.percentile(0.5):8.2f} "
+            f"{r.percentile(0.99):8.2f} {len(r.step_seconds) // args.rounds:6d}"
         )
     print(
-        f"\nratios (engine / mlx-lm): throughput {mine.throughput / base.throughput:.2f}x, "
-        f"peak KV {mine.peak_kv_bytes / base.peak_kv_bytes:.2f}x"
+        f"\nratios (engine / mlx-lm), mean of {args.rounds} alternating rounds: throughput "
+        f"{mine.throughput / base.throughput:.2f}x, peak KV "
+        f"{mine.peak_kv_bytes / base.peak_kv_bytes:.2f}x, peak process memory above the weights "
+        f"{mine.peak_memory_bytes / max(base.peak_memory_bytes, 1):.2f}x"
     )
-    peak_used = engine.stats.peak_pages_used
-    used_bytes = sum(
-        peak_used.get(s.name, 0) * s.bytes_per_page for s in pool.memory_report().sub_pools
-    )
-    stats = engine.stats
     print(
-        f"engine: pool {pool!r}; peak pages used {peak_used} ({used_bytes / 2**20:.2f} MB); "
-        f"preemptions {stats.preemptions}; max queue {max(stats.queue_length)}; "
-        f"decode {stats.decode_tokens_per_s:.1f} tok/s, "
-        f"prefill {stats.prefill_tokens_per_s:.1f} tok/s"
+        f"engine: pool {report.pool}; peak pages used {report.peak_pages_used} "
+        f"({report.peak_pages_bytes / mib:.2f} MiB); preemptions {report.preemptions}; max queue "
+        f"{report.max_queue}; decode {report.decode_tokens_per_s:.1f} tok/s, "
+        f"prefill {report.prefill_tokens_per_s:.1f} tok/s"
     )
-    decode = sorted(stats.decode_step_seconds)
     print(
-        f"engine decode step: p50 {1000 * statistics.median(decode):.2f} ms, "
-        f"mean batch {statistics.mean(stats.decode_batch_sizes):.1f}"
+        f"engine decode step: p50 {report.decode_step_p50_ms:.2f} ms, "
+        f"mean batch {report.mean_decode_batch:.1f}"
     )
     print(f"greedy token agreement with mlx-lm: {agree}/{total}")
     kv_read = decode_kv_bytes_read(layout_from_model(model), requests)
-    kv_bandwidth = kv_read / stats.decode_seconds / 1e9 if stats.decode_seconds else 0.0
+    seconds = report.decode_seconds
+    kv_bandwidth = kv_read / seconds / 1e9 if seconds else 0.0
     copy_bandwidth = memcpy_bandwidth()
     print(
         f"achieved KV read bandwidth in decode: {kv_bandwidth:.2f} GB/s "
-        f"({kv_read / 2**20:.0f} MiB of KV attended over {stats.decode_seconds:.1f} s of decode; "
+        f"({kv_read / mib:.0f} MiB of KV attended over {seconds:.1f} s of decode; "
         f"a lower bound: decode time includes projections and MLP); memory-copy bandwidth "
         f"measured now: {copy_bandwidth:.1f} GB/s ({100 * kv_bandwidth / copy_bandwidth:.0f}%)"
     )
@@ -411,28 +548,30 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
                 [
                     "",
                     f"Command: `{command.replace(' --markdown', '')}`  ",
-                    f"Machine: {machine_description()}  ",
-                    f"Workload: {n} requests, prompts {min(len(p) for p, _ in requests)}.."
-                    f"{max(len(p) for p, _ in requests)} tokens, outputs {min_out}..{max_out}, "
-                    f"at most {args.running} running; gpt_oss-like model, {args.layers} layers "
-                    f"(alternating window {args.window} / full), 8 q / 2 kv heads x 64, fp32",
+                    f"Machine: {machine_description()}; BLAS {active_blas().name}  ",
+                    f"Workload: {shape}; {described}; mean of {args.rounds} alternating rounds",
                     "",
-                    "| system | tok/s | peak KV MiB | p50 step ms | p99 step ms |",
-                    "|---|---|---|---|---|",
+                    "| system | tok/s | peak KV MiB | peak memory above weights MiB | "
+                    "p50 step ms | p99 step ms |",
+                    "|---|---|---|---|---|---|",
                     *(
-                        f"| {r.name} | {r.throughput:.1f} | {r.peak_kv_bytes / 2**20:.2f} | "
+                        f"| {r.name} | {r.throughput:.1f} | {r.peak_kv_bytes / mib:.2f} | "
+                        f"{r.peak_memory_bytes / mib:.1f} | "
                         f"{r.percentile(0.5):.1f} | {r.percentile(0.99):.1f} |"
                         for r in (base, mine)
                     ),
                     f"| **ratio** | **{mine.throughput / base.throughput:.2f}x** | "
                     f"**{mine.peak_kv_bytes / base.peak_kv_bytes:.2f}x** | "
+                    f"**{mine.peak_memory_bytes / max(base.peak_memory_bytes, 1):.2f}x** | "
                     f"{mine.percentile(0.5) / base.percentile(0.5):.2f}x | "
                     f"{mine.percentile(0.99) / base.percentile(0.99):.2f}x |",
                     "",
                     f"Greedy tokens identical to mlx-lm: {agree}/{total}. Engine peak KV is its "
-                    f"whole pool (pages in use peaked at {used_bytes / 2**20:.2f} MiB). "
-                    f"KV read bandwidth achieved in decode: {kv_bandwidth:.2f} GB/s against "
-                    f"{copy_bandwidth:.1f} GB/s memory copy measured in the same run.",
+                    f"whole pool (pages in use peaked at {report.peak_pages_bytes / mib:.2f} "
+                    "MiB); peak memory is `mx.get_peak_memory()` during the run above what was "
+                    "active before it (the weights). KV read bandwidth achieved in decode: "
+                    f"{kv_bandwidth:.2f} GB/s against {copy_bandwidth:.1f} GB/s memory copy "
+                    "measured in the same run.",
                 ]
             )
         )

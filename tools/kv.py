@@ -4,6 +4,8 @@ Commands:
   demo     (the default) serve a batch of prompts through the decode engine on the paged
            hybrid pool, verify every request against mlx-lm, report throughput and KV memory
   bench    the engine against mlx-lm's BatchGenerator on the same model and workload
+  generate stream the completion of one prompt from a real model (``kv-serve generate``:
+           ``--model gemma3-270m --prompt TEXT``)
   layout   print the KV-cache layout (layer kinds, pool indices, KV bytes per token) of a
            published model configuration, an embedded tiny architecture or a local mlx-lm
            model directory; nothing is downloaded and no weights are loaded.
@@ -151,6 +153,12 @@ def _bench_command(argv: Sequence[str]) -> int:
     return bench_main(argv)
 
 
+def _generate_command(argv: Sequence[str]) -> int:
+    from kv_serve import cli_main
+
+    return cli_main(["generate", *argv])
+
+
 def _add_demo_options(demo: argparse.ArgumentParser) -> None:
     from kv_testing import ARCHITECTURES
 
@@ -290,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engine against mlx-lm's BatchGenerator (bench --help for its options)",
     )
     bench.set_defaults(handler=_bench_command)
+    generate = commands.add_parser(
+        "generate",
+        add_help=False,
+        help="stream one prompt's completion from a real model (generate --help for options)",
+    )
+    generate.set_defaults(handler=_generate_command)
     layout = commands.add_parser(
         "layout",
         help="print the KV layout of a model",
@@ -336,12 +350,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     # `--help` with no command goes to the demo, the default command, so it lists every
     # option; its epilog names the other commands.
-    known = {"demo", "bench", "layout"}
+    known = {"demo", "bench", "generate", "layout"}
     if not arguments or arguments[0] not in known:
         arguments.insert(0, "demo")  # the demo is the default command
     if arguments[0] == "bench":
         # The benchmark owns its options (python -m tools.kv bench --help).
         return _bench_command(arguments[1:])
+    if arguments[0] == "generate":
+        # So does kv-serve's generate (python -m tools.kv generate --help).
+        return _generate_command(arguments[1:])
     args = parser.parse_args(arguments)
     try:
         status: int = args.handler(args)

@@ -7,6 +7,7 @@ Importing it on Linux before ``mlx`` loads a fast BLAS for MLX's CPU backend (se
 # ``_blas`` loads the BLAS when it is imported, so it must stay the first import (it sorts
 # first): the modules after it import mlx.
 from ._blas import BLAS_ENV, BlasError, BlasInfo, active_blas, load_fast_blas
+from ._cli import main as cli_main
 from ._engine import build_engine, build_kernels, build_pool, pool_backed_cache
 from ._generate import GenerationStats, TextStream, generate
 from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
@@ -24,6 +25,7 @@ __all__ = [
     "build_engine",
     "build_kernels",
     "build_pool",
+    "cli_main",
     "convert_gguf",
     "default_cache_dir",
     "encode_prompt",

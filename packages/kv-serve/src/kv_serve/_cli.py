@@ -65,12 +65,34 @@ def parser() -> argparse.ArgumentParser:
         help="an mlx-lm model directory, a Gemma 3 .gguf file, or 'gemma3-270m'",
     )
     gen.add_argument("--prompt", required=True, help="the prompt text")
-    gen.add_argument("--max-tokens", type=_positive_int, default=128)
-    gen.add_argument("--temperature", type=_number(0.0, 100.0), default=0.0)
-    gen.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0)
-    gen.add_argument("--seed", type=_seed, default=0)
-    gen.add_argument("--chat", action="store_true", help="use the model's chat template")
-    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    gen.add_argument(
+        "--max-tokens", type=_positive_int, default=128, help="most tokens to generate (128)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=_number(0.0, 100.0),
+        default=0.0,
+        help="sampling temperature in [0, 100]; 0 is greedy (the default)",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=_number(0.0, 1.0, low_open=True),
+        default=1.0,
+        help="nucleus sampling mass in (0, 1] (1: off)",
+    )
+    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed, 0..2**64-1 (0)")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as one user turn through the model's chat template (a model "
+        "without one is refused: base models such as gemma3-270m take plain text)",
+    )
+    gen.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights of a converted GGUF model (float32: exact, and fastest on CPU)",
+    )
     gen.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     gen.set_defaults(handler=_generate)
     return top

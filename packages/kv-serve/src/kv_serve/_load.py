@@ -111,7 +111,10 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool = False) -> list[int]
     if chat:
         template = getattr(tokenizer, "chat_template", None)
         if not template:
-            raise UnsupportedModelError("this model's tokenizer has no chat template")
+            raise UnsupportedModelError(
+                "this model's tokenizer has no chat template (a base model?); send the prompt "
+                "as plain text instead"
+            )
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True
         )
