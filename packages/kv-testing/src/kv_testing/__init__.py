@@ -6,5 +6,13 @@ tests, the demo and the benchmarks build their models here.
 """
 
 from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
+from ._tiny_tokenizer import TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, build_tiny_tokenizer
 
-__all__ = ["ARCHITECTURES", "build_tiny_model", "tiny_model_config"]
+__all__ = [
+    "ARCHITECTURES",
+    "TINY_CHAT_TEMPLATE",
+    "TINY_SPECIAL_TOKENS",
+    "build_tiny_model",
+    "build_tiny_tokenizer",
+    "tiny_model_config",
+]

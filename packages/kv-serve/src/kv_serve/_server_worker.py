@@ -1,0 +1,377 @@
+"""The engine thread: the one thread that owns MLX and the ``DecodeEngine`` of a server.
+
+HTTP handlers never touch MLX. They hand requests to :class:`EngineWorker` through a
+thread-safe queue and read each request's tokens from its own :class:`Ticket`; the worker
+submits and aborts on the engine between steps, so a request that arrives while others
+decode joins the next step (continuous batching), and an abort frees the request's pages
+before the next step runs. A finished request is released from the engine as soon as its
+last event is handed to its ticket, so the engine keeps nothing per finished request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_batching import DecodeEngine
+from kv_protocol import KVCacheError
+
+__all__ = [
+    "EngineWorker",
+    "Event",
+    "QueueFullError",
+    "SamplingParams",
+    "SubPoolLimits",
+    "Ticket",
+    "WorkerSnapshot",
+    "WorkerStoppedError",
+]
+
+logger = logging.getLogger("kv_serve.server")
+
+
+class QueueFullError(KVCacheError, RuntimeError):
+    """The server's waiting queue is full; the client should retry later."""
+
+
+class WorkerStoppedError(KVCacheError, RuntimeError):
+    """The engine thread is not running (never started, stopped, or crashed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """What one request asks of the engine."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop_tokens: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Event:
+    """What the engine thread hands a request: new tokens, or its end (reason and error)."""
+
+    tokens: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether this is the request's last event."""
+        return self.finish_reason is not None
+
+
+class Ticket:
+    """One request's mailbox: the engine thread puts events, the handler's loop reads them.
+
+    Created on the handler's event loop; :meth:`put` may be called from any thread.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.request_id: int | None = None
+        self.submitted_at = time.perf_counter()
+        self.closed = False
+
+    def put(self, event: Event) -> None:
+        """Hand ``event`` to the handler (thread-safe; a closed loop drops it)."""
+        # A closed loop (the handler is gone) raises RuntimeError: nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubPoolLimits:
+    """Static facts of one sub-pool: what a single request may use of it."""
+
+    name: str
+    kind: str
+    window: int | None
+    page_size: int
+    num_pages: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSnapshot:
+    """The engine's state after its latest step, for /metrics and /health."""
+
+    alive: bool
+    running: int = 0
+    queued: int = 0
+    active: int = 0
+    engine_requests: int = 0
+    steps: int = 0
+    pages_used: Mapping[str, int] = field(default_factory=dict)
+    pages_total: Mapping[str, int] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    errors: int = 0
+
+
+@dataclass
+class _Submit:
+    ticket: Ticket
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    ticket: Ticket
+
+
+_STOP = object()
+
+
+def _pool_limits(engine: DecodeEngine) -> tuple[SubPoolLimits, ...]:
+    specs = getattr(engine.pool, "sub_pools", None)
+    if specs is None:
+        return ()
+    return tuple(
+        SubPoolLimits(
+            name=str(s.name),
+            kind=str(s.kind.value),
+            window=s.window,
+            page_size=int(s.page_size),
+            num_pages=int(s.num_pages),
+        )
+        for s in specs
+    )
+
+
+def _pages(engine: DecodeEngine) -> tuple[dict[str, int], dict[str, int]]:
+    report = getattr(engine.pool, "memory_report", None)
+    if not callable(report):
+        return {}, {}
+    subs = report().sub_pools
+    return (
+        {str(s.name): int(s.pages_used) for s in subs},
+        {str(s.name): int(s.num_pages) for s in subs},
+    )
+
+
+class EngineWorker:
+    """Run a ``DecodeEngine`` on its own thread and serve requests from other threads.
+
+    ``make_engine`` runs on the engine thread (so the pool's buffers and the engine's probes
+    are made by the thread that will use them). ``max_queued`` bounds the requests waiting
+    for admission (handed over but not yet running): :meth:`submit` raises
+    :class:`QueueFullError` beyond it.
+    """
+
+    def __init__(self, make_engine: Callable[[], DecodeEngine], *, max_queued: int) -> None:
+        self._make_engine = make_engine
+        self.max_queued = max_queued
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending_submits = 0
+        self._engine_queued = 0
+        self._snapshot = WorkerSnapshot(alive=False)
+        self._thread = threading.Thread(target=self._main, name="kv-serve-engine", daemon=True)
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._active: dict[int, Ticket] = {}
+        self.engine: DecodeEngine | None = None
+        self.pool_limits: tuple[SubPoolLimits, ...] = ()
+        self.vocab_size = 0
+        self.max_running = 0
+        self.layout: Any = None
+
+    # ------------------------------------------------------------------ any thread
+
+    def start(self, timeout: float | None = None) -> None:
+        """Start the engine thread and wait until its engine is built (or raise its error)."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine thread did not start in time")
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread; requests still active end with an error."""
+        if self._thread.is_alive():
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread.is_alive()
+
+    def snapshot(self) -> WorkerSnapshot:
+        """The engine's state after its latest step."""
+        with self._lock:
+            return self._snapshot
+
+    @property
+    def waiting(self) -> int:
+        """Requests handed over and not yet running (queued in the engine or in transit)."""
+        with self._lock:
+            return self._pending_submits + self._engine_queued
+
+    def submit(self, ticket: Ticket, prompt: list[int], params: SamplingParams) -> None:
+        """Hand a request to the engine thread; its events arrive on ``ticket``."""
+        if not self.alive:
+            raise WorkerStoppedError("the engine thread is not running")
+        with self._lock:
+            if self._pending_submits + self._engine_queued >= self.max_queued:
+                raise QueueFullError(
+                    f"the server's waiting queue is full ({self.max_queued} requests wait for "
+                    "admission); retry later"
+                )
+            self._pending_submits += 1
+        self._inbox.put(_Submit(ticket, prompt, params))
+
+    def abort(self, ticket: Ticket) -> None:
+        """Abort the ticket's request if it runs; its pages are freed before the next step."""
+        if not ticket.closed:
+            ticket.closed = True
+            self._inbox.put(_Abort(ticket))
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _main(self) -> None:
+        try:
+            engine = self._make_engine()
+            self.engine = engine
+            self.pool_limits = _pool_limits(engine)
+            self.vocab_size = engine.vocab_size
+            self.max_running = engine.max_running
+            self.layout = engine.pool.layout
+            self._publish(engine)
+        except BaseException as error:
+            self._startup_error = error
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(engine)
+        except BaseException:
+            logger.exception("the engine thread stopped")
+            raise
+        finally:
+            self._shutdown(engine)
+
+    def _loop(self, engine: DecodeEngine) -> None:
+        while True:
+            commands: list[Any] = []
+            if not engine.has_work:
+                try:
+                    commands.append(self._inbox.get(timeout=0.5))
+                except queue.Empty:
+                    continue
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is _STOP:
+                    return
+                self._apply(engine, command)
+            if engine.has_work:
+                self._step(engine)
+            self._publish(engine)
+
+    def _apply(self, engine: DecodeEngine, command: Any) -> None:
+        if isinstance(command, _Submit):
+            with self._lock:
+                self._pending_submits -= 1
+            ticket, params = command.ticket, command.params
+            if ticket.closed:
+                return
+            try:
+                rid = engine.submit(
+                    command.prompt,
+                    params.max_tokens,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    stop_tokens=params.stop_tokens,
+                )
+            except Exception as error:
+                ticket.put(Event(finish_reason="error", error=error))
+                return
+            ticket.request_id = rid
+            self._active[rid] = ticket
+            with self._lock:
+                self._engine_queued = engine.num_queued
+        elif isinstance(command, _Abort):
+            target = command.ticket.request_id
+            if target is not None and target in self._active:
+                del self._active[target]
+                engine.abort(target)
+                engine.release(target)
+                command.ticket.put(Event(finish_reason="aborted"))
+
+    def _step(self, engine: DecodeEngine) -> None:
+        try:
+            produced = engine.step()
+        except Exception as error:
+            # The engine finishes failing requests itself; an exception escaping a step is
+            # a bug: end every request with it rather than serve on a broken engine state.
+            logger.exception("an engine step raised; ending every active request")
+            for rid, ticket in list(self._active.items()):
+                del self._active[rid]
+                if not engine.is_finished(rid):
+                    engine.abort(rid)
+                engine.release(rid)
+                ticket.put(Event(finish_reason="error", error=error))
+            return
+        for rid, tokens in produced.items():
+            listener = self._active.get(rid)
+            if listener is not None and tokens:
+                listener.put(Event(tokens=tuple(tokens)))
+        for rid in [r for r in self._active if engine.is_finished(r)]:
+            ticket = self._active.pop(rid)
+            out = engine.release(rid)
+            ticket.put(Event(finish_reason=out.finish_reason or "error", error=out.error))
+
+    def _publish(self, engine: DecodeEngine) -> None:
+        used, total = _pages(engine)
+        stats = engine.stats
+        snap = WorkerSnapshot(
+            alive=True,
+            running=engine.num_running,
+            queued=engine.num_queued,
+            active=len(self._active),
+            engine_requests=engine.num_requests,
+            steps=stats.steps,
+            pages_used=used,
+            pages_total=total,
+            prefill_tokens=stats.prefill_tokens,
+            decode_tokens=stats.decode_tokens,
+            preemptions=stats.preemptions,
+            errors=stats.errors,
+        )
+        with self._lock:
+            self._engine_queued = engine.num_queued
+            self._snapshot = snap
+
+    def _shutdown(self, engine: DecodeEngine) -> None:
+        error = RuntimeError("the server is shutting down")
+        for rid, ticket in list(self._active.items()):
+            del self._active[rid]
+            if not engine.is_finished(rid):
+                engine.abort(rid)
+            engine.release(rid)
+            ticket.put(Event(finish_reason="error", error=error))
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Submit):
+                command.ticket.put(Event(finish_reason="error", error=error))
+        with self._lock:
+            self._pending_submits = 0
+            self._snapshot = WorkerSnapshot(alive=False)

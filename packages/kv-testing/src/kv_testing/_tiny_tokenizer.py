@@ -1,0 +1,86 @@
+"""A tiny in-memory byte-level BPE tokenizer (with a chat template) for the tiny models.
+
+Built with the ``tokenizers`` library from a short built-in corpus; nothing is downloaded.
+Byte-level, so any text encodes and a multi-byte character can be split across tokens
+(what a streaming decoder must handle). Wrapped like :func:`mlx_lm.load` wraps a real
+tokenizer (mlx-lm's ``TokenizerWrapper``), so servers and generators treat it as they treat
+a real one.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+__all__ = ["TINY_CHAT_TEMPLATE", "TINY_SPECIAL_TOKENS", "build_tiny_tokenizer"]
+
+#: Special tokens, ids 0.. in this order: end of text, begin of text, the chat markers.
+TINY_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|bos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+)
+
+#: A minimal chat template over the special tokens (``<|role|>content<|end|>`` per turn).
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_CORPUS = (
+    "The river rises in the hills north of the town and runs south to the sea. "
+    "In spring the water is high and fast; the old stone bridge is often closed. "
+    "Children swim in it during the summer, and people walk along its banks. "
+    "Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9: 3\u20ac or 2\u00a3. "
+    "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3002 \u00bfQu\u00e9 tal? \U0001f600 \U0001f680 "
+    "def main():\n    return 42\n"
+)
+
+
+@cache
+def _backend(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(TINY_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    bos = TINY_SPECIAL_TOKENS[1]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, 1)]
+    )
+    return tokenizer
+
+
+def build_tiny_tokenizer(*, vocab_size: int = 320, chat_template: bool = True) -> Any:
+    """An mlx-lm ``TokenizerWrapper`` around a byte-level BPE of about ``vocab_size`` tokens.
+
+    Ids ``0 .. len(TINY_SPECIAL_TOKENS) - 1`` are :data:`TINY_SPECIAL_TOKENS`; the 256 byte
+    tokens and the learned merges follow. ``len(tokenizer)`` is the real size (at most
+    ``vocab_size``): build the model with that vocabulary. Encoding adds ``<|bos|>``; the end
+    of sequence ids are ``<|endoftext|>`` and ``<|end|>``. Without ``chat_template`` the
+    tokenizer has none (for the "no chat template" paths).
+    """
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
+
+    backend = _backend(vocab_size)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend.__class__.from_str(backend.to_str()),
+        bos_token=TINY_SPECIAL_TOKENS[1],
+        eos_token=TINY_SPECIAL_TOKENS[0],
+        additional_special_tokens=list(TINY_SPECIAL_TOKENS[2:]),
+    )
+    if chat_template:
+        hf.chat_template = TINY_CHAT_TEMPLATE
+    end = TINY_SPECIAL_TOKENS.index("<|end|>")
+    return TokenizerWrapper(hf, eos_token_ids=[0, end])
