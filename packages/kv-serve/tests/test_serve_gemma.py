@@ -152,3 +152,26 @@ def test_a_converted_directory_loads_as_an_mlx_lm_model(cache_dir: Path) -> None
     model, tokenizer = load_model(converted[0])
     assert encode_prompt(tokenizer, "The capital of France is")[0] == 2
     assert type(model).__module__.endswith("gemma3_text")
+
+
+#: A minimal turn template in Gemma's style (the packaged base model ships none).
+_TURN_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_chat_goes_through_the_tokenizers_template(gemma: tuple[nn.Module, Any]) -> None:
+    model, tokenizer = gemma
+    assert not getattr(tokenizer, "chat_template", None)  # the base model has none
+    tokenizer.chat_template = _TURN_TEMPLATE
+    try:
+        ids = encode_prompt(tokenizer, "Name a colour.", chat=True)
+        rendered = "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n"
+        assert ids == encode_prompt(tokenizer, rendered)  # BOS once, from the template
+        chatted = "".join(generate(model, tokenizer, "Name a colour.", max_tokens=6, chat=True))
+        plain = "".join(generate(model, tokenizer, rendered, max_tokens=6))
+        assert chatted == plain and chatted.strip()
+    finally:
+        tokenizer.chat_template = None
