@@ -114,11 +114,11 @@ class EngineStats:
     aborted: int = 0
     errors: int = 0
     window: int | None = DEFAULT_STATS_WINDOW
-    queue_length: deque[int] = field(default_factory=deque)
-    running: deque[int] = field(default_factory=deque)
-    pages_used: deque[dict[str, int]] = field(default_factory=deque)
-    decode_step_seconds: deque[float] = field(default_factory=deque)
-    decode_batch_sizes: deque[int] = field(default_factory=deque)
+    queue_length: deque[int] = field(default_factory=deque, repr=False)
+    running: deque[int] = field(default_factory=deque, repr=False)
+    pages_used: deque[dict[str, int]] = field(default_factory=deque, repr=False)
+    decode_step_seconds: deque[float] = field(default_factory=deque, repr=False)
+    decode_batch_sizes: deque[int] = field(default_factory=deque, repr=False)
     max_queue_length: int = 0
     max_running: int = 0
     max_decode_batch_size: int = 0
