@@ -6,6 +6,8 @@ Commands:
   bench    the engine against mlx-lm's BatchGenerator on the same model and workload
   generate stream the completion of one prompt from a real model (``kv-serve generate``:
            ``--model gemma3-270m --prompt TEXT``)
+  serve    an OpenAI-compatible HTTP server of a model (``kv-serve serve``:
+           ``--model gemma3-270m [--port 8000]``)
   layout   print the KV-cache layout (layer kinds, pool indices, KV bytes per token) of a
            published model configuration, an embedded tiny architecture or a local mlx-lm
            model directory; nothing is downloaded and no weights are loaded.
@@ -159,6 +161,12 @@ def _generate_command(argv: Sequence[str]) -> int:
     return cli_main(["generate", *argv])
 
 
+def _serve_command(argv: Sequence[str]) -> int:
+    from kv_serve import cli_main
+
+    return cli_main(["serve", *argv])
+
+
 def _add_demo_options(demo: argparse.ArgumentParser) -> None:
     from kv_testing import ARCHITECTURES
 
@@ -304,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="stream one prompt's completion from a real model (generate --help for options)",
     )
     generate.set_defaults(handler=_generate_command)
+    serve = commands.add_parser(
+        "serve",
+        add_help=False,
+        help="an OpenAI-compatible HTTP server of a model (serve --help for options)",
+    )
+    serve.set_defaults(handler=_serve_command)
     layout = commands.add_parser(
         "layout",
         help="print the KV layout of a model",
@@ -350,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     # `--help` with no command goes to the demo, the default command, so it lists every
     # option; its epilog names the other commands.
-    known = {"demo", "bench", "generate", "layout"}
+    known = {"demo", "bench", "generate", "serve", "layout"}
     if not arguments or arguments[0] not in known:
         arguments.insert(0, "demo")  # the demo is the default command
     if arguments[0] == "bench":
@@ -359,6 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments[0] == "generate":
         # So does kv-serve's generate (python -m tools.kv generate --help).
         return _generate_command(arguments[1:])
+    if arguments[0] == "serve":
+        # And kv-serve's serve (python -m tools.kv serve --help).
+        return _serve_command(arguments[1:])
     args = parser.parse_args(arguments)
     try:
         status: int = args.handler(args)

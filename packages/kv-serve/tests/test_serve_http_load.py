@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import mlx.core as mx
 import mlx.nn as nn
-import psutil
+import psutil  # type: ignore[import-untyped]
 import pytest
 
 from kv_batching import DecodeEngine
@@ -124,9 +124,9 @@ BAD: list[tuple[bytes, int]] = [
 async def client(http: httpx.AsyncClient, rng: random.Random, texts: list[str]) -> str:
     """One client; returns what it did ("ok", "gone", "bad")."""
     if rng.random() < 0.15:
-        body, status = rng.choice(BAD)
+        raw, status = rng.choice(BAD)
         response = await http.post(
-            "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+            "/v1/completions", content=raw, headers={"Content-Type": "application/json"}
         )
         assert response.status_code == status, response.text
         assert "error" in response.json()

@@ -12,6 +12,7 @@ from ._engine import build_engine, build_kernels, build_pool, pool_backed_cache
 from ._generate import GenerationStats, TextStream, generate
 from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
 from ._load import GEMMA3_270M, default_cache_dir, encode_prompt, load_model, stop_token_ids
+from ._server import KVServer, RunningServer, ServerMetrics
 
 __all__ = [
     "BLAS_ENV",
@@ -20,6 +21,9 @@ __all__ = [
     "BlasError",
     "BlasInfo",
     "GenerationStats",
+    "KVServer",
+    "RunningServer",
+    "ServerMetrics",
     "TextStream",
     "active_blas",
     "build_engine",

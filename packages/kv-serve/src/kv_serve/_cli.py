@@ -1,4 +1,4 @@
-"""The ``kv-serve`` command line: ``kv-serve generate --model NAME_OR_PATH --prompt TEXT``."""
+"""The ``kv-serve`` command line: ``kv-serve generate ...`` and ``kv-serve serve ...``."""
 
 from __future__ import annotations
 
@@ -95,7 +95,77 @@ def parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     gen.set_defaults(handler=_generate)
+    srv = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)",
+        description="Serve a model over HTTP with OpenAI's API: /v1/models, /v1/completions, "
+        "/v1/chat/completions (stream: true for server-sent events), /health and /metrics "
+        "(Prometheus). One engine thread batches every request continuously.",
+    )
+    srv.add_argument(
+        "--model",
+        required=True,
+        help="an mlx-lm model directory, a Gemma 3 .gguf file, or 'gemma3-270m'",
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    srv.add_argument("--port", type=_port, default=8000, help="TCP port (8000)")
+    srv.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send and /v1/models lists (default: --model as given)",
+    )
+    srv.add_argument(
+        "--kv-budget-mib",
+        type=_positive_int,
+        default=None,
+        help="KV pool size in MiB (default: what --max-running requests of --max-context "
+        "tokens need at their peak)",
+    )
+    srv.add_argument(
+        "--max-running", type=_positive_int, default=16, help="requests decoded together (16)"
+    )
+    srv.add_argument(
+        "--max-queued",
+        type=_positive_int,
+        default=128,
+        help="requests that may wait for admission; more get 429 (128)",
+    )
+    srv.add_argument(
+        "--max-context",
+        type=_positive_int,
+        default=4096,
+        help="most tokens (prompt + completion) of one request (4096)",
+    )
+    srv.add_argument(
+        "--prefill-chunk", type=_positive_int, default=512, help="prompt tokens per step (512)"
+    )
+    srv.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (16)")
+    srv.add_argument("--seed", type=_seed, default=0, help="sampling seed of the engine (0)")
+    srv.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights of a converted GGUF model (float32: exact, and fastest on CPU)",
+    )
+    srv.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
+    srv.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="uvicorn's log level (info)",
+    )
+    srv.set_defaults(handler=_serve)
     return top
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {text!r}")
+    return value
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -136,6 +206,43 @@ def _generate(args: argparse.Namespace) -> int:
         f"generated {stats.generated_tokens} ({stats.decode_tokens_per_s:.1f} tok/s), "
         f"finish: {stats.finish_reason}"
     )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import time
+
+    from ._blas import active_blas
+    from ._load import load_model
+    from ._server import KVServer
+
+    def progress(message: str) -> None:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
+    start = time.perf_counter()
+    model, tokenizer = load_model(
+        args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=progress
+    )
+    progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
+    progress(f"BLAS: {active_blas().describe()}")
+    budget = args.kv_budget_mib * 2**20 if args.kv_budget_mib is not None else None
+    server = KVServer(
+        model,
+        tokenizer,
+        model_name=args.served_model_name or args.model,
+        max_running=args.max_running,
+        max_queued=args.max_queued,
+        max_context=args.max_context,
+        kv_budget_bytes=budget,
+        page_size=args.page_size,
+        prefill_chunk=args.prefill_chunk,
+        seed=args.seed,
+    )
+    progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
+    server.serve(args.host, args.port, log_level=args.log_level)
     return 0
 
 

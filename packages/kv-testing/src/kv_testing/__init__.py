@@ -5,6 +5,7 @@ classes with small configurations; nothing is downloaded. The member tests, the 
 tests, the demo and the benchmarks build their models here.
 """
 
+from ._tiny_model_dir import save_tiny_model_dir
 from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
 from ._tiny_tokenizer import TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, build_tiny_tokenizer
 
@@ -14,5 +15,6 @@ __all__ = [
     "TINY_SPECIAL_TOKENS",
     "build_tiny_model",
     "build_tiny_tokenizer",
+    "save_tiny_model_dir",
     "tiny_model_config",
 ]
