@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import pytest
 
@@ -11,7 +13,7 @@ from tools.reference import TIE_ULPS, first_divergence, mlx_lm_greedy
 PROMPT = [3, 17, 5, 41, 8, 22, 9]
 
 
-def _model_and_reference(n: int = 12) -> tuple[object, list[int]]:
+def _model_and_reference(n: int = 12) -> tuple[Any, list[int]]:
     model = build_tiny_model("gemma3_text", window=8, seed=5)
     return model, mlx_lm_greedy(model, PROMPT, n).tokens
 
