@@ -1,0 +1,281 @@
+"""HTTP serving benchmark: ``kv-serve serve`` against ``mlx_lm.server`` on one model.
+
+Both servers run as processes on 127.0.0.1 serving the same mlx-lm model directory (for
+``gemma3-270m``, the directory it is converted into). A bounded asyncio client sends the
+same streamed, greedy ``/v1/completions`` requests at each concurrency level, the two
+servers alternating which goes first, and reports per server and level: requests/s, output
+tokens/s, time to first token p50/p99, inter-token latency p50/p99 and the server
+process's peak RSS (sampled every 20 ms). Tokens are counted as streamed chunks with text
+(both servers send one chunk per token, except where a piece is held back to complete a
+character).
+
+    uv run python -m tools.bench_serve --model gemma3-270m --concurrency 1 4 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil  # type: ignore[import-untyped]
+
+__all__ = ["main"]
+
+_WORDS = [
+    "the",
+    "river",
+    "rises",
+    "in",
+    "the",
+    "hills",
+    "north",
+    "of",
+    "the",
+    "town",
+    "and",
+    "runs",
+    "south",
+    "through",
+    "farmland",
+    "before",
+    "it",
+    "reaches",
+    "the",
+    "sea",
+    "in",
+    "spring",
+    "the",
+    "water",
+    "is",
+    "high",
+    "and",
+    "fast",
+    "and",
+    "the",
+    "old",
+    "stone",
+    "bridge",
+    "near",
+    "the",
+    "market",
+    "is",
+    "often",
+    "closed",
+    "for",
+    "a",
+    "few",
+    "days",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _model_dir(name: str) -> Path:
+    from kv_serve import GEMMA3_270M, convert_gguf, default_cache_dir
+    from kv_serve._load import _packaged_gemma
+
+    if name == GEMMA3_270M:
+        cache = default_cache_dir()
+        path, sha = _packaged_gemma(cache, None)
+        return convert_gguf(path, cache, sha256=sha)
+    return Path(name)
+
+
+@dataclass
+class _Server:
+    name: str
+    command: list[str]
+    url: str
+    process: subprocess.Popen[bytes] | None = None
+    peak_rss: int = 0
+    _sampling: bool = False
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not start")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def sample(self, stop: threading.Event) -> None:
+        assert self.process is not None
+        proc = psutil.Process(self.process.pid)
+        while not stop.is_set():
+            rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children())
+            self.peak_rss = max(self.peak_rss, rss)
+            stop.wait(0.02)
+
+
+@dataclass
+class _Level:
+    seconds: float = 0.0
+    requests: int = 0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    peak_rss: int = 0
+
+
+async def _one(
+    http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, out: _Level
+) -> None:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    last: float | None = None
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if not any(c.get("text") for c in data.get("choices", [])):
+                continue
+            now = time.perf_counter()
+            if last is None:
+                out.ttft.append(now - start)
+            else:
+                out.itl.append(now - last)
+            last = now
+            out.tokens += 1
+    out.requests += 1
+
+
+async def _level(
+    url: str, model: str, prompts: Sequence[str], concurrency: int, max_tokens: int
+) -> _Level:
+    out = _Level()
+    queue = list(prompts)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+
+        async def worker() -> None:
+            while queue:
+                await _one(http, model, queue.pop(), max_tokens, out)
+
+        start = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), 1800)
+        out.seconds = time.perf_counter() - start
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print a Markdown table."""
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_serve", description=__doc__)
+    parser.add_argument("--model", default="gemma3-270m", help="gemma3-270m or an mlx-lm dir")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--requests", type=int, default=2, help="requests per client (2)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (32)")
+    parser.add_argument("--prompt-words", type=int, default=64, help="words per prompt (64)")
+    parser.add_argument("--servers", nargs="+", default=["kv-serve", "mlx-lm"])
+    args = parser.parse_args(argv)
+    directory = _model_dir(args.model)
+    top = max(args.concurrency)
+    servers: list[_Server] = []
+    for name in args.servers:
+        port = _free_port()
+        if name == "kv-serve":
+            command = [sys.executable, "-m", "kv_serve._cli", "serve", "--model", str(directory)]
+            command += ["--port", str(port), "--max-running", str(top), "--log-level", "error"]
+            command += ["--max-queued", str(top * args.requests + 8), "--max-context", "1024"]
+        elif name == "mlx-lm":
+            # Through kv_serve's import, so mlx-lm gets the same fast BLAS (it loads before mlx).
+            launch = "import sys, kv_serve; from mlx_lm.server import main; main()"
+            command = [sys.executable, "-c", launch, "--model", str(directory)]
+            command += ["--port", str(port), "--log-level", "ERROR"]
+        else:
+            parser.error(f"unknown server {name!r}")
+        servers.append(_Server(name, command, f"http://127.0.0.1:{port}"))
+    rng = random.Random(0)
+    rows: list[str] = []
+    try:
+        for server in servers:
+            server.start()
+            # One warm-up request each (graph compilation, first allocations).
+            asyncio.run(_level(server.url, str(directory), ["warm up"], 1, 4))
+        for index, concurrency in enumerate(args.concurrency):
+            prompts = [
+                " ".join(rng.choices(_WORDS, k=args.prompt_words))
+                for _ in range(concurrency * args.requests)
+            ]
+            order = servers if index % 2 == 0 else servers[::-1]
+            for server in order:
+                server.peak_rss = 0
+                stop = threading.Event()
+                sampler = threading.Thread(target=server.sample, args=(stop,), daemon=True)
+                sampler.start()
+                level = asyncio.run(
+                    _level(server.url, str(directory), prompts, concurrency, args.max_tokens)
+                )
+                stop.set()
+                sampler.join()
+                rows.append(
+                    f"| {server.name} | {concurrency} | {level.requests / level.seconds:.2f} | "
+                    f"{level.tokens / level.seconds:.1f} | {_pct(level.ttft, 0.5) * 1e3:.0f} / "
+                    f"{_pct(level.ttft, 0.99) * 1e3:.0f} | {_pct(level.itl, 0.5) * 1e3:.0f} / "
+                    f"{_pct(level.itl, 0.99) * 1e3:.0f} | {server.peak_rss / 2**20:.0f} |"
+                )
+                print(rows[-1], flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    print()
+    print(
+        f"{args.model}: {args.prompt_words}-word prompts, {args.max_tokens} tokens each, "
+        f"{args.requests} requests per client, greedy, streamed"
+    )
+    print(
+        "| server | clients | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | peak RSS MiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
