@@ -22,6 +22,7 @@ if importlib.util.find_spec("kv_serve") is not None:
         """The BLAS of this test session, on pytest's header."""
         return f"BLAS: {kv_serve.active_blas().describe()}"
 
+
 settings.register_profile(
     "ci",
     max_examples=60,
