@@ -260,12 +260,19 @@ def test_batched_layer_cache_is_a_data_free_shim() -> None:
     assert isinstance(shim, BatchedLayerCache)
     assert shim.offset == 9
     assert shim.state == ()
-    assert shim.make_mask(1) is None
-    assert shim.make_mask(1, window_size=4, return_array=True) is None
+    # The same keep-mask a universal layer of that window needs (a container may share one
+    # mask between fast and universal layers): lengths 5 and 10 keys, 4 and 4 in a window 4.
+    full = shim.make_mask(1)
+    assert isinstance(full, mx.array) and full.shape == (2, 1, 1, 10)
+    assert full[:, 0, 0, :].tolist() == [[True] * 5 + [False] * 5, [True] * 10]
+    assert shim.make_mask(1, window_size=4) is None  # both rows see 4 keys: no padding
+    windowed = shim.make_mask(1, window_size=4, return_array=True)
+    assert isinstance(windowed, mx.array) and windowed.shape == (2, 1, 1, 4)
+    assert bool(mx.all(windowed))
     assert shim.empty() and shim.nbytes == 0 and not shim.is_trimmable() and shim.trim(3) == 0
-    with pytest.raises(CacheStateError, match="single-token"):
+    with pytest.raises(CacheStateError, match="one query per request"):
         shim.make_mask(3)
-    with pytest.raises(CacheStateError, match="not patched"):
+    with pytest.raises(CacheStateError, match="planned for the patched fast path"):
         shim.update_and_fetch(mx.zeros((2, 2, 1, 8)), mx.zeros((2, 2, 1, 8)))
     assert "layer_id=1" in repr(shim)
 

@@ -1,6 +1,7 @@
 """Batched paged decode for hybrid-attention mlx-lm models: context, attention wrapper, engine."""
 
 from ._context import FUSED_ROPE_MAP_ERROR, BatchedDecodeContext, PoolAddressing
+from ._decode_paths import DecodePathChoice, DecodePlan, check_batched_decode, plan_decode_paths
 from ._engine import (
     DecodeEngine,
     EngineStats,
@@ -13,7 +14,13 @@ from ._engine import (
     sample_top_p,
     vocabulary_size,
 )
-from ._layer_cache import BatchedLayerCache, batched_layer_caches
+from ._layer_cache import (
+    DECODE_PATHS,
+    BatchedLayerCache,
+    PoolDecodeCache,
+    batched_layer_caches,
+    decode_mask,
+)
 from ._wrapper import (
     AttentionSpec,
     BatchedAttention,
@@ -21,15 +28,19 @@ from ._wrapper import (
     is_patched,
     patch_model_attention,
     unpatch_model_attention,
+    wrap_attention_layer,
 )
 
 __all__ = [
+    "DECODE_PATHS",
     "FUSED_ROPE_MAP_ERROR",
     "AttentionSpec",
     "BatchedAttention",
     "BatchedDecodeContext",
     "BatchedLayerCache",
     "DecodeEngine",
+    "DecodePathChoice",
+    "DecodePlan",
     "EngineStats",
     "LastPositionForward",
     "PrefillCacheFactory",
@@ -37,12 +48,17 @@ __all__ = [
     "RequestStatus",
     "NormMode",
     "PoolAddressing",
+    "PoolDecodeCache",
     "batched_layer_caches",
+    "check_batched_decode",
+    "decode_mask",
     "pages_in_use",
     "sample_top_p",
     "is_patched",
     "last_position_forward",
     "patch_model_attention",
+    "plan_decode_paths",
     "unpatch_model_attention",
     "vocabulary_size",
+    "wrap_attention_layer",
 ]

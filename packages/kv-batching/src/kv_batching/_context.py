@@ -138,6 +138,7 @@ class BatchedDecodeContext:
     _padding_by_window: dict[int | None, tuple[list[int], mx.array | None]] = field(
         init=False, repr=False
     )
+    _gather_by_key: dict[tuple[str, int | None], mx.array] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         setter = object.__setattr__
@@ -199,6 +200,7 @@ class BatchedDecodeContext:
         setter(self, "pad_sizes", tuple(longest - s for s in seq_lens))
         setter(self, "positions", mx.arange(longest + 1) if min(seq_lens) < longest else None)
         setter(self, "_padding_by_window", {})
+        setter(self, "_gather_by_key", {})
 
     @classmethod
     def from_pool(
@@ -267,6 +269,16 @@ class BatchedDecodeContext:
             new_token_slots=slots,
         )
 
+    def visible_keys(self, window: int | None) -> list[int]:
+        """Keys each request's decode query sees, itself included: the one rule of a window.
+
+        ``seq_len + 1`` on a full layer (``window=None``), ``min(seq_len + 1, window)`` on a
+        sliding one: the query at position ``p`` sees positions ``p - window + 1 .. p``.
+        """
+        if window is not None:
+            window = check_int(window, "window", minimum=1, error=ShapeMismatchError)
+        return [s + 1 if window is None else min(s + 1, window) for s in self.seq_lens]
+
     def decode_padding(self, window: int | None) -> tuple[list[int], mx.array | None]:
         """Right padding of each request's keys to one width, and the keep-mask.
 
@@ -279,9 +291,7 @@ class BatchedDecodeContext:
         cached = self._padding_by_window.get(window)
         if cached is not None:
             return list(cached[0]), cached[1]
-        if window is not None:
-            window = check_int(window, "window", minimum=1, error=ShapeMismatchError)
-        valid = [s + 1 if window is None else min(s + 1, window) for s in self.seq_lens]
+        valid = self.visible_keys(window)
         width = max(valid)
         pads = [width - v for v in valid]
         mask: mx.array | None = None
@@ -290,6 +300,34 @@ class BatchedDecodeContext:
             mask = keep.reshape(len(valid), 1, 1, width)
         self._padding_by_window[window] = (pads, mask)
         return list(pads), mask
+
+    def visible_slots(self, sub_pool: str, window: int | None, page_size: int) -> mx.array:
+        """``(B, width)`` int32 pool slots of the keys each request sees, oldest first.
+
+        Row ``b`` holds the slots of positions ``seq_len + 1 - visible .. seq_len`` (see
+        :meth:`visible_keys`) read through the step's page table of ``sub_pool``, then
+        right padding that repeats the row's newest slot (masked out by
+        :meth:`decode_padding`'s mask of the same window). Memoised per sub-pool and window.
+        """
+        key = (sub_pool, window)
+        cached = self._gather_by_key.get(key)
+        if cached is not None:
+            return cached
+        table = self.page_tables.get(sub_pool)
+        if table is None:
+            raise CacheStateError(
+                f"this BatchedDecodeContext has no page table for sub-pool {sub_pool!r}; "
+                "build it with BatchedDecodeContext.from_pool"
+            )
+        valid = self.visible_keys(window)
+        width = max(valid)
+        first = mx.array([s + 1 - v for s, v in zip(self.seq_lens, valid, strict=True)])
+        newest = mx.array(self.seq_lens, dtype=mx.int32)
+        positions = mx.minimum(first[:, None] + mx.arange(width)[None, :], newest[:, None])
+        pages = mx.take_along_axis(table, positions // page_size, axis=1)
+        slots = (pages * page_size + positions % page_size).astype(mx.int32)
+        self._gather_by_key[key] = slots
+        return slots
 
     def sub_pool(self, layer_id: int) -> str:
         """Name of the sub-pool storing ``layer_id`` (needs a context built with addressing)."""

@@ -33,8 +33,9 @@ from kv_protocol import (
 )
 
 from ._context import BatchedDecodeContext, PoolAddressing
+from ._decode_paths import DecodePlan, check_batched_decode, plan_decode_paths
 from ._layer_cache import batched_layer_caches
-from ._wrapper import patch_model_attention
+from ._wrapper import patch_model_attention, unpatch_model_attention
 
 __all__ = [
     "DEFAULT_STATS_WINDOW",
@@ -300,6 +301,59 @@ def last_position_forward(model: nn.Module, vocab_size: int) -> LastPositionForw
     return forward if same else None
 
 
+def _plan_and_check(
+    model: nn.Module,
+    pool: KVPool,
+    kernels: KernelSet,
+    make_prefill_cache: PrefillCacheFactory,
+    decode_path: str,
+    *,
+    vocab_size: int,
+    num_layers: int,
+) -> DecodePlan:
+    """Choose the layers' decode paths, wrap the fast ones and check one batched step.
+
+    Under ``auto``, a model whose check fails with some layers on the fast path is tried
+    again with every layer universal. A model neither path serves is unpatched and refused
+    with ``UnsupportedModelError`` and the reason.
+    """
+    plan = plan_decode_paths(model, pool.layout, decode_path)
+    patch_model_attention(model, pool.layout, layers=plan.fast_layers)
+    problem = check_batched_decode(
+        model, pool, kernels, make_prefill_cache, plan, vocab_size=vocab_size, num_layers=num_layers
+    )
+    if problem is not None and decode_path == "auto" and plan.fast_layers:
+        unpatch_model_attention(model)
+        fallback = plan_decode_paths(model, pool.layout, "universal")
+        retry = check_batched_decode(
+            model,
+            pool,
+            kernels,
+            make_prefill_cache,
+            fallback,
+            vocab_size=vocab_size,
+            num_layers=num_layers,
+        )
+        if retry is None:
+            logger.warning(
+                "%s: the patched fast path failed the build-time check (%s); every layer "
+                "takes the universal path",
+                type(model).__name__,
+                problem,
+            )
+            reason = f"the fast path failed the build-time check: {problem}"
+            return DecodePlan(paths=fallback.paths, reasons={i: reason for i in fallback.paths})
+        problem = retry
+    if problem is not None:
+        unpatch_model_attention(model)
+        raise UnsupportedModelError(
+            f"{type(model).__name__} cannot be served by batched decode: {problem} "
+            f"({plan.describe()}); its attention must call cache.update_and_fetch and build "
+            "its mask with cache.make_mask, as mlx-lm's caches expect"
+        )
+    return plan
+
+
 def _check_layouts(model_layout: CacheLayout, pool_layout: CacheLayout) -> None:
     if model_layout.num_layers != pool_layout.num_layers:
         raise LayoutError(
@@ -348,6 +402,17 @@ class DecodeEngine:
     rollback with every request as it was; the tokens the step had produced by then are
     returned by the next :meth:`step`. The engine goes on serving after either.
 
+    Decode paths (``decode_path``): each attention layer takes the patched fast path (its
+    module wrapped in place by :func:`patch_model_attention`: fused RoPE + scatter, paged
+    attention kernels) where the wrapper's probe reproduces the module exactly, and the
+    universal path (:class:`PoolDecodeCache` handed to the unmodified module) otherwise;
+    ``"universal"`` puts every layer there, ``"fast"`` refuses a module the probe rejects.
+    :attr:`decode_paths` reports the choice. Building the engine runs one ragged batched
+    decode step through the pool against prefill of the same tokens, so a model neither
+    path serves is refused here with ``UnsupportedModelError``, never at decode time.
+    Building **modifies the model** (the fast layers' attention modules are wrapped);
+    :meth:`close` (or leaving a ``with`` block) puts the originals back.
+
     With ``prefill_last_logits`` (the default) prefill chunks project only their last
     position onto the vocabulary when :func:`last_position_forward` proves that exact for
     this model; otherwise the model runs whole.
@@ -372,6 +437,7 @@ class DecodeEngine:
         vocab_size: int | None = None,
         prefill_last_logits: bool = True,
         stats_window: int | None = DEFAULT_STATS_WINDOW,
+        decode_path: str = "auto",
     ) -> None:
         max_running = check_int(max_running, "max_running", minimum=1)
         prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
@@ -401,7 +467,16 @@ class DecodeEngine:
         self._prefill_forward = (
             last_position_forward(model, vocab_size) if prefill_last_logits else None
         )
-        patch_model_attention(model, pool.layout)
+        self.decode_plan = _plan_and_check(
+            model,
+            pool,
+            kernels,
+            make_prefill_cache,
+            decode_path,
+            vocab_size=vocab_size,
+            num_layers=model_layout.num_layers,
+        )
+        self._universal_layers = self.decode_plan.universal_layers
         self.model = model
         self.pool = pool
         self.kernels = kernels
@@ -515,6 +590,30 @@ class DecodeEngine:
         return RequestOutput(
             r.rid, tuple(r.prompt), tuple(r.generated), r.status, r.finish_reason, r.error
         )
+
+    @property
+    def decode_paths(self) -> Mapping[int, str]:
+        """Attention layer id -> ``"fast"`` (patched kernels) or ``"universal"`` (pool cache)."""
+        return self.decode_plan.paths
+
+    def close(self) -> None:
+        """Abort what still runs and put the model's original attention modules back.
+
+        The engine must not step after this; the model is as it was before the engine.
+        """
+        active = [*self._running, *self._queue]
+        if self._prefilling is not None:
+            active.append(self._prefilling)
+        for request in active:
+            self._finish(request, "aborted")
+            self.stats.aborted += 1
+        unpatch_model_attention(self.model)
+
+    def __enter__(self) -> DecodeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def has_work(self) -> bool:
@@ -649,7 +748,7 @@ class DecodeEngine:
                 self.pool, [r.rid for r in batch], self.kernels, addressing=self._addressing
             )
             tokens = mx.array([[r.generated[-1]] for r in batch], dtype=mx.int32)
-            logits = self.model(tokens, cache=batched_layer_caches(ctx))
+            logits = self.model(tokens, cache=batched_layer_caches(ctx, self._universal_layers))
             return cast(list[int], self._sample(logits[:, -1, :], batch).tolist())
         except BaseException:
             self._key = key

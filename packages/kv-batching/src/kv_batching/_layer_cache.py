@@ -1,26 +1,75 @@
-"""The data-free per-layer cache object that carries the batched context into a layer."""
+"""The per-layer cache objects that carry one batched decode step into a model's layers.
+
+Two decode paths, chosen per layer when the engine is built:
+
+* the patched fast path: :class:`BatchedLayerCache` stores nothing; the layer's attention is
+  wrapped by :class:`~kv_batching.BatchedAttention`, which recognises it and runs the fused
+  RoPE + scatter and the paged attention kernels;
+* the universal path: :class:`PoolDecodeCache` is handed to the *unmodified* attention
+  module the way mlx-lm's batch caches are: ``offset`` is the int32 array of per-row
+  positions, ``update_and_fetch`` writes the step's K/V into the pool and returns what each
+  row attends to, gathered from the pool and right-padded to one width, and ``make_mask``
+  the matching keep-mask. Any attention that calls ``cache.update_and_fetch`` and builds its
+  mask from the cache works, whatever its projections, norms or scalings.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import mlx.core as mx
 
-from kv_protocol import CacheStateError, MaskSpec
+from kv_protocol import CacheStateError, MaskSpec, ShapeMismatchError
 
 from ._context import BatchedDecodeContext
 
-__all__ = ["BatchedLayerCache", "batched_layer_caches"]
+__all__ = [
+    "DECODE_PATHS",
+    "BatchedLayerCache",
+    "PoolDecodeCache",
+    "batched_layer_caches",
+    "decode_mask",
+]
+
+#: The decode path names: the wrapped fast path and the universal pool-backed cache.
+DECODE_PATHS = ("fast", "universal")
+
+
+def decode_mask(
+    context: BatchedDecodeContext,
+    layer_id: int,
+    N: int,
+    *,
+    window_size: int | None,
+    return_array: bool,
+) -> MaskSpec:
+    """The keep-mask a single-query batched decode step needs for ``layer_id``'s keys.
+
+    ``window_size`` (what a model container asks for) wins over the layer's own window, as
+    mlx-lm's caches do. ``None`` when no row needs padding, unless ``return_array``.
+    """
+    if N != 1:
+        raise CacheStateError(
+            f"batched decode serves one query per request; layer {layer_id}'s cache was asked "
+            f"for a mask of {N} queries (prefill and extend go through per-request caches)"
+        )
+    window = window_size if window_size is not None else context.window(layer_id)
+    _, mask = context.decode_padding(window)
+    if mask is None and return_array:
+        width = max(context.visible_keys(window))
+        mask = mx.ones((context.batch_size, 1, 1, width), dtype=mx.bool_)
+    return mask
 
 
 class BatchedLayerCache:
     """What the model container hands layer ``layer_id`` during one batched decode step.
 
     It stores nothing: ``state == ()``, ``offset = max(seq_lens)`` (so containers that read
-    an offset see a sane scalar) and ``make_mask`` answers ``None`` for the single decode
-    query (the attention wrapper applies each request's own length and window). A patched
-    attention module recognises it and takes the batched path with ``context``; an
-    unpatched module that tries to store into it fails loudly.
+    an offset see a sane scalar) and ``make_mask`` answers the same keep-mask as
+    :class:`PoolDecodeCache` (the wrapper ignores it and applies each request's own length
+    and window; a universal layer that shares the container's mask needs it). A patched
+    attention module recognises it and takes the batched path with ``context``.
     """
 
     __slots__ = ("context", "layer_id")
@@ -42,19 +91,17 @@ class BatchedLayerCache:
     def make_mask(
         self, N: int, *, return_array: bool = False, window_size: int | None = None
     ) -> MaskSpec:
-        """``None`` for the one decode query; batched decode has no multi-token mask."""
-        if N != 1:
-            raise CacheStateError(
-                f"BatchedLayerCache serves single-token batched decode only; asked for a mask "
-                f"of {N} queries (prefill and extend go through per-request caches)"
-            )
-        return None
+        """The keep-mask of this layer's keys for the one decode query (see :func:`decode_mask`)."""
+        return decode_mask(
+            self.context, self.layer_id, N, window_size=window_size, return_array=return_array
+        )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Always raises: only a patched attention module may run on this cache."""
+        """Always raises: a layer on the fast path runs through its attention wrapper."""
         raise CacheStateError(
-            f"BatchedLayerCache of layer {self.layer_id} should not store data: the layer's "
-            "attention module is not patched (call patch_model_attention(model) first)"
+            f"layer {self.layer_id} was planned for the patched fast path, but its attention "
+            "module is not wrapped any more (was the model unpatched after the engine was "
+            "built?); build the engine again, or with decode_path='universal'"
         )
 
     def is_trimmable(self) -> bool:
@@ -81,6 +128,109 @@ class BatchedLayerCache:
         )
 
 
-def batched_layer_caches(context: BatchedDecodeContext) -> list[Any]:
-    """One :class:`BatchedLayerCache` per model layer, ready to pass as ``cache=``."""
-    return [BatchedLayerCache(context, layer_id) for layer_id in range(context.layout.num_layers)]
+class PoolDecodeCache:
+    """The universal path's cache of layer ``layer_id`` for one batched decode step.
+
+    Handed to the unmodified attention module: ``offset`` is the ``(B,)`` int32 array of
+    per-row positions (mlx-lm's RoPE accepts it); ``update_and_fetch(keys, values)`` writes
+    the ``(B, n_kv_heads, 1, head_dim)`` new K/V at the step's slots of the layer's sub-pool
+    and returns ``(B, n_kv_heads, width, head_dim)`` K/V, each row its visible keys oldest
+    first (:meth:`BatchedDecodeContext.visible_slots`), right-padded; ``make_mask`` returns
+    the matching ``(B, 1, 1, width)`` keep-mask, ``None`` when no row is padded.
+    """
+
+    __slots__ = ("context", "layer_id")
+
+    def __init__(self, context: BatchedDecodeContext, layer_id: int) -> None:
+        self.context = context
+        self.layer_id = layer_id
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row positions of the decoded tokens (int32 ``(B,)``)."""
+        return self.context.offsets
+
+    @property
+    def state(self) -> tuple[()]:
+        """Nothing: the K/V live in the pool."""
+        return ()
+
+    def make_mask(
+        self, N: int, *, return_array: bool = False, window_size: int | None = None
+    ) -> MaskSpec:
+        """The keep-mask of this layer's keys for the one decode query (see :func:`decode_mask`)."""
+        return decode_mask(
+            self.context, self.layer_id, N, window_size=window_size, return_array=return_array
+        )
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write the step's K/V into the pool; return each row's visible K/V, right-padded."""
+        ctx = self.context
+        layer_id = self.layer_id
+        batch = ctx.batch_size
+        if keys.ndim != 4 or keys.shape[0] != batch or keys.shape[2] != 1:
+            raise ShapeMismatchError(
+                f"layer {layer_id}: batched decode expects keys of shape ({batch}, n_kv_heads, "
+                f"1, head_dim), got {tuple(keys.shape)}"
+            )
+        if values.shape[:3] != keys.shape[:3]:
+            raise ShapeMismatchError(
+                f"layer {layer_id}: values {tuple(values.shape)} do not match keys "
+                f"{tuple(keys.shape)}"
+            )
+        pool = ctx.pool
+        if pool is None or ctx.addressing is None:
+            raise CacheStateError(
+                "the BatchedDecodeContext has no pool; build it with BatchedDecodeContext.from_pool"
+            )
+        sub_pool = ctx.sub_pool(layer_id)
+        pool_layer = ctx.pool_layer(layer_id)
+        pool.set_kv(pool_layer, ctx.new_token_slots[sub_pool], keys[:, :, 0, :], values[:, :, 0, :])
+        slots = ctx.visible_slots(
+            sub_pool, ctx.window(layer_id), ctx.addressing.page_size_by_layer[layer_id]
+        )
+        width = slots.shape[1]
+        flat = slots.reshape(-1)
+        gathered_k = pool.get_key_buffer(pool_layer)[:, flat]
+        gathered_v = pool.get_value_buffer(pool_layer)[:, flat]
+        heads = gathered_k.shape[0]
+        k = gathered_k.reshape(heads, batch, width, -1).transpose(1, 0, 2, 3)
+        v = gathered_v.reshape(heads, batch, width, -1).transpose(1, 0, 2, 3)
+        return k, v
+
+    def is_trimmable(self) -> bool:
+        """False: the pool, not this per-step view, owns the tokens."""
+        return False
+
+    def trim(self, n: int) -> int:
+        """Trims nothing and returns 0."""
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        """0: the view holds no arrays of its own."""
+        return 0
+
+    def empty(self) -> bool:
+        """False: the layer has cached tokens in the pool."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"PoolDecodeCache(layer_id={self.layer_id}, batch={self.context.batch_size})"
+
+
+def batched_layer_caches(
+    context: BatchedDecodeContext, universal_layers: Collection[int] = ()
+) -> list[Any]:
+    """One cache per model layer, ready to pass as ``cache=`` for one batched decode step.
+
+    Layers in ``universal_layers`` get a :class:`PoolDecodeCache`, every other layer a
+    :class:`BatchedLayerCache` (its attention must be wrapped).
+    """
+    universal = frozenset(universal_layers)
+    return [
+        PoolDecodeCache(context, layer_id)
+        if layer_id in universal
+        else BatchedLayerCache(context, layer_id)
+        for layer_id in range(context.layout.num_layers)
+    ]

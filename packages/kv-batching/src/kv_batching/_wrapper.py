@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "is_patched",
     "patch_model_attention",
     "unpatch_model_attention",
+    "wrap_attention_layer",
 ]
 
 HEAD_COUNT_NAMES = ("n_heads", "num_attention_heads", "num_heads", "n_head")
@@ -350,10 +352,14 @@ class BatchedAttention(nn.Module):
             return getattr(inner, name)
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        """Batched decode for a :class:`BatchedLayerCache`, else the original module."""
-        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-        if isinstance(cache, BatchedLayerCache):
-            return self.batched_decode(x, cache.context)
+        """Batched decode for a :class:`BatchedLayerCache`, else the original module.
+
+        The cache is found wherever the container passes it (``cache=`` or any positional
+        argument), so an attention that takes extra arguments is still recognised.
+        """
+        for candidate in (kwargs.get("cache"), *args):
+            if isinstance(candidate, BatchedLayerCache):
+                return self.batched_decode(x, candidate.context)
         result: mx.array = self.inner(x, *args, **kwargs)
         return result
 
@@ -446,49 +452,67 @@ def is_patched(model: nn.Module) -> bool:
     return bool(children) and all(isinstance(c[1], BatchedAttention) for c in children)
 
 
-def patch_model_attention(model: nn.Module, layout: CacheLayout | None = None) -> int:
-    """Wrap every attention module of an mlx-lm model; returns how many are wrapped.
+def wrap_attention_layer(layer: Any, layer_id: int, layout: CacheLayout) -> BatchedAttention:
+    """The probe-verified wrapper of ``layer``'s attention, or ``UnsupportedModelError``.
 
+    Nothing is changed on the layer: :func:`patch_model_attention` installs the wrapper.
+    """
+    found = _attention_child(layer)
+    kind = layout.kind(layer_id)
+    if found is None:
+        raise UnsupportedModelError(
+            f"layer {layer_id} is a {kind.value} attention layer in the layout but has "
+            f"no attention child named one of {ATTENTION_CHILD_NAMES}"
+        )
+    name, child = found
+    if isinstance(child, BatchedAttention):
+        return child
+    spec = _probe(child, _inspect(child, layer_id, kind is LayerKind.SLIDING))
+    geometry = layout.geometry(layer_id)
+    if (geometry.n_kv_heads, geometry.head_dim) != (spec.n_kv_heads, spec.head_dim):
+        raise UnsupportedModelError(
+            f"layer {layer_id}: the module has {spec.n_kv_heads} KV heads x {spec.head_dim} "
+            f"but the layout says {geometry.n_kv_heads} x {geometry.head_dim}"
+        )
+    return BatchedAttention(child, spec, name)
+
+
+def patch_model_attention(
+    model: nn.Module, layout: CacheLayout | None = None, *, layers: Collection[int] | None = None
+) -> int:
+    """Wrap the attention modules of an mlx-lm model; returns how many are wrapped.
+
+    ``layers`` limits the wrapping to those attention layer ids (default: every one).
     Idempotent: already wrapped modules are kept. Each module is probed once (see
     :class:`BatchedAttention`); a module the wrapper cannot serve exactly raises
     ``UnsupportedModelError`` and leaves the model as it was. ``layout`` defaults to
     :func:`kv_protocol.layout_from_model`.
     """
-    layers = find_layers(model)
+    model_layers = find_layers(model)
     if layout is None:
         layout = layout_from_model(model)
-    if layout.num_layers != len(layers):
+    if layout.num_layers != len(model_layers):
         raise UnsupportedModelError(
-            f"the layout describes {layout.num_layers} layers but the model has {len(layers)}"
+            f"the layout describes {layout.num_layers} layers but the model has {len(model_layers)}"
         )
+    chosen = None if layers is None else frozenset(layers)
     planned: list[tuple[Any, str, BatchedAttention]] = []
     wrapped = 0
-    for layer_id, layer in enumerate(layers):
-        found = _attention_child(layer)
+    for layer_id, layer in enumerate(model_layers):
         kind = layout.kind(layer_id)
-        if found is None:
-            if kind is not LayerKind.STATE:
+        if kind is LayerKind.STATE:
+            if _attention_child(layer) is not None:
                 raise UnsupportedModelError(
-                    f"layer {layer_id} is a {kind.value} attention layer in the layout but has "
-                    f"no attention child named one of {ATTENTION_CHILD_NAMES}"
+                    f"layer {layer_id} has an attention module but the layout marks it STATE"
                 )
             continue
-        name, child = found
-        if isinstance(child, BatchedAttention):
+        if chosen is not None and layer_id not in chosen:
+            continue
+        wrapper = wrap_attention_layer(layer, layer_id, layout)
+        if getattr(layer, wrapper.child_name, None) is wrapper:
             wrapped += 1
             continue
-        if kind is LayerKind.STATE:
-            raise UnsupportedModelError(
-                f"layer {layer_id} has an attention module but the layout marks it STATE"
-            )
-        spec = _probe(child, _inspect(child, layer_id, kind is LayerKind.SLIDING))
-        geometry = layout.geometry(layer_id)
-        if (geometry.n_kv_heads, geometry.head_dim) != (spec.n_kv_heads, spec.head_dim):
-            raise UnsupportedModelError(
-                f"layer {layer_id}: the module has {spec.n_kv_heads} KV heads x {spec.head_dim} "
-                f"but the layout says {geometry.n_kv_heads} x {geometry.head_dim}"
-            )
-        planned.append((layer, name, BatchedAttention(child, spec, name)))
+        planned.append((layer, wrapper.child_name, wrapper))
     for layer, name, wrapper in planned:
         setattr(layer, name, wrapper)
     return wrapped + len(planned)

@@ -7,7 +7,6 @@ Importing it on Linux before ``mlx`` loads a fast BLAS for MLX's CPU backend (se
 # ``_blas`` loads the BLAS when it is imported, so it must stay the first import (it sorts
 # first): the modules after it import mlx.
 from ._blas import BLAS_ENV, BlasError, BlasInfo, active_blas, load_fast_blas
-from ._cli import main as cli_main
 from ._engine import build_engine, build_kernels, build_pool, pool_backed_cache
 from ._generate import GenerationStats, TextStream, generate
 from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
@@ -41,3 +40,10 @@ __all__ = [
     "read_gguf_tensor",
     "stop_token_ids",
 ]
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """Run the ``kv-serve`` command line with ``argv``; returns the exit status."""
+    from ._cli import main
+
+    return main(argv)

@@ -243,7 +243,17 @@ def _serve(args: argparse.Namespace) -> int:
     )
     progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
     server.serve(args.host, args.port, log_level=args.log_level)
-    return 0
+    # The engine thread has stopped and been joined. MLX used from a thread other than the
+    # main one can still abort in its static destructors at interpreter exit ("terminate
+    # called without an active exception", ml-explore/mlx#3126), so the command ends the
+    # process here, after flushing, with the status a clean shutdown has.
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -94,6 +94,7 @@ def build_engine(
     seed: int = 0,
     record_pages: bool = True,
     pool: KVPool | None = None,
+    decode_path: str = "auto",
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -102,7 +103,9 @@ def build_engine(
     ``fused_rope`` asks for it and the model's RoPE allows it, and prompts are prefilled in
     chunks of ``prefill_chunk`` tokens through :class:`kv_caches.PoolBackedKVCache`, so the
     K/V land in the pool with no second copy. A ready ``pool`` (any ``KVPool`` built for
-    the model's layout) replaces the sizing arguments.
+    the model's layout) replaces the sizing arguments. ``decode_path`` (``auto``,
+    ``universal`` or ``fast``) picks each attention layer's decode path (see
+    :class:`kv_batching.DecodeEngine`; ``engine.decode_paths`` reports it).
     """
     layout = layout_from_model(model)
     if pool is None:
@@ -127,4 +130,5 @@ def build_engine(
         prefill_chunk=prefill_chunk,
         seed=seed,
         record_pages=record_pages,
+        decode_path=decode_path,
     )

@@ -1,0 +1,182 @@
+"""Which decode path each attention layer takes, and the build-time check that both work.
+
+The patched fast path (fused RoPE + scatter, paged attention kernels) serves an attention
+module that the wrapper's probe reproduces exactly; every other attention layer takes the
+universal path (:class:`~kv_batching.PoolDecodeCache` handed to the unmodified module).
+:func:`check_batched_decode` then runs one ragged batched decode step through the pool and
+compares it with prefilling the same tokens, so a model that neither path serves is refused
+when the engine is built, with the reason, never at decode time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kv_protocol import (
+    CacheLayout,
+    KernelSet,
+    KVPool,
+    LayerKind,
+    PoolExhaustedError,
+    UnsupportedModelError,
+    find_layers,
+)
+
+from ._context import BatchedDecodeContext, PoolAddressing
+from ._layer_cache import batched_layer_caches
+from ._wrapper import wrap_attention_layer
+
+__all__ = ["DecodePathChoice", "DecodePlan", "check_batched_decode", "plan_decode_paths"]
+
+logger = logging.getLogger("kv_batching")
+
+#: What the engine is asked for: per-layer choice, or every layer on one path.
+DecodePathChoice = Literal["auto", "fast", "universal"]
+_CHOICES = ("auto", "fast", "universal")
+#: Request ids of the build-time check, far above any id the engine hands out.
+_PROBE_IDS = (1 << 62, (1 << 62) + 1)
+#: Prompt lengths of the build-time check: ragged, so padding and masks are exercised.
+_PROBE_LENGTHS = (3, 6)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodePlan:
+    """The decode path of every attention layer, and why a layer is not on the fast path."""
+
+    paths: Mapping[int, str]
+    reasons: Mapping[int, str] = field(default_factory=dict)
+
+    @property
+    def universal_layers(self) -> frozenset[int]:
+        """Attention layers on the universal path."""
+        return frozenset(i for i, path in self.paths.items() if path == "universal")
+
+    @property
+    def fast_layers(self) -> frozenset[int]:
+        """Attention layers on the patched fast path."""
+        return frozenset(i for i, path in self.paths.items() if path == "fast")
+
+    def describe(self) -> str:
+        """One line: how many layers take each path (and the first reason, if any)."""
+        fast, universal = len(self.fast_layers), len(self.universal_layers)
+        line = f"decode paths: {fast} fast (patched), {universal} universal"
+        if self.reasons:
+            layer_id, reason = next(iter(sorted(self.reasons.items())))
+            line += f"; e.g. layer {layer_id}: {reason}"
+        return line
+
+
+def plan_decode_paths(
+    model: nn.Module, layout: CacheLayout, decode_path: str = "auto"
+) -> DecodePlan:
+    """Choose each attention layer's decode path; nothing on the model changes.
+
+    ``auto``: the fast path where the wrapper's probe accepts the module, the universal path
+    otherwise (the probe's refusal is the reason). ``universal``: every layer universal.
+    ``fast``: every layer fast, or the probe's ``UnsupportedModelError``.
+    """
+    if decode_path not in _CHOICES:
+        raise UnsupportedModelError(
+            f"decode_path must be one of {', '.join(_CHOICES)}, got {decode_path!r}"
+        )
+    layers = find_layers(model)
+    paths: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for layer_id in layout.attention_layer_ids:
+        if layout.kind(layer_id) is LayerKind.STATE:
+            continue
+        if decode_path == "universal":
+            paths[layer_id] = "universal"
+            reasons[layer_id] = "decode_path='universal' was asked for"
+            continue
+        try:
+            wrap_attention_layer(layers[layer_id], layer_id, layout)
+        except UnsupportedModelError as refusal:
+            if decode_path == "fast":
+                raise
+            paths[layer_id] = "universal"
+            reasons[layer_id] = str(refusal)
+        else:
+            paths[layer_id] = "fast"
+    return DecodePlan(paths=MappingProxyType(paths), reasons=MappingProxyType(reasons))
+
+
+def _tolerance(dtype: mx.Dtype) -> float:
+    return 1e-3 if dtype == mx.float32 else 5e-2
+
+
+def check_batched_decode(
+    model: nn.Module,
+    pool: KVPool,
+    kernels: KernelSet,
+    make_prefill_cache: Any,
+    plan: DecodePlan,
+    *,
+    vocab_size: int,
+    num_layers: int,
+) -> str | None:
+    """Why one ragged batched decode step differs from prefill, or ``None`` if it agrees.
+
+    Two short prompts are prefilled through ``make_prefill_cache`` into ``pool``, their next
+    tokens decoded together through ``plan``'s caches, and each row's logits compared with
+    prefilling the prompt and that token alone. Every probe request is freed afterwards,
+    whatever happens. Returns ``None`` (and logs a warning) when the pool cannot hold the
+    probe, which is tiny.
+    """
+    prompts = [[(11 * i + 5 * n + 1) % vocab_size for i in range(n)] for n in _PROBE_LENGTHS]
+    nexts = [(7 * n + 2) % vocab_size for n in _PROBE_LENGTHS]
+    added: list[int] = []
+
+    def prefill(rid: int, tokens: list[int]) -> mx.array:
+        pool.add_request(rid)
+        added.append(rid)
+        caches = [make_prefill_cache(pool, rid, layer_id) for layer_id in range(num_layers)]
+        pool.reserve(rid, len(tokens))
+        logits: mx.array = model(mx.array([tokens], dtype=mx.int32), cache=caches)[:, -1, :]
+        mx.eval(logits)
+        return logits
+
+    try:
+        for rid, prompt in zip(_PROBE_IDS, prompts, strict=True):
+            prefill(rid, prompt)
+        ctx = BatchedDecodeContext.from_pool(
+            pool, list(_PROBE_IDS), kernels, addressing=PoolAddressing.from_pool(pool)
+        )
+        tokens = mx.array([[t] for t in nexts], dtype=mx.int32)
+        batched = model(tokens, cache=batched_layer_caches(ctx, plan.universal_layers))[:, -1, :]
+        mx.eval(batched)
+        for rid in list(added):
+            pool.free_request(rid)
+            added.remove(rid)
+        worst = 0.0
+        for row, (rid, prompt, token) in enumerate(zip(_PROBE_IDS, prompts, nexts, strict=True)):
+            alone = prefill(rid, [*prompt, token])
+            pool.free_request(rid)
+            added.remove(rid)
+            reference = alone[0].astype(mx.float32)
+            mine = batched[row].astype(mx.float32)
+            scale = float(mx.max(mx.abs(reference))) + 1e-6
+            worst = max(worst, float(mx.max(mx.abs(mine - reference))) / scale)
+        tolerance = _tolerance(batched.dtype)
+    except Exception as error:
+        if isinstance(error, PoolExhaustedError) or isinstance(error.__cause__, PoolExhaustedError):
+            logger.warning("the pool is too small for the build-time decode check; skipped")
+            return None
+        # Whatever else the model did, it is refused with the reason.
+        return f"a batched decode step raised {error!r}"
+    finally:
+        for rid in added:
+            pool.free_request(rid)
+    if worst > tolerance:
+        return (
+            f"a batched decode step's logits differ from prefilling the same tokens by "
+            f"{worst:.2e} (relative; tolerance {tolerance:.0e})"
+        )
+    return None
