@@ -7,7 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ._errors import UnsupportedModelError
+from ._errors import KVCacheError, UnsupportedModelError
 from ._layer_spec import LayerKind, LayerSpec
 from ._layout import CacheLayout
 from ._validate import as_int, check_int
@@ -217,95 +217,346 @@ def _geometry(attn: Any, args: object | None, layer_id: int) -> tuple[int, int]:
     return heads, head_dim
 
 
-def layout_from_model(model: object, *, dtype: mx.Dtype | None = None) -> CacheLayout:
-    """Build the :class:`CacheLayout` of an mlx-lm model from its configuration.
+#: mlx-lm cache classes (matched by exact class name: kv-protocol does not import mlx-lm)
+#: that hold a recurrent / linear-attention state, not K/V.
+STATE_CACHE_NAMES = frozenset({"ArraysCache", "MambaCache"})
+#: What the layout can serve, for the refusal messages.
+SERVED_CACHES = "KVCache, RotatingKVCache(max_size=W, keep=0), ArraysCache or MambaCache"
 
-    A layer's kind comes from, in order: a sliding flag on the layer or its attention module
-    (``is_sliding``, ``is_local``, ``use_sliding``, ``use_sliding_window`` ...), the
-    ``layer_types`` list, or ``sliding_window_pattern``: an int ``N`` makes every ``N``-th
-    layer global (layer ``i`` is global iff ``(i + 1) % N == 0``, as in mlx-lm's Gemma 3 and
-    Cohere2), a string of ``L`` / ``G`` letters such as ``"LLLG"`` names each layer local or
-    global, repeating over the layers (as in mlx-lm's EXAONE 4). A layer with no q/k/v
-    attention child is a ``STATE`` layer. Windows come from the attention module or the
-    model's ``sliding_window``; geometry from each attention module. ``dtype`` overrides the
-    KV dtype (default: the dtype of each layer's ``k_proj``).
+
+def _cache_kind(cache: object, layer_id: int) -> tuple[LayerKind, int | None]:
+    """``(kind, window)`` of one entry of a model's ``make_cache()`` list.
+
+    The class is recognised by its exact name (a subclass such as ``ChunkedKVCache`` or a
+    quantized cache has other semantics and is refused, not read as its parent).
+    """
+    name = type(cache).__name__
+    if name == "KVCache":
+        return LayerKind.FULL, None
+    if name == "RotatingKVCache":
+        keep = getattr(cache, "keep", 0)
+        if keep is None:
+            keep = 0
+        keep_int = as_int(keep)
+        if keep_int != 0:
+            raise UnsupportedModelError(
+                f"layer {layer_id}: make_cache() gives RotatingKVCache(keep={keep!r}), which "
+                "keeps a prefix of tokens beside its sliding window; only plain windows "
+                f"(keep=0) are served (served caches: {SERVED_CACHES})"
+            )
+        window = check_int(
+            getattr(cache, "max_size", None),
+            f"layer {layer_id}: RotatingKVCache.max_size",
+            minimum=1,
+            error=UnsupportedModelError,
+        )
+        return LayerKind.SLIDING, window
+    if name in STATE_CACHE_NAMES:
+        return LayerKind.STATE, None
+    raise UnsupportedModelError(
+        f"layer {layer_id}: make_cache() gives a {name}, a cache type this toolkit does not "
+        f"serve (served caches: {SERVED_CACHES})"
+    )
+
+
+def _model_caches(model: object) -> list[object] | None:
+    """The list ``model.make_cache()`` returns, ``None`` if the model has no ``make_cache``.
+
+    Raises ``UnsupportedModelError`` when ``make_cache`` is not callable or does not return
+    a list or tuple; lets any exception raised *inside* ``make_cache`` propagate (the caller
+    decides what a broken ``make_cache`` means).
+    """
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        return None
+    if not callable(make_cache):
+        raise _refuse("make_cache", make_cache, "a method returning one cache per layer")
+    caches = make_cache()
+    if not isinstance(caches, list | tuple):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.make_cache() returned {type(caches).__name__}, expected "
+            "a list with one cache per decoder layer"
+        )
+    return list(caches)
+
+
+class _Config:
+    """The model-level configuration the attribute reading needs, read once."""
+
+    def __init__(self, model: object) -> None:
+        self.container = language_model_container(model)
+        self.layers = list(getattr(self.container, "layers"))  # noqa: B009
+        self.args = model_args(model)
+        self.layer_types = _layer_types(model, self.container, self.args)
+        args = self.args
+        pattern = first_attr(args, ("sliding_window_pattern",)) if args is not None else None
+        self.global_by_pattern = _global_layers(pattern, len(self.layers))
+        self.window_name: str = ""
+        self.model_window: Any = None
+        for owner in (args, self.container, model):
+            if owner is not None and self.model_window is None:
+                self.window_name, self.model_window = _named_attr(
+                    owner, ("sliding_window", "window_size")
+                )
+        if self.layer_types is not None and len(self.layer_types) != len(self.layers):
+            raise UnsupportedModelError(
+                f"layer_types lists {len(self.layer_types)} entries for {len(self.layers)} layers"
+            )
+
+
+def _attribute_kind(config: _Config, layer_id: int) -> tuple[LayerKind, bool]:
+    """The kind the attributes give layer ``layer_id``, and whether they *say* so.
+
+    The second item is False when nothing declares the kind: FULL by default, STATE for a
+    layer with no q/k/v attention child (which may also be an attention this reader does not
+    recognise, such as fused QKV or latent attention, so it is not a declaration).
+    """
+    layer = config.layers[layer_id]
+    attn = attention_module(layer)
+    if attn is None:
+        return LayerKind.STATE, False
+    flag = _sliding_flag(layer, attn, layer_id)
+    if flag is not None:
+        return (LayerKind.SLIDING if flag else LayerKind.FULL), True
+    if config.layer_types is not None:
+        kind_name = config.layer_types[layer_id]
+        if kind_name in STATE_LAYER_TYPES:
+            return LayerKind.STATE, True
+        if kind_name not in SLIDING_LAYER_TYPES | FULL_LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"layer {layer_id} has attention projections but layer type {kind_name!r}, "
+                "which is neither full, sliding nor a known recurrent type; refusing to "
+                "guess its KV lifetime"
+            )
+        sliding = kind_name in SLIDING_LAYER_TYPES
+        return (LayerKind.SLIDING if sliding else LayerKind.FULL), True
+    if config.global_by_pattern is not None:
+        sliding = not config.global_by_pattern[layer_id]
+        return (LayerKind.SLIDING if sliding else LayerKind.FULL), True
+    return LayerKind.FULL, False
+
+
+def _declared_window(config: _Config, attn: object, layer_id: int) -> int | None:
+    """The window the attributes declare for sliding layer ``layer_id``, None if none."""
+    name, raw_window = _named_attr(attn, WINDOW_NAMES)
+    if raw_window is None:
+        name, raw_window = config.window_name, config.model_window
+    if raw_window is None:
+        return None
+    return check_int(
+        raw_window, f"layer {layer_id}: {name}", minimum=1, error=UnsupportedModelError
+    )
+
+
+def _attribute_window(config: _Config, attn: object, layer_id: int) -> int:
+    """The window the attributes give sliding layer ``layer_id``."""
+    window = _declared_window(config, attn, layer_id)
+    if window is None:
+        raise UnsupportedModelError(
+            f"layer {layer_id} is a sliding-window layer but the model declares no "
+            "window size (sliding_window / window_size)"
+        )
+    return window
+
+
+#: Further names under which hybrid models (PLaMo, RecurrentGemma) hold a layer's mixer.
+MIXER_CHILD_NAMES = ("mixer", "temporal_block")
+
+
+def _kv_module(layer: object) -> tuple[Any | None, str]:
+    """The module whose K/V a cache of this layer holds, and a description if none is found.
+
+    First the q/k/v attention child (:func:`attention_module`, also looked up under the mixer
+    names); else a child that declares its KV heads and ``head_dim`` (fused QKV projections).
+    """
+    attn = attention_module(layer)
+    if attn is not None:
+        return attn, ""
+    found: list[str] = []
+    for name in ATTENTION_CHILD_NAMES + MIXER_CHILD_NAMES:
+        child = getattr(layer, name, None)
+        if child is None:
+            continue
+        if all(hasattr(child, p) for p in ("q_proj", "k_proj", "v_proj")):
+            return child, ""
+        _, heads = _named_attr(child, KV_HEAD_NAMES)
+        if heads is not None and getattr(child, "head_dim", None) is not None:
+            return child, ""
+        found.append(f"{name} ({type(child).__name__})")
+    where = (
+        ", ".join(found)
+        if found
+        else "no child named " + " / ".join(ATTENTION_CHILD_NAMES + MIXER_CHILD_NAMES)
+    )
+    return None, where
+
+
+def _check_value_geometry(attn: Any, layer_id: int) -> None:
+    """Refuse K and V of different widths: a pool page stores both with one geometry."""
+    k_weight = getattr(getattr(attn, "k_proj", None), "weight", None)
+    v_weight = getattr(getattr(attn, "v_proj", None), "weight", None)
+    if isinstance(k_weight, mx.array) and isinstance(v_weight, mx.array):
+        k_out, v_out = int(k_weight.shape[0]), int(v_weight.shape[0])
+        if getattr(getattr(attn, "k_proj", None), "scales", None) is None and k_out != v_out:
+            raise UnsupportedModelError(
+                f"layer {layer_id}: v_proj produces {v_out} features but k_proj {k_out}; K "
+                "and V of different head dims (v_head_dim != head_dim) are not served"
+            )
+
+
+def _attention_spec(
+    config: _Config,
+    layer_id: int,
+    kind: LayerKind,
+    window: int | None,
+    dtype: mx.Dtype | None,
+    *,
+    source: str,
+) -> LayerSpec:
+    """The spec of an attention layer of ``kind``: geometry and dtype from its module."""
+    attn, found = _kv_module(config.layers[layer_id])
+    if attn is None:
+        raise UnsupportedModelError(
+            f"layer {layer_id}: {source} makes it a {kind.name} attention layer, but it has no "
+            "attention module with q_proj / k_proj / v_proj or declared KV heads and head_dim "
+            f"(found: {found}), so its KV geometry cannot be read"
+        )
+    n_kv, head_dim = _geometry(attn, config.args, layer_id)
+    _check_value_geometry(attn, layer_id)
+    return LayerSpec(
+        layer_id=layer_id,
+        kind=kind,
+        window=window,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        dtype=dtype if dtype is not None else _kv_dtype(attn),
+    )
+
+
+def _describe_kind(kind: LayerKind, window: int | None) -> str:
+    return f"SLIDING(window={window})" if kind is LayerKind.SLIDING else kind.name
+
+
+def _layout_from_attributes(model: object, dtype: mx.Dtype | None) -> CacheLayout:
+    """The layout read from configuration attributes alone (models without ``make_cache``)."""
+    config = _Config(model)
+    specs: list[LayerSpec] = []
+    mapped_by_any = config.layer_types is not None or config.global_by_pattern is not None
+    for layer_id in range(len(config.layers)):
+        kind, declared = _attribute_kind(config, layer_id)
+        if kind is LayerKind.STATE:
+            specs.append(LayerSpec(layer_id=layer_id, kind=LayerKind.STATE))
+            continue
+        if declared:
+            mapped_by_any = True
+        window = None
+        if kind is LayerKind.SLIDING:
+            attn = attention_module(config.layers[layer_id])
+            window = _attribute_window(config, attn, layer_id)
+        specs.append(
+            _attention_spec(config, layer_id, kind, window, dtype, source="its configuration")
+        )
+    if config.model_window is not None and not mapped_by_any:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} declares sliding_window={config.model_window} but maps "
+            "it to no layer (no layer_types, sliding_window_pattern or per-layer sliding "
+            "flag); refusing to guess which layers are windowed"
+        )
+    return CacheLayout(specs)
+
+
+def _layout_from_caches(model: object, caches: list[object], dtype: mx.Dtype | None) -> CacheLayout:
+    """The layout ``make_cache()`` says, cross-checked with what the attributes declare."""
+    config = _Config(model)
+    if len(caches) != len(config.layers):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.make_cache() returns {len(caches)} caches for "
+            f"{len(config.layers)} decoder layers (layers that share another's KV, loop over "
+            "the layers twice or hold no cache); the engine needs exactly one cache per "
+            "decoder layer"
+        )
+    specs: list[LayerSpec] = []
+    for layer_id, cache in enumerate(caches):
+        kind, window = _cache_kind(cache, layer_id)
+        said = _describe_kind(kind, window)
+        attr_kind, declared = _attribute_kind(config, layer_id)
+        attr_window = None
+        if attr_kind is LayerKind.SLIDING:
+            attn = attention_module(config.layers[layer_id])
+            attr_window = _declared_window(config, attn, layer_id)
+            if attr_window is None:  # a sliding layer that names no window: kinds only
+                attr_window = window
+        if declared and (attr_kind, attr_window) != (kind, window):
+            raise UnsupportedModelError(
+                f"layer {layer_id}: make_cache() gives {type(cache).__name__}, i.e. {said}, "
+                f"but the model's attributes say {_describe_kind(attr_kind, attr_window)}; "
+                "refusing to guess which one the model computes"
+            )
+        if kind is LayerKind.STATE:
+            specs.append(LayerSpec(layer_id=layer_id, kind=LayerKind.STATE))
+            continue
+        source = f"make_cache()'s {type(cache).__name__}"
+        specs.append(_attention_spec(config, layer_id, kind, window, dtype, source=source))
+    return CacheLayout(specs)
+
+
+def _unforeseen(model: object, exc: Exception) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"cannot read the layer layout of {type(model).__name__}: its configuration has a "
+        f"form this reader does not know ({type(exc).__name__}: {exc})"
+    )
+
+
+def layout_from_model(model: object, *, dtype: mx.Dtype | None = None) -> CacheLayout:
+    """Build the :class:`CacheLayout` of an mlx-lm model without running it.
+
+    **Where the model defines** ``make_cache()``, its cache list is the authority, one cache
+    per decoder layer: ``KVCache`` is a FULL layer, ``RotatingKVCache(max_size=W)`` (with
+    ``keep=0``) a SLIDING layer of window ``W``, ``ArraysCache`` / ``MambaCache`` a STATE
+    layer. Any other cache (``ChunkedKVCache``, a ``RotatingKVCache`` with ``keep > 0``,
+    ``CacheList``, ``QuantizedKVCache`` ...) or a list whose length is not the number of
+    layers is refused with an ``UnsupportedModelError`` naming the layer and the cache type.
+    Each layer is cross-checked with what the attributes below *declare* (a flag, a
+    ``layer_types`` entry, a pattern, a window); a disagreement is an
+    ``UnsupportedModelError`` naming both answers. Should ``make_cache()`` itself raise, the
+    attributes alone decide (as for a model without one).
+
+    **From the attributes**, a layer's kind comes from, in order: a sliding flag on the
+    layer or its attention module (``is_sliding``, ``is_local``, ``use_sliding``,
+    ``use_sliding_window`` ...), the ``layer_types`` list, or ``sliding_window_pattern``: an
+    int ``N`` makes every ``N``-th layer global (layer ``i`` is global iff
+    ``(i + 1) % N == 0``, as in mlx-lm's Gemma 3 and Cohere2), a string of ``L`` / ``G``
+    letters such as ``"LLLG"`` names each layer local or global, repeating over the layers (as
+    in mlx-lm's EXAONE 4). A layer with no q/k/v attention child is a ``STATE`` layer.
+    Windows come from the attention module or the model's ``sliding_window``.
+
+    Geometry (KV heads, head dim) always comes from each attention module, the dtype from its
+    ``k_proj`` unless ``dtype`` overrides it.
 
     Raises ``UnsupportedModelError`` naming the field and its value for any configuration it
     cannot read exactly: a pattern of 0, a negative or float pattern, other letters, a window
     or head count that is not an int >= 1 (``8.0``, ``True``), a ``layer_types`` that is not
     a list of names, a sliding window that no layer map assigns to layers, or a sliding layer
-    with no window.
+    with no window. A configuration of a form it does not know at all is an
+    ``UnsupportedModelError`` too, never an ``AttributeError`` or ``TypeError``.
     """
-    container = language_model_container(model)
-    layers = list(getattr(container, "layers"))  # noqa: B009
-    args = model_args(model)
-    layer_types = _layer_types(model, container, args)
-    pattern = first_attr(args, ("sliding_window_pattern",)) if args is not None else None
-    global_by_pattern = _global_layers(pattern, len(layers))
-    window_name, model_window = "", None
-    for owner in (args, container, model):
-        if owner is not None and model_window is None:
-            window_name, model_window = _named_attr(owner, ("sliding_window", "window_size"))
-    if layer_types is not None and len(layer_types) != len(layers):
-        raise UnsupportedModelError(
-            f"layer_types lists {len(layer_types)} entries for {len(layers)} layers"
-        )
-
-    specs: list[LayerSpec] = []
-    mapped_by_any = layer_types is not None or global_by_pattern is not None
-    for layer_id, layer in enumerate(layers):
-        attn = attention_module(layer)
-        if attn is None:
-            specs.append(LayerSpec(layer_id=layer_id, kind=LayerKind.STATE))
-            continue
-        flag = _sliding_flag(layer, attn, layer_id)
-        if flag is not None:
-            mapped_by_any = True
-            sliding = flag
-        elif layer_types is not None:
-            kind_name = layer_types[layer_id]
-            if kind_name in STATE_LAYER_TYPES:
-                specs.append(LayerSpec(layer_id=layer_id, kind=LayerKind.STATE))
-                continue
-            if kind_name not in SLIDING_LAYER_TYPES | FULL_LAYER_TYPES:
+    try:
+        try:
+            caches = _model_caches(model)
+        except UnsupportedModelError:
+            raise
+        except Exception as exc:  # a broken make_cache: the attributes alone decide
+            try:
+                return _layout_from_attributes(model, dtype)
+            except UnsupportedModelError as attr_exc:
                 raise UnsupportedModelError(
-                    f"layer {layer_id} has attention projections but layer type {kind_name!r}, "
-                    "which is neither full, sliding nor a known recurrent type; refusing to "
-                    "guess its KV lifetime"
-                )
-            sliding = kind_name in SLIDING_LAYER_TYPES
-        elif global_by_pattern is not None:
-            sliding = not global_by_pattern[layer_id]
-        else:
-            sliding = False
-        n_kv, head_dim = _geometry(attn, args, layer_id)
-        window = None
-        if sliding:
-            name, raw_window = _named_attr(attn, WINDOW_NAMES)
-            if raw_window is None:
-                name, raw_window = window_name, model_window
-            if raw_window is None:
-                raise UnsupportedModelError(
-                    f"layer {layer_id} is a sliding-window layer but the model declares no "
-                    "window size (sliding_window / window_size)"
-                )
-            window = check_int(
-                raw_window, f"layer {layer_id}: {name}", minimum=1, error=UnsupportedModelError
-            )
-        specs.append(
-            LayerSpec(
-                layer_id=layer_id,
-                kind=LayerKind.SLIDING if sliding else LayerKind.FULL,
-                window=window,
-                n_kv_heads=n_kv,
-                head_dim=head_dim,
-                dtype=dtype if dtype is not None else _kv_dtype(attn),
-            )
-        )
-    if model_window is not None and not mapped_by_any:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} declares sliding_window={model_window} but maps it to no "
-            "layer (no layer_types, sliding_window_pattern or per-layer sliding flag); "
-            "refusing to guess which layers are windowed"
-        )
-    return CacheLayout(specs)
+                    f"{attr_exc} (and {type(model).__name__}.make_cache() failed: "
+                    f"{type(exc).__name__}: {exc})"
+                ) from exc
+        if caches is None:
+            return _layout_from_attributes(model, dtype)
+        return _layout_from_caches(model, caches, dtype)
+    except KVCacheError:
+        raise
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
+        raise _unforeseen(model, exc) from exc
