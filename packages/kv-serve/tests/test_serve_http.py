@@ -195,6 +195,21 @@ def test_completion_greedy_equals_the_offline_engine(served: RunningServer) -> N
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
+def test_a_seeded_sampled_completion_is_reproducible(served: RunningServer) -> None:
+    def sample(seed: int, stream: bool) -> str:
+        common: Any = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0}
+        if stream:
+            pieces = client(served).completions.create(**common, seed=seed, stream=True)
+            return "".join(chunk.choices[0].text for chunk in pieces if chunk.choices)
+        text: str = client(served).completions.create(**common, seed=seed).choices[0].text
+        return text
+
+    first = sample(7, stream=False)
+    assert sample(7, stream=True) == first  # same seed, same text, streamed or not
+    assert len({first, sample(8, stream=False), sample(9, stream=False)}) > 1
+    assert sample(-5, stream=False) == sample(2**64 - 5, stream=False)  # OpenAI's signed seeds
+
+
 def test_completion_stream_equals_the_offline_engine(served: RunningServer) -> None:
     expected = offline(encode(PROMPT), 20)
     stream = client(served).completions.create(

@@ -12,6 +12,7 @@ from ._engine import (
     last_position_forward,
     pages_in_use,
     sample_top_p,
+    token_key,
     vocabulary_size,
 )
 from ._layer_cache import (
@@ -54,6 +55,7 @@ __all__ = [
     "decode_mask",
     "pages_in_use",
     "sample_top_p",
+    "token_key",
     "is_patched",
     "last_position_forward",
     "patch_model_attention",

@@ -48,6 +48,7 @@ __all__ = [
     "pages_in_use",
     "last_position_forward",
     "sample_top_p",
+    "token_key",
     "vocabulary_size",
 ]
 
@@ -199,6 +200,7 @@ class _Request:
         "prefilled",
         "prompt",
         "rid",
+        "seed",
         "status",
         "stop_tokens",
         "temperature",
@@ -213,8 +215,10 @@ class _Request:
         temperature: float,
         top_p: float,
         stop_tokens: frozenset[int],
+        seed: int | None = None,
     ) -> None:
         self.rid = rid
+        self.seed = seed
         self.prompt = prompt
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -507,8 +511,14 @@ class DecodeEngine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop_tokens: Iterable[int] | mx.array = (),
+        seed: int | None = None,
     ) -> int:
         """Queue a request; returns its id. Nothing runs until :meth:`step`.
+
+        With a ``seed`` (``0 .. 2**64 - 1``) the request samples from its own random stream:
+        its n-th token depends only on the seed, n and its logits, never on the other
+        requests of the batch, preemption or retries. Without one it samples from the
+        engine's stream (``seed`` of the engine).
 
         Every argument is checked first (token ids in ``0 .. vocab_size - 1``, ints that are
         not bools or floats, finite numbers); a bad one raises ``RequestStateError`` (a
@@ -526,9 +536,11 @@ class DecodeEngine:
         stops = check_int_sequence(
             _host_tokens(stop_tokens, "stop_tokens"), "stop_tokens", minimum=0, maximum=top
         )
+        if seed is not None:
+            seed = check_int(seed, "seed", minimum=0, maximum=2**64 - 1)
         rid = self._next_id
         self._next_id += 1
-        request = _Request(rid, prompt, max_tokens, temperature, top_p, frozenset(stops))
+        request = _Request(rid, prompt, max_tokens, temperature, top_p, frozenset(stops), seed)
         self._requests[rid] = request
         self._queue.append(request)
         return rid
@@ -888,6 +900,19 @@ class DecodeEngine:
             [r.top_p for r in batch],
             key,
         )
+        if any(r.seed is not None and r.temperature > 0 for r in batch):
+            rows = [
+                sample_top_p(
+                    logits[i : i + 1],
+                    [r.temperature],
+                    [r.top_p],
+                    token_key(r.seed, len(r.generated)),
+                )[0]
+                if r.seed is not None and r.temperature > 0
+                else sampled[i]
+                for i, r in enumerate(batch)
+            ]
+            sampled = mx.stack(rows)
         use = mx.array([r.temperature > 0 for r in batch])
         return mx.where(use, sampled, greedy)
 
@@ -906,6 +931,15 @@ def _host_tokens(tokens: object, what: str) -> object:
             )
         return tokens.reshape(-1).tolist()
     return tokens
+
+
+def token_key(seed: int, index: int) -> mx.array:
+    """The random key of the ``index``-th generated token of a request seeded ``seed``.
+
+    A pure function of both (the ``index``-th of ``index + 1`` keys split from the seed's
+    key), so a rolled-back or re-prefilled step samples the same token again.
+    """
+    return mx.random.split(mx.random.key(seed), index + 1)[index]
 
 
 def sample_top_p(

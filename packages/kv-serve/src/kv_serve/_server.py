@@ -356,6 +356,8 @@ class KVServer:
             temperature=request.temperature,
             top_p=request.top_p,
             stop_tokens=self._eos,
+            # OpenAI's seed may be negative; the engine's stream takes 0 .. 2**64 - 1.
+            seed=None if request.seed is None else request.seed % 2**64,
         )
         return _Prepared(request, prompt, params, chat)
 

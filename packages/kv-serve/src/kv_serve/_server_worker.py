@@ -53,6 +53,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     stop_tokens: frozenset[int] = frozenset()
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,7 @@ class EngineWorker:
                     temperature=params.temperature,
                     top_p=params.top_p,
                     stop_tokens=params.stop_tokens,
+                    seed=params.seed,
                 )
             except Exception as error:
                 ticket.put(Event(finish_reason="error", error=error))
