@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -231,7 +232,7 @@ def test_real_exaone4_string_pattern_through_make_cache(pattern: str) -> None:
         rope_theta=10000.0,
         head_dim=16,
         tie_word_embeddings=False,
-        rope_scaling=None,
+        rope_scaling=None,  # type: ignore[arg-type]  # mlx-lm's own default for no scaling
         sliding_window=8,
         sliding_window_pattern=pattern,
     )
@@ -281,8 +282,8 @@ def test_unforeseen_configurations_are_a_clear_refusal_never_a_crash(
     for layer in layers:
         layer.self_attn.n_kv_heads = heads
         layer.self_attn.k_proj.weight = mx.zeros(k_shape)
-    made = {
-        "full": KVCache,
+    made: dict[str, Callable[[], Any]] = {
+        "full": lambda: KVCache(),
         "rot": lambda: RotatingKVCache(max_size=window if isinstance(window, int) else 4),
         "arr": lambda: ArraysCache(size=2),
         "none": lambda: None,
