@@ -5,6 +5,7 @@ classes with small configurations; nothing is downloaded. The member tests, the 
 tests, the demo and the benchmarks build their models here.
 """
 
+from ._mlx_lm_zoo import ZOO, ZOO_UNBUILDABLE, ZooEntry, build_zoo_model, zoo_config
 from ._tiny_model_dir import save_tiny_model_dir
 from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
 from ._tiny_tokenizer import TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, build_tiny_tokenizer
@@ -13,8 +14,13 @@ __all__ = [
     "ARCHITECTURES",
     "TINY_CHAT_TEMPLATE",
     "TINY_SPECIAL_TOKENS",
+    "ZOO",
+    "ZOO_UNBUILDABLE",
+    "ZooEntry",
     "build_tiny_model",
     "build_tiny_tokenizer",
+    "build_zoo_model",
     "save_tiny_model_dir",
     "tiny_model_config",
+    "zoo_config",
 ]
