@@ -74,6 +74,7 @@ class DemoConfig:
     max_running: int = 8
     prefill_chunk: int = 128
     fused_rope: str = "off"
+    decode_path: str = "auto"
     dtype: str = "float32"
     seed: int = 0
     verify: bool = True
@@ -88,6 +89,7 @@ class DemoResult:
     model: str
     blas: str
     layout: str
+    decode_paths: str
     requests: int
     prompt_tokens: int
     generated_tokens: int
@@ -296,6 +298,7 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
             model,
             pool=pool,
             fused_rope=config.fused_rope,
+            decode_path=config.decode_path,
             max_running=config.max_running,
             prefill_chunk=config.prefill_chunk,
             seed=config.seed,
@@ -365,6 +368,7 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
         model=name,
         blas=active_blas().describe(),
         layout=layout.describe(),
+        decode_paths=engine.decode_plan.describe(),
         requests=len(work),
         prompt_tokens=sum(len(p) for p, _ in work),
         generated_tokens=sum(len(o) for o in outputs),
@@ -427,6 +431,7 @@ def format_result(result: DemoResult) -> str:
         f"model: {result.model}",
         f"BLAS: {result.blas}",
         result.layout,
+        result.decode_paths,
         f"requests: {result.requests}  prompt tokens: {result.prompt_tokens}  "
         f"generated tokens: {result.generated_tokens}  engine steps: {result.steps}  "
         f"peak running: {result.peak_running}",

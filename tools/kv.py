@@ -133,6 +133,7 @@ def _demo_command(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         prefill_chunk=args.prefill_chunk,
         fused_rope=args.fused_rope,
+        decode_path=args.decode_path,
         dtype=args.dtype,
         seed=args.seed,
         verify=not args.no_verify,
@@ -263,6 +264,14 @@ def _add_demo_options(demo: argparse.ArgumentParser) -> None:
         choices=["off", "auto", "reference", "metal", "cuda"],
         default="off",
         help="fused RoPE + pool-scatter kernel on full-attention layers (default: off)",
+    )
+    engine.add_argument(
+        "--decode-path",
+        choices=["auto", "universal", "fast"],
+        default="auto",
+        help="decode path of the attention layers: the patched kernels where the probe accepts "
+        "a module and the universal pool cache elsewhere (auto, the default), or every layer "
+        "on one path",
     )
     out = demo.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print a JSON report only")
