@@ -9,7 +9,14 @@ process's peak RSS (sampled every 20 ms). Tokens are counted as streamed chunks 
 (both servers send one chunk per token, except where a piece is held back to complete a
 character).
 
+Two workloads: ``synthetic`` (random words, ``--prompt-words`` long) and ``long`` (the real
+English prompts of ``tools.real_prompts`` longer than Gemma 3's 512-token sliding window,
+each given a distinct numbered opening so that no server can reuse another request's
+prompt cache). ``mlx_lm.server`` gets ``--decode-concurrency`` equal to the largest level, so
+that both servers may decode that many requests together.
+
     uv run python -m tools.bench_serve --model gemma3-270m --concurrency 1 4 16 64
+    uv run python -m tools.bench_serve --workload long --concurrency 4 16 --requests 1
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -102,13 +110,14 @@ class _Server:
     command: list[str]
     url: str
     process: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
     peak_rss: int = 0
     _sampling: bool = False
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        self.log = Path(tempfile.mkstemp(prefix=f"bench-serve-{self.name}-", suffix=".log")[1])
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -146,6 +155,7 @@ class _Level:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     peak_rss: int = 0
+    failed: list[str] = field(default_factory=list)
 
 
 async def _one(
@@ -188,12 +198,25 @@ async def _level(
 
         async def worker() -> None:
             while queue:
-                await _one(http, model, queue.pop(), max_tokens, out)
+                try:
+                    await _one(http, model, queue.pop(), max_tokens, out)
+                except httpx.HTTPError as exc:
+                    out.failed.append(f"{type(exc).__name__}: {exc}")
 
         start = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), 1800)
         out.seconds = time.perf_counter() - start
     return out
+
+
+def _prompts(workload: str, count: int, words: int, rng: random.Random) -> list[str]:
+    """``count`` prompts of the workload, all different."""
+    if workload == "synthetic":
+        return [" ".join(rng.choices(_WORDS, k=words)) for _ in range(count)]
+    from tools.real_prompts import LONG_PROMPT_NAMES, REAL_PROMPTS
+
+    texts = [REAL_PROMPTS[name] for name in LONG_PROMPT_NAMES]
+    return [f"Note {i + 1}. {texts[i % len(texts)]}" for i in range(count)]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -211,8 +234,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2, help="requests per client (2)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (32)")
     parser.add_argument("--prompt-words", type=int, default=64, help="words per prompt (64)")
+    parser.add_argument(
+        "--workload",
+        choices=["synthetic", "long"],
+        default="synthetic",
+        help="synthetic (random words) or long (real prompts past the sliding window)",
+    )
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="kv-serve's --max-context (1024 for synthetic, 2048 for long)",
+    )
+    parser.add_argument(
+        "--kv-budget-mib", type=int, default=None, help="kv-serve's --kv-budget-mib (its default)"
+    )
     parser.add_argument("--servers", nargs="+", default=["kv-serve", "mlx-lm"])
     args = parser.parse_args(argv)
+    max_context = args.max_context or (1024 if args.workload == "synthetic" else 2048)
     directory = _model_dir(args.model)
     top = max(args.concurrency)
     servers: list[_Server] = []
@@ -221,12 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name == "kv-serve":
             command = [sys.executable, "-m", "kv_serve._cli", "serve", "--model", str(directory)]
             command += ["--port", str(port), "--max-running", str(top), "--log-level", "error"]
-            command += ["--max-queued", str(top * args.requests + 8), "--max-context", "1024"]
+            command += ["--max-queued", str(top * args.requests + 8)]
+            command += ["--max-context", str(max_context)]
+            if args.kv_budget_mib is not None:
+                command += ["--kv-budget-mib", str(args.kv_budget_mib)]
         elif name == "mlx-lm":
             # Through kv_serve's import, so mlx-lm gets the same fast BLAS (it loads before mlx).
             launch = "import sys, kv_serve; from mlx_lm.server import main; main()"
             command = [sys.executable, "-c", launch, "--model", str(directory)]
             command += ["--port", str(port), "--log-level", "ERROR"]
+            command += ["--decode-concurrency", str(top)]
         else:
             parser.error(f"unknown server {name!r}")
         servers.append(_Server(name, command, f"http://127.0.0.1:{port}"))
@@ -238,10 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # One warm-up request each (graph compilation, first allocations).
             asyncio.run(_level(server.url, str(directory), ["warm up"], 1, 4))
         for index, concurrency in enumerate(args.concurrency):
-            prompts = [
-                " ".join(rng.choices(_WORDS, k=args.prompt_words))
-                for _ in range(concurrency * args.requests)
-            ]
+            prompts = _prompts(args.workload, concurrency * args.requests, args.prompt_words, rng)
             order = servers if index % 2 == 0 else servers[::-1]
             for server in order:
                 server.peak_rss = 0
@@ -254,24 +294,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stop.set()
                 sampler.join()
                 rows.append(
-                    f"| {server.name} | {concurrency} | {level.requests / level.seconds:.2f} | "
+                    f"| {server.name} | {concurrency} | {level.requests}/{len(prompts)} | "
+                    f"{level.requests / level.seconds:.2f} | "
                     f"{level.tokens / level.seconds:.1f} | {_pct(level.ttft, 0.5) * 1e3:.0f} / "
                     f"{_pct(level.ttft, 0.99) * 1e3:.0f} | {_pct(level.itl, 0.5) * 1e3:.0f} / "
                     f"{_pct(level.itl, 0.99) * 1e3:.0f} | {server.peak_rss / 2**20:.0f} |"
                 )
                 print(rows[-1], flush=True)
+                if level.failed:
+                    print(f"{server.name}: {len(level.failed)} failed: {level.failed[0]}")
+                    assert server.log is not None
+                    print("".join(server.log.read_text().splitlines(True)[-20:]), flush=True)
     finally:
         for server in servers:
             server.stop()
     print()
+    shape = f"{args.prompt_words}-word" if args.workload == "synthetic" else "long real"
     print(
-        f"{args.model}: {args.prompt_words}-word prompts, {args.max_tokens} tokens each, "
+        f"{args.model}: {shape} prompts, {args.max_tokens} tokens each, "
         f"{args.requests} requests per client, greedy, streamed"
     )
     print(
-        "| server | clients | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | peak RSS MiB |"
+        "| server | clients | done | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
+        "| peak RSS MiB |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(row)
     return 0
