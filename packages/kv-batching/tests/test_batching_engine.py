@@ -222,8 +222,12 @@ def test_models_with_state_layers_and_mismatched_pools_are_refused() -> None:
             self.layers = [Recurrent()]
 
     layout = CacheLayout([LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=2, head_dim=4)])
-    with pytest.raises(UnsupportedModelError, match="state layers"):
+    with pytest.raises(LayoutError, match="layer 0: the model has state"):
         DecodeEngine(StateModel(), FakePagedPool(layout), FakeKernels(), fake_prefill_cache)
+    # A recurrent layer's state comes from the model's make_cache(); without one, refused.
+    state_layout = layout_from_model(StateModel())
+    with pytest.raises(UnsupportedModelError, match=r"STATE layers \[0\] but no make_cache"):
+        DecodeEngine(StateModel(), FakePagedPool(state_layout), FakeKernels(), fake_prefill_cache)
     other = build_tiny_model("gpt_oss", window=8, num_layers=4, vocab_size=64)
     with pytest.raises(LayoutError, match="window"):
         DecodeEngine(

@@ -22,6 +22,13 @@ from ._layer_cache import (
     batched_layer_caches,
     decode_mask,
 )
+from ._state_cache import (
+    StackedStateCache,
+    StateCacheFactory,
+    StateSnapshot,
+    model_state_caches,
+    state_nbytes,
+)
 from ._wrapper import (
     AttentionSpec,
     BatchedAttention,
@@ -47,6 +54,9 @@ __all__ = [
     "PrefillCacheFactory",
     "RequestOutput",
     "RequestStatus",
+    "StackedStateCache",
+    "StateCacheFactory",
+    "StateSnapshot",
     "NormMode",
     "PoolAddressing",
     "PoolDecodeCache",
@@ -55,9 +65,11 @@ __all__ = [
     "decode_mask",
     "pages_in_use",
     "sample_top_p",
+    "state_nbytes",
     "token_key",
     "is_patched",
     "last_position_forward",
+    "model_state_caches",
     "patch_model_attention",
     "plan_decode_paths",
     "unpatch_model_attention",

@@ -31,6 +31,7 @@ from kv_protocol import (
 
 from ._context import BatchedDecodeContext, PoolAddressing
 from ._layer_cache import batched_layer_caches
+from ._state_cache import StackedStateCache, StateCacheFactory
 from ._wrapper import wrap_attention_layer
 
 __all__ = ["DecodePathChoice", "DecodePlan", "check_batched_decode", "plan_decode_paths"]
@@ -121,6 +122,8 @@ def check_batched_decode(
     *,
     vocab_size: int,
     num_layers: int,
+    state_caches: StateCacheFactory | None = None,
+    state_layer_ids: tuple[int, ...] = (),
 ) -> str | None:
     """Why one ragged batched decode step differs from prefill, or ``None`` if it agrees.
 
@@ -128,16 +131,24 @@ def check_batched_decode(
     tokens decoded together through ``plan``'s caches, and each row's logits compared with
     prefilling the prompt and that token alone. Every probe request is freed afterwards,
     whatever happens. Returns ``None`` (and logs a warning) when the pool cannot hold the
-    probe, which is tiny.
+    probe, which is tiny. STATE layers (``state_layer_ids``) get fresh caches from
+    ``state_caches`` per prefill and the rows' states stacked for the batched step.
     """
     prompts = [[(11 * i + 5 * n + 1) % vocab_size for i in range(n)] for n in _PROBE_LENGTHS]
     nexts = [(7 * n + 2) % vocab_size for n in _PROBE_LENGTHS]
     added: list[int] = []
 
+    states: dict[int, list[Any]] = {}
+
     def prefill(rid: int, tokens: list[int]) -> mx.array:
         pool.add_request(rid)
         added.append(rid)
-        caches = [make_prefill_cache(pool, rid, layer_id) for layer_id in range(num_layers)]
+        own = states[rid] = state_caches() if state_caches is not None else []
+        by_layer = dict(zip(state_layer_ids, own, strict=True))
+        caches = [
+            by_layer[layer_id] if layer_id in by_layer else make_prefill_cache(pool, rid, layer_id)
+            for layer_id in range(num_layers)
+        ]
         pool.reserve(rid, len(tokens))
         logits: mx.array = model(mx.array([tokens], dtype=mx.int32), cache=caches)[:, -1, :]
         mx.eval(logits)
@@ -150,7 +161,12 @@ def check_batched_decode(
             pool, list(_PROBE_IDS), kernels, addressing=PoolAddressing.from_pool(pool)
         )
         tokens = mx.array([[t] for t in nexts], dtype=mx.int32)
-        batched = model(tokens, cache=batched_layer_caches(ctx, plan.universal_layers))[:, -1, :]
+        step_caches = batched_layer_caches(ctx, plan.universal_layers)
+        for k, layer_id in enumerate(state_layer_ids):
+            step_caches[layer_id] = StackedStateCache(
+                layer_id, [states[rid][k] for rid in _PROBE_IDS]
+            )
+        batched = model(tokens, cache=step_caches)[:, -1, :]
         mx.eval(batched)
         for rid in list(added):
             pool.free_request(rid)

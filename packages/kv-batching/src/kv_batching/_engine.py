@@ -35,6 +35,13 @@ from kv_protocol import (
 from ._context import BatchedDecodeContext, PoolAddressing
 from ._decode_paths import DecodePlan, check_batched_decode, plan_decode_paths
 from ._layer_cache import batched_layer_caches
+from ._state_cache import (
+    StackedStateCache,
+    StateCacheFactory,
+    StateSnapshot,
+    model_state_caches,
+    state_nbytes,
+)
 from ._wrapper import patch_model_attention, unpatch_model_attention
 
 __all__ = [
@@ -201,6 +208,7 @@ class _Request:
         "prompt",
         "rid",
         "seed",
+        "states",
         "status",
         "stop_tokens",
         "temperature",
@@ -229,6 +237,7 @@ class _Request:
         self.finish_reason: str | None = None
         self.prefilled = 0
         self.caches: list[Any] | None = None
+        self.states: list[Any] | None = None
         self.in_pool = False
         self.error: BaseException | None = None
 
@@ -314,6 +323,8 @@ def _plan_and_check(
     *,
     vocab_size: int,
     num_layers: int,
+    state_caches: StateCacheFactory | None = None,
+    state_layer_ids: tuple[int, ...] = (),
 ) -> DecodePlan:
     """Choose the layers' decode paths, wrap the fast ones and check one batched step.
 
@@ -324,7 +335,15 @@ def _plan_and_check(
     plan = plan_decode_paths(model, pool.layout, decode_path)
     patch_model_attention(model, pool.layout, layers=plan.fast_layers)
     problem = check_batched_decode(
-        model, pool, kernels, make_prefill_cache, plan, vocab_size=vocab_size, num_layers=num_layers
+        model,
+        pool,
+        kernels,
+        make_prefill_cache,
+        plan,
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        state_caches=state_caches,
+        state_layer_ids=state_layer_ids,
     )
     if problem is not None and decode_path == "auto" and plan.fast_layers:
         unpatch_model_attention(model)
@@ -337,6 +356,8 @@ def _plan_and_check(
             fallback,
             vocab_size=vocab_size,
             num_layers=num_layers,
+            state_caches=state_caches,
+            state_layer_ids=state_layer_ids,
         )
         if retry is None:
             logger.warning(
@@ -442,18 +463,19 @@ class DecodeEngine:
         prefill_last_logits: bool = True,
         stats_window: int | None = DEFAULT_STATS_WINDOW,
         decode_path: str = "auto",
+        make_state_caches: StateCacheFactory | None = None,
+        state_budget_bytes: int | None = None,
     ) -> None:
         max_running = check_int(max_running, "max_running", minimum=1)
+        if state_budget_bytes is not None:
+            state_budget_bytes = check_int(state_budget_bytes, "state_budget_bytes", minimum=1)
         prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
         seed = check_int(seed, "seed", minimum=0, maximum=2**64 - 1)
         model_layout = layout_from_model(model)
-        if model_layout.state_layer_ids:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} has recurrent/state layers "
-                f"{list(model_layout.state_layer_ids)}; DecodeEngine supports attention-only "
-                "models (full and sliding-window layers) for now"
-            )
         _check_layouts(model_layout, pool.layout)
+        self._state_layer_ids = model_layout.state_layer_ids
+        if self._state_layer_ids and make_state_caches is None:
+            make_state_caches = model_state_caches(model, model_layout)
         table_rows = vocabulary_size(model)
         if vocab_size is None:
             if table_rows is None:
@@ -479,7 +501,13 @@ class DecodeEngine:
             decode_path,
             vocab_size=vocab_size,
             num_layers=model_layout.num_layers,
+            state_caches=make_state_caches,
+            state_layer_ids=self._state_layer_ids,
         )
+        self.make_state_caches = make_state_caches
+        self.state_budget_bytes = state_budget_bytes
+        #: Bytes of one request's recurrent state (largest seen; ``None`` until one is known).
+        self.state_bytes_per_request: int | None = None
         self._universal_layers = self.decode_plan.universal_layers
         self.model = model
         self.pool = pool
@@ -696,6 +724,7 @@ class DecodeEngine:
     def _release(self, request: _Request) -> None:
         """Give back every page the request holds in the pool (if it holds any)."""
         request.caches = None
+        request.states = None
         if request.in_pool:
             request.in_pool = False
             self.pool.free_request(request.rid)
@@ -760,8 +789,20 @@ class DecodeEngine:
                 self.pool, [r.rid for r in batch], self.kernels, addressing=self._addressing
             )
             tokens = mx.array([[r.generated[-1]] for r in batch], dtype=mx.int32)
-            logits = self.model(tokens, cache=batched_layer_caches(ctx, self._universal_layers))
-            return cast(list[int], self._sample(logits[:, -1, :], batch).tolist())
+            caches = batched_layer_caches(ctx, self._universal_layers)
+            stacked = [
+                StackedStateCache(layer_id, [cast(list[Any], r.states)[k] for r in batch])
+                for k, layer_id in enumerate(self._state_layer_ids)
+            ]
+            for layer_id, state in zip(self._state_layer_ids, stacked, strict=True):
+                caches[layer_id] = state
+            logits = self.model(tokens, cache=caches)
+            chosen = cast(list[int], self._sample(logits[:, -1, :], batch).tolist())
+            if stacked:
+                mx.eval([state.cache for state in stacked])
+                for state in stacked:
+                    state.split()
+            return chosen
         except BaseException:
             self._key = key
             self._rollback(batch, lengths)
@@ -803,8 +844,22 @@ class DecodeEngine:
             n //= 2
         return 0
 
+    def _state_room(self) -> bool:
+        """Whether one more request's recurrent state fits ``state_budget_bytes``."""
+        per = self.state_bytes_per_request
+        if self.state_budget_bytes is None or per is None:
+            return True
+        return (len(self._running) + 1) * per <= self.state_budget_bytes
+
+    def state_bytes_in_use(self) -> int:
+        """Bytes of recurrent state the engine holds now (running and prefilling requests)."""
+        holders = [*self._running, *([self._prefilling] if self._prefilling else [])]
+        return sum(state_nbytes(r.states) for r in holders if r.states is not None)
+
     def _admit(self) -> _Request | None:
         if not self._queue or len(self._running) >= self.max_running:
+            return None
+        if not self._state_room():
             return None
         request = self._queue[0]
         try:
@@ -828,11 +883,18 @@ class DecodeEngine:
         begin = request.prefilled
         key = self._key
         first: int | None = None
+        snapshot = StateSnapshot(request.states or [])
         try:
+            if request.states is None and self.make_state_caches is not None:
+                request.states = self.make_state_caches()
+                snapshot = StateSnapshot(request.states)
             if request.caches is None:
                 # (Re)built at the pool's length, which is `begin` after any rollback.
+                states = dict(zip(self._state_layer_ids, request.states or [], strict=True))
                 request.caches = [
-                    self.make_prefill_cache(self.pool, request.rid, layer_id)
+                    states[layer_id]
+                    if layer_id in states
+                    else self.make_prefill_cache(self.pool, request.rid, layer_id)
                     for layer_id in range(self._num_layers)
                 ]
             self.pool.reserve(request.rid, n)
@@ -845,12 +907,19 @@ class DecodeEngine:
                 mx.eval(logits)
             else:
                 first = cast(list[int], self._sample(logits[:, -1, :], [request]).tolist())[0]
+            if request.states:
+                mx.eval([getattr(c, "cache", []) for c in request.states])
         except BaseException:
             self._key = key
-            # The caches' offsets may have moved past `begin`: rebuild them next time.
+            # The caches' offsets may have moved past `begin`: rebuild them next time; the
+            # recurrent states go back to what they were before the chunk.
             request.caches = None
+            snapshot.restore()
             self._rollback([request], [begin])
             raise
+        if request.states:
+            held = state_nbytes(request.states)
+            self.state_bytes_per_request = max(self.state_bytes_per_request or 0, held)
         request.prefilled = begin + n
         self.stats.prefill_tokens += n
         if request.prefilled < len(tokens):

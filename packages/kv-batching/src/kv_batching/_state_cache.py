@@ -1,0 +1,161 @@
+"""Recurrent state of STATE layers (linear attention, SSM, convolution) beside the pool.
+
+A STATE layer keeps a fixed-size state per request instead of K/V, in the model's own
+cache object (mlx-lm's ``ArraysCache`` / ``MambaCache``: indexable slots of arrays, ``None``
+until the first token). The engine keeps one such object per request and STATE layer,
+created from the model's ``make_cache()``, advanced in place by prefill chunks, stacked
+along the batch axis into a :class:`StackedStateCache` for a batched decode step and split
+back into the rows after it. Nothing here imports mlx-lm: the caches are read through the
+indexing protocol the models themselves use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kv_protocol import CacheLayout, CacheStateError, UnsupportedModelError
+
+__all__ = [
+    "StackedStateCache",
+    "StateCacheFactory",
+    "StateSnapshot",
+    "model_state_caches",
+    "state_nbytes",
+]
+
+#: ``factory()`` -> fresh per-request caches, one per STATE layer, in layer order.
+StateCacheFactory = Callable[[], list[Any]]
+
+
+def model_state_caches(model: object, layout: CacheLayout) -> StateCacheFactory:
+    """A factory of fresh state caches for ``layout``'s STATE layers from ``model.make_cache()``.
+
+    Raises ``UnsupportedModelError`` when the model has STATE layers but no ``make_cache``,
+    or when its caches cannot be indexed the way a recurrent layer reads its state.
+    """
+    state_ids = list(layout.state_layer_ids)
+    make_cache = getattr(model, "make_cache", None)
+    if not callable(make_cache):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has STATE layers {state_ids} but no make_cache(); the "
+            "engine takes each request's recurrent state caches from it"
+        )
+
+    def factory() -> list[Any]:
+        caches = list(make_cache())
+        return [caches[i] for i in state_ids]
+
+    for layer_id, cache in zip(state_ids, factory(), strict=True):
+        slots = getattr(cache, "cache", None)
+        if not isinstance(slots, list):
+            raise UnsupportedModelError(
+                f"layer {layer_id}: the state cache {type(cache).__name__} keeps no list of "
+                "state arrays (.cache), so its rows cannot be stacked for a batched step"
+            )
+    return factory
+
+
+def state_nbytes(caches: Sequence[Any]) -> int:
+    """Bytes of the state arrays the caches hold now."""
+    return sum(
+        int(array.nbytes)
+        for cache in caches
+        for array in getattr(cache, "cache", ())
+        if isinstance(array, mx.array)
+    )
+
+
+class StateSnapshot:
+    """The attributes of some state caches, to put them back if a prefill chunk fails.
+
+    MLX arrays are immutable and a recurrent layer replaces its slots (``cache[i] = new``),
+    so a shallow copy of each cache's attributes (lists copied) is a complete snapshot.
+    """
+
+    def __init__(self, caches: Sequence[Any]) -> None:
+        self._saved = [
+            (cache, {k: list(v) if isinstance(v, list) else v for k, v in vars(cache).items()})
+            for cache in caches
+        ]
+
+    def restore(self) -> None:
+        """Put every cache's attributes back as they were when the snapshot was taken."""
+        for cache, attributes in self._saved:
+            vars(cache).clear()
+            vars(cache).update(attributes)
+
+
+class StackedStateCache:
+    """One STATE layer's cache for a batched decode step: the rows' states stacked.
+
+    Reads and writes like mlx-lm's ``ArraysCache`` (``cache[i]``, ``cache[i] = x``,
+    ``make_mask``, ``lengths`` / ``left_padding`` of ``None``: every row advances by the one
+    token of the step, so no row is padded). :meth:`split` hands each row its slice of the
+    new state after the step; until then the rows' own caches are untouched, so a step that
+    raises leaves every request as it was.
+    """
+
+    def __init__(self, layer_id: int, rows: Sequence[Any]) -> None:
+        if not rows:
+            raise CacheStateError(f"layer {layer_id}: a batched state cache needs >= 1 row")
+        sizes = {len(row.cache) for row in rows}
+        if len(sizes) != 1:
+            raise CacheStateError(
+                f"layer {layer_id}: the rows' state caches have {sorted(sizes)} slots; "
+                "expected the same number in every row"
+            )
+        self.layer_id = layer_id
+        self.rows = list(rows)
+        self.cache: list[mx.array | None] = []
+        for slot in range(sizes.pop()):
+            values = [row.cache[slot] for row in self.rows]
+            present = [v is not None for v in values]
+            if all(present):
+                self.cache.append(mx.concatenate(values, axis=0))
+            elif not any(present):
+                self.cache.append(None)
+            else:
+                raise CacheStateError(
+                    f"layer {layer_id}: state slot {slot} is set in some rows and empty in "
+                    "others; every decoding request must have been prefilled"
+                )
+        self.left_padding: mx.array | None = None
+        self.lengths: mx.array | None = None
+
+    def __getitem__(self, index: int) -> mx.array | None:
+        """The stacked state in ``index`` (``(B, ...)``), or ``None`` if never set."""
+        return self.cache[index]
+
+    def __setitem__(self, index: int, value: mx.array) -> None:
+        """Replace the stacked state in ``index`` (the layer's new state for every row)."""
+        self.cache[index] = value
+
+    @property
+    def batch_size(self) -> int:
+        """Rows in the step."""
+        return len(self.rows)
+
+    @property
+    def state(self) -> list[mx.array | None]:
+        """The stacked state slots."""
+        return self.cache
+
+    def empty(self) -> bool:
+        """Whether no slot holds a state yet."""
+        return all(c is None for c in self.cache)
+
+    def make_mask(self, N: int) -> None:
+        """No mask: every row of a decode step takes its one token."""
+        return None
+
+    def advance(self, N: int) -> None:
+        """Nothing to advance: no row is padded."""
+
+    def split(self) -> None:
+        """Write each row's slice of the stacked state back into its own cache."""
+        for b, row in enumerate(self.rows):
+            for slot, value in enumerate(self.cache):
+                row.cache[slot] = None if value is None else value[b : b + 1]
