@@ -272,6 +272,13 @@ def vocabulary_size(model: object) -> int | None:
             weight = getattr(getattr(owner, name, None), "weight", None)
             if isinstance(weight, mx.array) and weight.ndim == 2:
                 return int(weight.shape[0])
+    if isinstance(model, nn.Module):
+        # Deeper containers (a multimodal wrapper's language model): the first table found.
+        for path, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if path.rsplit(".", 1)[-1] in _EMBEDDING_NAMES and isinstance(weight, mx.array):
+                if weight.ndim == 2:
+                    return int(weight.shape[0])
     declared = as_int(getattr(model_args(model), "vocab_size", None))
     return declared if declared is not None and declared > 0 else None
 

@@ -1,0 +1,222 @@
+"""Which mlx-lm architectures the engine serves: every hybrid module, checked on a tiny model.
+
+For each architecture of :data:`kv_testing.ZOO` (one per mlx-lm model module whose
+``make_cache()`` builds sliding-window or recurrent state caches, plus plain full-attention
+ones) a tiny random-weight fp32 instance is built and checked: the layout equals the
+model's ``make_cache()`` layer by layer, and the engine's greedy tokens equal mlx-lm
+generating each prompt alone, for staggered prompts shorter than, equal to and past the
+window, at page sizes 6 (not a power of two) and 16, on the automatic per-layer decode
+paths and with every layer forced onto the universal path. The status is ``supported`` only
+when every one of those runs agrees token for token.
+
+    uv run python -m tools.support_table --markdown        # the README's table
+    uv run python -m tools.support_table --json tests/architecture_support.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SupportRow", "check_architecture", "hybrid_modules", "main"]
+
+VOCAB = 128
+MAX_TOKENS = 8
+PAGE_SIZES = (6, 16)
+#: Staggered prompts: one token, just under, at and well past the zoo's window of 8.
+PROMPT_LENGTHS = (1, 7, 8, 19, 33)
+SUPPORTED = "supported"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupportRow:
+    """One architecture's result: what its layers are, how each kind decodes, and the status."""
+
+    name: str
+    module: str
+    layer_kinds: str
+    decode_paths: str
+    mlx_lm_batchable: bool
+    status: str
+    reason: str = ""
+
+
+def _prompts() -> list[list[int]]:
+    return [[(5 * i + 3 * j + 2) % VOCAB for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def _cache_kinds(caches: Sequence[Any]) -> list[tuple[str, int | None]]:
+    """``(kind, window)`` per cache of mlx-lm's ``make_cache()``, named as the layout names them."""
+    out: list[tuple[str, int | None]] = []
+    for cache in caches:
+        name = type(cache).__name__
+        if name == "KVCache":
+            out.append(("full", None))
+        elif name == "RotatingKVCache":
+            out.append(("sliding", int(cache.max_size)))
+        elif name in ("ArraysCache", "MambaCache"):
+            out.append(("state", None))
+        else:
+            out.append((name, None))
+    return out
+
+
+def _count(kinds: Sequence[str]) -> str:
+    counts = Counter(kinds)
+    return ", ".join(f"{kind} {counts[kind]}" for kind in sorted(counts))
+
+
+def _short(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def check_architecture(name: str) -> SupportRow:
+    """Build zoo architecture ``name`` and check layout and engine against mlx-lm."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kv_batching import DecodeEngine
+    from kv_protocol import layout_from_model
+    from kv_serve import build_engine
+    from kv_testing import ZOO, build_zoo_model
+    from tools.reference import mlx_lm_greedy
+
+    module = ZOO[name].module
+    row: dict[str, Any] = {"name": name, "module": module, "decode_paths": ""}
+    try:
+        model = build_zoo_model(name)
+        caches = make_prompt_cache(model)
+    except Exception as error:
+        return SupportRow(
+            **row,
+            layer_kinds="?",
+            mlx_lm_batchable=False,
+            status="zoo cannot build",
+            reason=_short(error),
+        )
+    expected = _cache_kinds(caches)
+    row["layer_kinds"] = _count([kind for kind, _ in expected])
+    row["mlx_lm_batchable"] = all(hasattr(c, "merge") for c in caches)
+    prompts = _prompts()
+    try:
+        want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in prompts]
+    except Exception as error:
+        return SupportRow(**row, status="mlx-lm cannot run it here", reason=_short(error))
+    try:
+        layout = layout_from_model(model)
+    except Exception as error:
+        return SupportRow(**row, status="refused", reason=_short(error))
+    got = [(spec.kind.value, spec.window) for spec in layout.specs]
+    if got != expected:
+        return SupportRow(
+            **row, status="layout differs", reason=f"make_cache() {expected}, layout {got}"
+        )
+    kind_of = {spec.layer_id: spec.kind.value for spec in layout.specs}
+    paths_seen: dict[str, set[str]] = {}
+    for page_size in PAGE_SIZES:
+        for decode_path in ("auto", "universal"):
+            try:
+                engine: DecodeEngine = build_engine(
+                    model,
+                    max_running=4,
+                    max_context=64,
+                    page_size=page_size,
+                    prefill_chunk=16,
+                    decode_path=decode_path,
+                )
+            except Exception as error:
+                return SupportRow(**row, status="refused", reason=_short(error))
+            with engine:
+                for layer_id, path in engine.decode_paths.items():
+                    paths_seen.setdefault(kind_of[layer_id], set()).add(path)
+                ids = [engine.submit(p, MAX_TOKENS) for p in prompts]
+                out = engine.run()
+                fast = bool(engine.decode_plan.fast_layers)
+            if [out[i] for i in ids] != want:
+                return SupportRow(
+                    **row,
+                    status="tokens differ",
+                    reason=f"page_size={page_size}, decode_path={decode_path}",
+                )
+            if decode_path == "auto" and not fast:
+                break  # auto was already all universal
+    if layout.state_layer_ids:
+        paths_seen["state"] = {"state cache"}
+    row["decode_paths"] = "; ".join(
+        f"{kind}: {'/'.join(sorted(paths))}" for kind, paths in sorted(paths_seen.items())
+    )
+    return SupportRow(**row, status=SUPPORTED)
+
+
+def hybrid_modules() -> list[str]:
+    """mlx-lm model modules whose source builds sliding-window or recurrent state caches."""
+    import mlx_lm.models
+
+    folder = Path(mlx_lm.models.__file__).parent
+    pattern = re.compile(r"\b(RotatingKVCache|ArraysCache|MambaCache)\(")
+    return sorted(
+        f.stem for f in folder.glob("*.py") if f.stem != "cache" and pattern.search(f.read_text())
+    )
+
+
+def markdown(rows: Sequence[SupportRow]) -> str:
+    """The support table in Markdown, with the count of supported architectures."""
+    lines = [
+        "| architecture | mlx-lm module | layers | decode path per kind | BatchGenerator | status |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        status = r.status if not r.reason else f"{r.status}: {r.reason}"
+        status = status.replace("|", "\\|")
+        batch = "yes" if r.mlx_lm_batchable else "no"
+        lines.append(
+            f"| {r.name} | `{r.module}` | {r.layer_kinds} | {r.decode_paths or '-'} | {batch} "
+            f"| {status} |"
+        )
+    modules = set(hybrid_modules())
+    # One row per hybrid mlx-lm module (variants such as plain llama are extra rows).
+    hybrid = [r for r in rows if r.name == r.module and r.module in modules]
+    ok = sum(r.status == SUPPORTED for r in hybrid)
+    lines.append("")
+    lines.append(
+        f"{ok} of {len(hybrid)} hybrid mlx-lm modules supported "
+        f"({100 * ok / max(len(hybrid), 1):.0f}%); "
+        f"{sum(r.status == SUPPORTED for r in rows)} of {len(rows)} rows in all."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Check the architectures (all of the zoo by default) and print or write the table."""
+    from kv_testing import ZOO
+
+    parser = argparse.ArgumentParser(prog="python -m tools.support_table", description=__doc__)
+    parser.add_argument("names", nargs="*", help="zoo architectures (default: all)")
+    parser.add_argument("--json", type=Path, help="write {name: row} to this file")
+    parser.add_argument("--markdown", action="store_true", help="print the Markdown table")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in ZOO]
+    if unknown:
+        parser.error(f"unknown architectures {unknown}; expected some of {sorted(ZOO)}")
+    rows = []
+    for name in args.names or list(ZOO):
+        rows.append(check_architecture(name))
+        if not args.markdown:
+            print(f"{name}: {rows[-1].status} {rows[-1].reason}", flush=True)
+    if args.json is not None:
+        table = {r.name: asdict(r) for r in rows}
+        args.json.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    if args.markdown:
+        print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
