@@ -169,7 +169,8 @@ def hybrid_modules() -> list[str]:
 def markdown(rows: Sequence[SupportRow]) -> str:
     """The support table in Markdown, with the count of supported architectures."""
     lines = [
-        "| architecture | mlx-lm module | layers | decode path per kind | BatchGenerator | status |",
+        "| architecture | mlx-lm module | layers | decode path per kind | BatchGenerator "
+        "| status |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:

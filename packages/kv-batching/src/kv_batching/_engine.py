@@ -276,9 +276,9 @@ def vocabulary_size(model: object) -> int | None:
         # Deeper containers (a multimodal wrapper's language model): the first table found.
         for path, module in model.named_modules():
             weight = getattr(module, "weight", None)
-            if path.rsplit(".", 1)[-1] in _EMBEDDING_NAMES and isinstance(weight, mx.array):
-                if weight.ndim == 2:
-                    return int(weight.shape[0])
+            named = path.rsplit(".", 1)[-1] in _EMBEDDING_NAMES
+            if named and isinstance(weight, mx.array) and weight.ndim == 2:
+                return int(weight.shape[0])
     declared = as_int(getattr(model_args(model), "vocab_size", None))
     return declared if declared is not None and declared > 0 else None
 
@@ -943,7 +943,7 @@ class DecodeEngine:
         while budget > 0:
             request = self._prefilling if self._prefilling is not None else self._admit()
             if request is None:
-                if self._queue and len(self._running) < self.max_running:
+                if self._queue and len(self._running) < self.max_running and self._state_room():
                     continue  # the head of the queue failed admission; try the next one
                 return
             tokens = request.prefill_tokens()

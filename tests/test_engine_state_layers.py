@@ -1,0 +1,133 @@
+"""Models with recurrent STATE layers (linear attention, SSM, short convolution) in the engine.
+
+Each request's state lives in its own caches from the model's ``make_cache()``, stacked for
+a batched decode step and split back after it. The oracle is mlx-lm generating each prompt
+alone with the model's own caches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.strategies as st
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+
+from kv_batching import StackedStateCache, StateSnapshot, state_nbytes
+from kv_protocol import CacheStateError
+from kv_serve import build_engine
+from kv_testing import build_zoo_model
+from tools.reference import mlx_lm_greedy
+
+VOCAB = 128
+PROMPTS = [[(7 * i + 3 * j + 1) % VOCAB for j in range(n)] for i, n in enumerate((2, 9, 17, 30))]
+MAX_TOKENS = 10
+STATE_ARCHS = ["qwen3_next", "lfm2", "jamba", "gear"]
+
+
+@pytest.mark.parametrize("arch", STATE_ARCHS)
+def test_preempted_requests_recompute_their_state(arch: str) -> None:
+    model = build_zoo_model(arch)
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    # Too few pages for all four at once: the newest are preempted and re-prefilled.
+    with build_engine(model, num_pages=14, page_size=4, max_running=4, prefill_chunk=8) as engine:
+        ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
+        out = engine.run()
+        assert engine.stats.preemptions > 0
+        assert [out[i] for i in ids] == want
+        assert engine.state_bytes_in_use() == 0
+        assert all(n == 0 for n in (engine.pages_in_use() or {}).values())
+
+
+def test_abort_drops_the_state_and_the_others_go_on() -> None:
+    model = build_zoo_model("qwen3_next")
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    with build_engine(model, max_running=4, max_context=64, page_size=6) as engine:
+        ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
+        for _ in range(6):
+            engine.step()
+        held = engine.state_bytes_in_use()
+        assert held > 0
+        assert engine.abort(ids[1])
+        assert engine.state_bytes_in_use() < held
+        out = engine.run()
+        assert [out[i] for i in (ids[0], ids[2], ids[3])] == [want[0], want[2], want[3]]
+        assert engine.output(ids[1]).finish_reason == "aborted"
+        assert engine.state_bytes_in_use() == 0
+
+
+def test_state_budget_bounds_the_running_requests() -> None:
+    model = build_zoo_model("lfm2")
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    probe = build_engine(model, max_running=1, max_context=64)
+    probe.submit(PROMPTS[0], 1)
+    probe.run()
+    per = probe.state_bytes_per_request
+    probe.close()
+    assert per is not None and per > 0
+    engine = build_engine(model, max_running=4, max_context=64)
+    engine.state_budget_bytes = 2 * per
+    ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
+    most = 0
+    while engine.has_work:
+        engine.step()
+        most = max(most, engine.state_bytes_in_use())
+        assert engine.num_running <= 2
+    assert most <= 2 * per
+    assert [list(engine.output(i).tokens) for i in ids] == want
+    engine.close()
+
+
+class _Slots:
+    """A stand-in for mlx-lm's ArraysCache: a list of state slots."""
+
+    def __init__(self, values: list[mx.array | None]) -> None:
+        self.cache = values
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 5), slots=st.integers(1, 3), width=st.integers(1, 4))
+def test_stacked_state_splits_back_into_its_rows(rows: int, slots: int, width: int) -> None:
+    caches = [
+        _Slots([mx.full((1, width), float(10 * r + s)) for s in range(slots)]) for r in range(rows)
+    ]
+    before = [[mx.array(v) for v in c.cache if v is not None] for c in caches]
+    stacked = StackedStateCache(3, caches)
+    assert stacked.batch_size == rows
+    stacked.make_mask(1)  # returns None: no row of a decode step is padded
+    for s in range(slots):
+        value = stacked[s]
+        assert value is not None and value.shape == (rows, width)
+        stacked[s] = value + 1.0
+    # Until split, the rows are untouched (a step that raises leaves them as they were).
+    for cache, old in zip(caches, before, strict=True):
+        for a, b in zip(cache.cache, old, strict=True):
+            assert a is not None and bool(mx.array_equal(a, b))
+    stacked.split()
+    for r, (cache, old) in enumerate(zip(caches, before, strict=True)):
+        for s, (a, b) in enumerate(zip(cache.cache, old, strict=True)):
+            assert a is not None and a.shape == (1, width)
+            assert bool(mx.array_equal(a, b + 1.0)), (r, s)
+    assert state_nbytes(caches) == rows * slots * width * 4
+
+
+def test_stacked_state_refuses_rows_half_prefilled() -> None:
+    with pytest.raises(CacheStateError, match="set in some rows and empty in others"):
+        StackedStateCache(0, [_Slots([mx.zeros((1, 2))]), _Slots([None])])
+    with pytest.raises(CacheStateError, match="slots"):
+        StackedStateCache(0, [_Slots([None]), _Slots([None, None])])
+    assert StackedStateCache(0, [_Slots([None]), _Slots([None])]).empty()
+
+
+def test_snapshot_puts_back_what_a_failed_chunk_changed() -> None:
+    cache: Any = _Slots([None, mx.ones((1, 2))])
+    cache.lengths = None
+    snapshot = StateSnapshot([cache])
+    cache.cache[0] = mx.zeros((1, 3))
+    cache.cache[1] = mx.full((1, 2), 5.0)
+    cache.lengths = mx.array([4])
+    snapshot.restore()
+    assert cache.cache[0] is None
+    assert bool(mx.array_equal(cache.cache[1], mx.ones((1, 2))))
+    assert cache.lengths is None
