@@ -13,7 +13,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
 
@@ -437,10 +437,28 @@ def test_a_disconnected_stream_is_aborted_and_its_pages_freed(served: RunningSer
 
 
 class Poison:
-    """Make the next prefill fail (the engine's prefill cache factory raises once)."""
+    """Make the next prefill fail (the engine's prefill cache factory raises once), and stall
+    the engine thread on demand: with ``stall`` set, the first step that produces a token
+    closes ``gate`` and the next step waits until the test opens it again."""
 
     def __init__(self) -> None:
         self.armed = threading.Event()
+        self.stall = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def gated(self, step: Callable[[], dict[int, list[int]]]) -> Callable[[], dict[int, list[int]]]:
+        """``step`` behind the gate."""
+
+        def gated_step() -> dict[int, list[int]]:
+            assert self.gate.wait(60), "the test never opened the gate"
+            produced = step()
+            if produced and self.stall.is_set():
+                self.stall.clear()
+                self.gate.clear()
+            return produced
+
+        return gated_step
 
     def factory(self, pool: KVPool, request_id: int, layer_id: int) -> KVCache:
         if self.armed.is_set():
@@ -461,7 +479,9 @@ def small() -> Iterator[tuple[RunningServer, Poison]]:
         layout = layout_from_model(model)
         pool = HybridKVPool(layout, num_pages=SMALL_PAGES, page_size=PAGE)
         kernels = build_kernels(model, layout)
-        return DecodeEngine(model, pool, kernels, poison.factory, max_running=1, prefill_chunk=32)
+        engine = DecodeEngine(model, pool, kernels, poison.factory, max_running=1, prefill_chunk=32)
+        engine.step = poison.gated(engine.step)  # type: ignore[method-assign]
+        return engine
 
     server = KVServer(
         model,
@@ -515,6 +535,9 @@ def test_full_queue_is_429_and_an_engine_failure_is_500_for_that_request_only(
         async with httpx.AsyncClient(base_url=running.url, timeout=60) as http:
             body = {**GOOD, "prompt": PROMPT, "max_tokens": 150, "stream": True}
             body["return_token_ids"] = True
+            # The engine stalls after the first token until the queue checks are done, so
+            # the first request cannot finish (and free the queue) before them.
+            poison.stall.set()
             async with http.stream("POST", "/v1/completions", json=body) as first:
                 assert first.status_code == 200
                 lines = first.aiter_lines()
@@ -536,6 +559,7 @@ def test_full_queue_is_429_and_an_engine_failure_is_500_for_that_request_only(
                 assert refused.json()["error"]["type"] == "rate_limit_error"
                 # The waiting one is served after the first: poison it, it alone fails.
                 poison.armed.set()
+                poison.gate.set()
                 failed = await waiting
                 assert_error(failed, 500)
                 assert "injected prefill failure" in failed.json()["error"]["message"]
@@ -553,7 +577,11 @@ def test_full_queue_is_429_and_an_engine_failure_is_500_for_that_request_only(
             assert after.status_code == 200
             assert tuple(after.json()["choices"][0]["token_ids"]) == offline(encode("hello"), 4)
 
-    asyncio.run(asyncio.wait_for(scenario(), 60))
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    finally:
+        poison.stall.clear()
+        poison.gate.set()
     wait_idle(running)
     text = httpx.get(running.url + "/metrics").text
     assert 'kv_serve_requests_rejected_total{status="429"} 1' in text
