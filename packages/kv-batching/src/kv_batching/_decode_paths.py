@@ -31,7 +31,7 @@ from kv_protocol import (
 
 from ._context import BatchedDecodeContext, PoolAddressing
 from ._layer_cache import batched_layer_caches
-from ._state_cache import StackedStateCache, StateCacheFactory
+from ._state_cache import StateCacheFactory, install_stacked_states, request_caches
 from ._wrapper import wrap_attention_layer
 
 __all__ = ["DecodePathChoice", "DecodePlan", "check_batched_decode", "plan_decode_paths"]
@@ -144,11 +144,12 @@ def check_batched_decode(
         pool.add_request(rid)
         added.append(rid)
         own = states[rid] = state_caches() if state_caches is not None else []
-        by_layer = dict(zip(state_layer_ids, own, strict=True))
-        caches = [
-            by_layer[layer_id] if layer_id in by_layer else make_prefill_cache(pool, rid, layer_id)
-            for layer_id in range(num_layers)
-        ]
+        caches = request_caches(
+            num_layers,
+            state_layer_ids,
+            own,
+            lambda layer_id: make_prefill_cache(pool, rid, layer_id),
+        )
         pool.reserve(rid, len(tokens))
         logits: mx.array = model(mx.array([tokens], dtype=mx.int32), cache=caches)[:, -1, :]
         mx.eval(logits)
@@ -162,10 +163,7 @@ def check_batched_decode(
         )
         tokens = mx.array([[t] for t in nexts], dtype=mx.int32)
         step_caches = batched_layer_caches(ctx, plan.universal_layers)
-        for k, layer_id in enumerate(state_layer_ids):
-            step_caches[layer_id] = StackedStateCache(
-                layer_id, [states[rid][k] for rid in _PROBE_IDS]
-            )
+        install_stacked_states(step_caches, state_layer_ids, [states[rid] for rid in _PROBE_IDS])
         batched = model(tokens, cache=step_caches)[:, -1, :]
         mx.eval(batched)
         for rid in list(added):

@@ -36,10 +36,11 @@ from ._context import BatchedDecodeContext, PoolAddressing
 from ._decode_paths import DecodePlan, check_batched_decode, plan_decode_paths
 from ._layer_cache import batched_layer_caches
 from ._state_cache import (
-    StackedStateCache,
     StateCacheFactory,
     StateSnapshot,
+    install_stacked_states,
     model_state_caches,
+    request_caches,
     state_nbytes,
 )
 from ._wrapper import patch_model_attention, unpatch_model_attention
@@ -797,19 +798,16 @@ class DecodeEngine:
             )
             tokens = mx.array([[r.generated[-1]] for r in batch], dtype=mx.int32)
             caches = batched_layer_caches(ctx, self._universal_layers)
-            stacked = [
-                StackedStateCache(layer_id, [cast(list[Any], r.states)[k] for r in batch])
-                for k, layer_id in enumerate(self._state_layer_ids)
-            ]
-            for layer_id, state in zip(self._state_layer_ids, stacked, strict=True):
-                caches[layer_id] = state
+            stacked = install_stacked_states(
+                caches, self._state_layer_ids, [r.states or [] for r in batch]
+            )
             logits = self.model(tokens, cache=caches)
-            chosen = cast(list[int], self._sample(logits[:, -1, :], batch).tolist())
-            if stacked:
-                mx.eval([state.cache for state in stacked])
-                for state in stacked:
-                    state.split()
-            return chosen
+            sampled = self._sample(logits[:, -1, :], batch)
+            # One evaluation for the tokens and the new states together.
+            mx.eval(sampled, [state.cache for state in stacked])
+            for state in stacked:
+                state.split()
+            return cast(list[int], sampled.tolist())
         except BaseException:
             self._key = key
             self._rollback(batch, lengths)
@@ -897,13 +895,12 @@ class DecodeEngine:
                 snapshot = StateSnapshot(request.states)
             if request.caches is None:
                 # (Re)built at the pool's length, which is `begin` after any rollback.
-                states = dict(zip(self._state_layer_ids, request.states or [], strict=True))
-                request.caches = [
-                    states[layer_id]
-                    if layer_id in states
-                    else self.make_prefill_cache(self.pool, request.rid, layer_id)
-                    for layer_id in range(self._num_layers)
-                ]
+                request.caches = request_caches(
+                    self._num_layers,
+                    self._state_layer_ids,
+                    request.states or [],
+                    lambda layer_id: self.make_prefill_cache(self.pool, request.rid, layer_id),
+                )
             self.pool.reserve(request.rid, n)
             chunk = mx.array(tokens[begin : begin + n], dtype=mx.int32)
             if self._prefill_forward is not None:

@@ -20,6 +20,8 @@ from kv_protocol import CacheLayout, CacheStateError, UnsupportedModelError
 
 __all__ = [
     "StackedStateCache",
+    "install_stacked_states",
+    "request_caches",
     "StateCacheFactory",
     "StateSnapshot",
     "model_state_caches",
@@ -56,6 +58,40 @@ def model_state_caches(model: object, layout: CacheLayout) -> StateCacheFactory:
                 "state arrays (.cache), so its rows cannot be stacked for a batched step"
             )
     return factory
+
+
+def request_caches(
+    num_layers: int,
+    state_layer_ids: Sequence[int],
+    states: Sequence[Any],
+    attention_cache: Callable[[int], Any],
+) -> list[Any]:
+    """One request's per-layer cache list.
+
+    Its own state cache on STATE layers, ``attention_cache(layer_id)`` on every other layer.
+    """
+    by_layer = dict(zip(state_layer_ids, states, strict=True))
+    return [
+        by_layer[layer_id] if layer_id in by_layer else attention_cache(layer_id)
+        for layer_id in range(num_layers)
+    ]
+
+
+def install_stacked_states(
+    caches: list[Any], state_layer_ids: Sequence[int], rows: Sequence[Sequence[Any]]
+) -> list[StackedStateCache]:
+    """Put each STATE layer's rows, stacked, into ``caches`` for one batched step.
+
+    ``rows[b][k]`` is row ``b``'s cache of the ``k``-th STATE layer; the stacked caches are
+    returned so that the caller can split them back after the step.
+    """
+    stacked = [
+        StackedStateCache(layer_id, [row[k] for row in rows])
+        for k, layer_id in enumerate(state_layer_ids)
+    ]
+    for layer_id, state in zip(state_layer_ids, stacked, strict=True):
+        caches[layer_id] = state
+    return stacked
 
 
 def state_nbytes(caches: Sequence[Any]) -> int:
