@@ -53,9 +53,14 @@ def _prompts() -> list[list[int]]:
 
 
 def _cache_kinds(caches: Sequence[Any]) -> list[tuple[str, int | None]]:
-    """``(kind, window)`` per cache of mlx-lm's ``make_cache()``, named as the layout names them."""
+    """``(kind, window)`` per cache of mlx-lm's ``make_cache()``, named as the layout names them.
+
+    A ``CacheList`` counts as the caches it holds, in order, as the layout flattens it.
+    """
+    from kv_protocol import flatten_caches
+
     out: list[tuple[str, int | None]] = []
-    for cache in caches:
+    for cache in flatten_caches(caches):
         name = type(cache).__name__
         if name == "KVCache":
             out.append(("full", None))

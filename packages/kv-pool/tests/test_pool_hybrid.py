@@ -109,8 +109,44 @@ def test_constructor_errors() -> None:
         HybridKVPool(layout, num_pages=4, page_size=0)
     with pytest.raises(LayoutError, match="num_pages"):
         HybridKVPool(layout, num_pages=1)
-    with pytest.raises(LayoutError, match="nothing to pool"):
-        HybridKVPool(CacheLayout([LayerSpec(layer_id=0, kind=LayerKind.STATE)]), num_pages=4)
+
+
+def test_a_layout_of_state_layers_only_has_no_sub_pool_and_tracks_requests() -> None:
+    layout = CacheLayout([LayerSpec(layer_id=i, kind=LayerKind.STATE) for i in range(3)])
+    for pool in (
+        HybridKVPool(layout, num_pages={}),
+        HybridKVPool.from_budget(layout, 1 << 20, max_context=64, concurrency=4),
+    ):
+        assert pool.sub_pool_names == ()
+        pool.add_request(7)
+        assert pool.can_reserve({7: 100})
+        pool.reserve(7, 100)
+        assert pool.seq_len(7) == 100
+        assert pool.memory_report().sub_pools == ()
+        pool.free_request(7)
+
+
+def test_values_narrower_than_keys_get_their_own_buffer_width() -> None:
+    layout = CacheLayout(
+        [
+            LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=1, head_dim=24, v_head_dim=8),
+            LayerSpec(layer_id=1, kind=LayerKind.FULL, n_kv_heads=1, head_dim=24),
+        ]
+    )
+    pool = HybridKVPool(layout, num_pages=4, page_size=4)
+    assert pool.sub_pool_names == ("full-1x24v8", "full-1x24")
+    assert pool.get_key_buffer(0).shape == (1, 16, 24)
+    assert pool.get_value_buffer(0).shape == (1, 16, 8)
+    pool.add_request(0)
+    slots = pool.reserve(0, 3)["full-1x24v8"]
+    keys = mx.random.normal((3, 1, 24))
+    values = mx.random.normal((3, 1, 8))
+    pool.set_kv(0, slots, keys, values)
+    got_k, got_v = pool.get_kv(0, slots)
+    assert mx.array_equal(got_k, keys) and mx.array_equal(got_v, values)
+    with pytest.raises(ShapeMismatchError, match=r"values must be \(T, n_kv_heads, v_head_dim\)"):
+        pool.set_kv(0, slots, keys, mx.zeros((3, 1, 24)))
+    assert pool.memory_report().sub_pools[0].bytes_total == 4 * 4 * (24 + 8) * 4
 
 
 def test_layer_id_translation_raises_the_layouts_exact_errors() -> None:

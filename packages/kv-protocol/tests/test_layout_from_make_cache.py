@@ -151,11 +151,10 @@ def test_agreeing_declarations_are_accepted() -> None:
     [
         (ChunkedKVCache(chunk_size=8), "ChunkedKVCache"),
         (RotatingKVCache(max_size=8, keep=4), "keep=4"),
-        (CacheList(ArraysCache(size=2), KVCache()), "CacheList"),
         (QuantizedKVCache(group_size=32, bits=8), "QuantizedKVCache"),
         (object(), "object"),
     ],
-    ids=["chunked", "keep", "cache-list", "quantized", "foreign"],
+    ids=["chunked", "keep", "quantized", "foreign"],
 )
 def test_a_cache_kind_that_is_not_served_is_refused_naming_layer_and_type(
     cache: Any, named: str
@@ -169,11 +168,82 @@ def test_a_cache_kind_that_is_not_served_is_refused_naming_layer_and_type(
     assert isinstance(info.value, ValueError)
 
 
-def test_a_cache_count_that_is_not_the_layer_count_is_refused() -> None:
+class ProbingModel(FakeModel):
+    """A FakeModel whose forward writes one token of K/V of given widths into its caches."""
+
+    def __init__(self, layers: list[Any], caches: Any, kv: list[tuple[int, int, int]]) -> None:
+        super().__init__(layers, caches)
+        self.kv = kv  # (kv_heads, k_dim, v_dim) per flat attention cache, in order
+
+    def make_cache(self) -> Any:
+        # Fresh caches on every call, as mlx-lm models do.
+        def fresh(cache: Any) -> Any:
+            if isinstance(cache, CacheList):
+                return CacheList(*(fresh(c) for c in cache.caches))
+            if isinstance(cache, RotatingKVCache):
+                return RotatingKVCache(max_size=cache.max_size)
+            return type(cache)(size=2) if isinstance(cache, ArraysCache) else type(cache)()
+
+        return [fresh(c) for c in self._caches]
+
+    def __call__(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        geometries = iter(self.kv)
+
+        def write(c: Any) -> None:
+            if isinstance(c, CacheList):
+                for sub in c.caches:
+                    write(sub)
+            elif hasattr(c, "update_and_fetch"):
+                heads, k_dim, v_dim = next(geometries)
+                c.update_and_fetch(
+                    mx.zeros((1, heads, 1, k_dim), dtype=mx.float16),
+                    mx.zeros((1, heads, 1, v_dim), dtype=mx.float16),
+                )
+
+        for c in cache:
+            write(c)
+        return mx.zeros((1, 1, 4))
+
+
+def test_caches_that_are_not_one_per_layer_become_flat_layer_ids_with_observed_geometry() -> None:
+    # Two decoder layers; three caches (a layer run twice on its own cache, say).
+    layers = [SimpleNamespace(self_attn=attention()) for _ in range(2)]
+    caches = [KVCache(), KVCache(), RotatingKVCache(max_size=4)]
+    model = ProbingModel(layers, caches, [(2, 16, 16), (2, 16, 16), (1, 8, 8)])
+    layout = layout_from_model(model)
+    assert layout.num_layers == 3
+    assert layout.full_layer_ids == (0, 1)
+    assert layout.sliding_layer_ids == (2,)
+    assert (layout.spec(2).window, layout.spec(2).n_kv_heads, layout.spec(2).head_dim) == (4, 1, 8)
+    assert layout.spec(0).dtype == mx.float16  # what the model wrote
+
+
+def test_a_cache_list_is_flattened_into_one_layer_id_per_cache() -> None:
+    layers = [SimpleNamespace(conv=object()) for _ in range(2)]
+    caches = [CacheList(ArraysCache(size=2), KVCache()), CacheList(ArraysCache(size=2), KVCache())]
+    model = ProbingModel(layers, caches, [(2, 32, 8), (2, 32, 8)])
+    layout = layout_from_model(model)
+    assert [s.kind for s in layout.specs] == [LayerKind.STATE, LayerKind.FULL] * 2
+    spec = layout.spec(3)
+    assert (spec.n_kv_heads, spec.head_dim, spec.v_head_dim) == (2, 32, 8)
+    assert spec.geometry.bytes_per_token == 2 * (32 + 8) * 2
+
+
+def test_caches_that_cannot_be_observed_are_refused_with_the_reason() -> None:
     layers = [SimpleNamespace(self_attn=attention()) for _ in range(2)]
     model = FakeModel(layers, [KVCache(), KVCache(), RotatingKVCache(max_size=4)])
-    with pytest.raises(UnsupportedModelError, match="returns 3 caches for 2 decoder layers"):
+    with pytest.raises(UnsupportedModelError, match=r"cache 0 of FakeModel\.make_cache"):
         layout_from_model(model)
+    with pytest.raises(UnsupportedModelError, match="probe forward failed"):
+        layout_from_model(model)
+
+
+def test_latent_attention_geometry_is_observed_from_the_probe() -> None:
+    # No q/k/v module: the cached "keys" (a compressed KV) and "values" (a RoPE key) decide.
+    layers = [SimpleNamespace(self_attn=SimpleNamespace(kv_a_proj=object()))]
+    model = ProbingModel(layers, [KVCache()], [(1, 24, 8)])
+    spec = layout_from_model(model).spec(0)
+    assert (spec.n_kv_heads, spec.head_dim, spec.v_head_dim) == (1, 24, 8)
 
 
 def test_make_cache_returning_something_else_than_a_list_is_refused() -> None:
@@ -200,10 +270,19 @@ def test_fused_qkv_geometry_comes_from_declared_head_counts() -> None:
     )
 
 
-def test_values_narrower_than_keys_are_refused() -> None:
+def test_values_narrower_than_keys_are_read_from_v_proj() -> None:
     model = FakeModel([SimpleNamespace(self_attn=attention(v_dim=8))], [KVCache()])
-    with pytest.raises(UnsupportedModelError, match="v_proj produces 16 features but k_proj 32"):
-        layout_from_model(model)
+    spec = layout_from_model(model).spec(0)
+    assert (spec.n_kv_heads, spec.head_dim, spec.v_head_dim) == (2, 16, 8)
+    same = FakeModel([SimpleNamespace(self_attn=attention(v_dim=16))], [KVCache()])
+    assert layout_from_model(same).spec(0).v_head_dim is None  # as wide as K
+
+
+def test_a_v_proj_that_does_not_split_into_the_heads_is_refused() -> None:
+    attn = attention()
+    attn.v_proj = SimpleNamespace(weight=mx.zeros((33, HIDDEN)))
+    with pytest.raises(UnsupportedModelError, match="v_proj produces 33 features"):
+        layout_from_model(FakeModel([SimpleNamespace(self_attn=attn)], [KVCache()]))
 
 
 def test_a_broken_make_cache_leaves_the_attributes_to_decide() -> None:

@@ -174,6 +174,21 @@ def test_geometry_and_bytes() -> None:
         layout.spec(3)
 
 
+def test_value_heads_narrower_than_key_heads() -> None:
+    spec = LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=2, head_dim=64, v_head_dim=16)
+    assert spec.geometry.value_dim == 16
+    assert spec.geometry.bytes_per_token == 2 * (64 + 16) * 4
+    same = LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=2, head_dim=64, v_head_dim=64)
+    assert same.v_head_dim is None  # stored as "as wide as K", so equal specs compare equal
+    assert same == LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=2, head_dim=64)
+    assert same.geometry.value_dim == 64
+    with pytest.raises(LayoutError, match="v_head_dim must be None for STATE layer 0"):
+        LayerSpec(layer_id=0, kind=LayerKind.STATE, v_head_dim=8)
+    with pytest.raises(LayoutError, match="v_head_dim of layer 0"):
+        LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=2, head_dim=64, v_head_dim=0)
+    assert "x 64 (V 16)" in CacheLayout([spec]).describe()
+
+
 NON_INT_IDS: list[object] = [1.0, 3.0, 1.5, True, False, None, "1", [1], (1,), {1: 1}, float("nan")]
 
 

@@ -29,6 +29,7 @@ from kv_protocol import (
     find_layers,
 )
 
+from ._cache_nesting import CacheNesting
 from ._context import BatchedDecodeContext, PoolAddressing
 from ._layer_cache import batched_layer_caches
 from ._state_cache import StateCacheFactory, install_stacked_states, request_caches
@@ -75,17 +76,33 @@ class DecodePlan:
 
 
 def plan_decode_paths(
-    model: nn.Module, layout: CacheLayout, decode_path: str = "auto"
+    model: nn.Module,
+    layout: CacheLayout,
+    decode_path: str = "auto",
+    *,
+    nesting: CacheNesting | None = None,
 ) -> DecodePlan:
     """Choose each attention layer's decode path; nothing on the model changes.
 
     ``auto``: the fast path where the wrapper's probe accepts the module, the universal path
     otherwise (the probe's refusal is the reason). ``universal``: every layer universal.
-    ``fast``: every layer fast, or the probe's ``UnsupportedModelError``.
+    ``fast``: every layer fast, or the probe's ``UnsupportedModelError``. A model whose
+    caches are not one per decoder layer (``nesting``, read from the model by default) takes
+    the universal path on every layer (``fast`` refuses it).
     """
     if decode_path not in _CHOICES:
         raise UnsupportedModelError(
             f"decode_path must be one of {', '.join(_CHOICES)}, got {decode_path!r}"
+        )
+    if nesting is None:
+        nesting = CacheNesting.from_model(model)
+    if not nesting.by_layer:
+        if decode_path == "fast":
+            raise UnsupportedModelError(nesting.describe())
+        ids = [i for i in layout.attention_layer_ids]
+        return DecodePlan(
+            paths=MappingProxyType(dict.fromkeys(ids, "universal")),
+            reasons=MappingProxyType(dict.fromkeys(ids, nesting.describe())),
         )
     layers = find_layers(model)
     paths: dict[int, str] = {}
@@ -124,6 +141,7 @@ def check_batched_decode(
     num_layers: int,
     state_caches: StateCacheFactory | None = None,
     state_layer_ids: tuple[int, ...] = (),
+    nesting: CacheNesting | None = None,
 ) -> str | None:
     """Why one ragged batched decode step differs from prefill, or ``None`` if it agrees.
 
@@ -134,6 +152,7 @@ def check_batched_decode(
     probe, which is tiny. STATE layers (``state_layer_ids``) get fresh caches from
     ``state_caches`` per prefill and the rows' states stacked for the batched step.
     """
+    nest = (nesting or CacheNesting.from_model(model)).nest
     prompts = [[(11 * i + 5 * n + 1) % vocab_size for i in range(n)] for n in _PROBE_LENGTHS]
     nexts = [(7 * n + 2) % vocab_size for n in _PROBE_LENGTHS]
     added: list[int] = []
@@ -151,7 +170,7 @@ def check_batched_decode(
             lambda layer_id: make_prefill_cache(pool, rid, layer_id),
         )
         pool.reserve(rid, len(tokens))
-        logits: mx.array = model(mx.array([tokens], dtype=mx.int32), cache=caches)[:, -1, :]
+        logits: mx.array = model(mx.array([tokens], dtype=mx.int32), cache=nest(caches))[:, -1, :]
         mx.eval(logits)
         return logits
 
@@ -164,7 +183,7 @@ def check_batched_decode(
         tokens = mx.array([[t] for t in nexts], dtype=mx.int32)
         step_caches = batched_layer_caches(ctx, plan.universal_layers)
         install_stacked_states(step_caches, state_layer_ids, [states[rid] for rid in _PROBE_IDS])
-        batched = model(tokens, cache=step_caches)[:, -1, :]
+        batched = model(tokens, cache=nest(step_caches))[:, -1, :]
         mx.eval(batched)
         for rid in list(added):
             pool.free_request(rid)

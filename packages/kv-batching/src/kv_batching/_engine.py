@@ -32,6 +32,7 @@ from kv_protocol import (
     model_args,
 )
 
+from ._cache_nesting import CacheNesting
 from ._context import BatchedDecodeContext, PoolAddressing
 from ._decode_paths import DecodePlan, check_batched_decode, plan_decode_paths
 from ._layer_cache import batched_layer_caches
@@ -333,6 +334,7 @@ def _plan_and_check(
     num_layers: int,
     state_caches: StateCacheFactory | None = None,
     state_layer_ids: tuple[int, ...] = (),
+    nesting: CacheNesting | None = None,
 ) -> DecodePlan:
     """Choose the layers' decode paths, wrap the fast ones and check one batched step.
 
@@ -340,7 +342,7 @@ def _plan_and_check(
     again with every layer universal. A model neither path serves is unpatched and refused
     with ``UnsupportedModelError`` and the reason.
     """
-    plan = plan_decode_paths(model, pool.layout, decode_path)
+    plan = plan_decode_paths(model, pool.layout, decode_path, nesting=nesting)
     patch_model_attention(model, pool.layout, layers=plan.fast_layers)
     problem = check_batched_decode(
         model,
@@ -352,10 +354,11 @@ def _plan_and_check(
         num_layers=num_layers,
         state_caches=state_caches,
         state_layer_ids=state_layer_ids,
+        nesting=nesting,
     )
     if problem is not None and decode_path == "auto" and plan.fast_layers:
         unpatch_model_attention(model)
-        fallback = plan_decode_paths(model, pool.layout, "universal")
+        fallback = plan_decode_paths(model, pool.layout, "universal", nesting=nesting)
         retry = check_batched_decode(
             model,
             pool,
@@ -366,6 +369,7 @@ def _plan_and_check(
             num_layers=num_layers,
             state_caches=state_caches,
             state_layer_ids=state_layer_ids,
+            nesting=nesting,
         )
         if retry is None:
             logger.warning(
@@ -481,6 +485,7 @@ class DecodeEngine:
         seed = check_int(seed, "seed", minimum=0, maximum=2**64 - 1)
         model_layout = layout_from_model(model)
         _check_layouts(model_layout, pool.layout)
+        self._nesting = CacheNesting.from_model(model)
         self._state_layer_ids = model_layout.state_layer_ids
         if self._state_layer_ids and make_state_caches is None:
             make_state_caches = model_state_caches(model, model_layout)
@@ -511,6 +516,7 @@ class DecodeEngine:
             num_layers=model_layout.num_layers,
             state_caches=make_state_caches,
             state_layer_ids=self._state_layer_ids,
+            nesting=self._nesting,
         )
         self.make_state_caches = make_state_caches
         self.state_budget_bytes = state_budget_bytes
@@ -801,10 +807,10 @@ class DecodeEngine:
             stacked = install_stacked_states(
                 caches, self._state_layer_ids, [r.states or [] for r in batch]
             )
-            logits = self.model(tokens, cache=caches)
+            logits = self.model(tokens, cache=self._nesting.nest(caches))
             sampled = self._sample(logits[:, -1, :], batch)
             # One evaluation for the tokens and the new states together.
-            mx.eval(sampled, [state.cache for state in stacked])
+            mx.eval(sampled, [state.view.cache for state in stacked])
             for state in stacked:
                 state.split()
             return cast(list[int], sampled.tolist())
@@ -903,10 +909,11 @@ class DecodeEngine:
                 )
             self.pool.reserve(request.rid, n)
             chunk = mx.array(tokens[begin : begin + n], dtype=mx.int32)
+            model_caches = self._nesting.nest(request.caches)
             if self._prefill_forward is not None:
-                logits = self._prefill_forward(chunk[None], request.caches)
+                logits = self._prefill_forward(chunk[None], model_caches)
             else:
-                logits = self.model(chunk[None], cache=request.caches)
+                logits = self.model(chunk[None], cache=model_caches)
             if begin + n < len(tokens) or request.generated:
                 mx.eval(logits)
             else:

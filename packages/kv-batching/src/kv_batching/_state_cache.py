@@ -11,12 +11,13 @@ indexing protocol the models themselves use.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 
-from kv_protocol import CacheLayout, CacheStateError, UnsupportedModelError
+from kv_protocol import CacheLayout, CacheStateError, UnsupportedModelError, flatten_caches
 
 __all__ = [
     "StackedStateCache",
@@ -47,7 +48,7 @@ def model_state_caches(model: object, layout: CacheLayout) -> StateCacheFactory:
         )
 
     def factory() -> list[Any]:
-        caches = list(make_cache())
+        caches = flatten_caches(list(make_cache()))
         return [caches[i] for i in state_ids]
 
     for layer_id, cache in zip(state_ids, factory(), strict=True):
@@ -82,15 +83,16 @@ def install_stacked_states(
 ) -> list[StackedStateCache]:
     """Put each STATE layer's rows, stacked, into ``caches`` for one batched step.
 
-    ``rows[b][k]`` is row ``b``'s cache of the ``k``-th STATE layer; the stacked caches are
-    returned so that the caller can split them back after the step.
+    ``rows[b][k]`` is row ``b``'s cache of the ``k``-th STATE layer. ``caches`` gets each
+    stacked cache's :attr:`~StackedStateCache.view` (of the model's own cache class); the
+    stacked caches are returned so that the caller can split them back after the step.
     """
     stacked = [
         StackedStateCache(layer_id, [row[k] for row in rows])
         for k, layer_id in enumerate(state_layer_ids)
     ]
     for layer_id, state in zip(state_layer_ids, stacked, strict=True):
-        caches[layer_id] = state
+        caches[layer_id] = state.view
     return stacked
 
 
@@ -160,6 +162,15 @@ class StackedStateCache:
                 )
         self.left_padding: mx.array | None = None
         self.lengths: mx.array | None = None
+        # What the model is handed: a shallow copy of the first row's cache, so it has the
+        # model's own cache class (models test ``isinstance(cache, ArraysCache)`` before
+        # they store a new state), holding the stacked slots and no padding.
+        view = copy.copy(self.rows[0])
+        view.cache = self.cache
+        for name in ("left_padding", "lengths"):
+            if hasattr(view, name):
+                setattr(view, name, None)
+        self.view: Any = view
 
     def __getitem__(self, index: int) -> mx.array | None:
         """The stacked state in ``index`` (``(B, ...)``), or ``None`` if never set."""
@@ -192,6 +203,7 @@ class StackedStateCache:
 
     def split(self) -> None:
         """Write each row's slice of the stacked state back into its own cache."""
+        self.cache = list(self.view.cache)  # the model may have replaced the list itself
         for b, row in enumerate(self.rows):
             for slot, value in enumerate(self.cache):
                 row.cache[slot] = None if value is None else value[b : b + 1]

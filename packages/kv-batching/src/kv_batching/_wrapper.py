@@ -467,8 +467,13 @@ def wrap_attention_layer(layer: Any, layer_id: int, layout: CacheLayout) -> Batc
     name, child = found
     if isinstance(child, BatchedAttention):
         return child
-    spec = _probe(child, _inspect(child, layer_id, kind is LayerKind.SLIDING))
     geometry = layout.geometry(layer_id)
+    if geometry.v_head_dim is not None:
+        raise UnsupportedModelError(
+            f"layer {layer_id}: its V heads are {geometry.v_head_dim} wide and its K heads "
+            f"{geometry.head_dim}; the fused path needs V as wide as K"
+        )
+    spec = _probe(child, _inspect(child, layer_id, kind is LayerKind.SLIDING))
     if (geometry.n_kv_heads, geometry.head_dim) != (spec.n_kv_heads, spec.head_dim):
         raise UnsupportedModelError(
             f"layer {layer_id}: the module has {spec.n_kv_heads} KV heads x {spec.head_dim} "
@@ -488,6 +493,8 @@ def patch_model_attention(
     ``UnsupportedModelError`` and leaves the model as it was. ``layout`` defaults to
     :func:`kv_protocol.layout_from_model`.
     """
+    if layers is not None and not layers:
+        return 0
     model_layers = find_layers(model)
     if layout is None:
         layout = layout_from_model(model)
@@ -501,11 +508,7 @@ def patch_model_attention(
     for layer_id, layer in enumerate(model_layers):
         kind = layout.kind(layer_id)
         if kind is LayerKind.STATE:
-            if _attention_child(layer) is not None:
-                raise UnsupportedModelError(
-                    f"layer {layer_id} has an attention module but the layout marks it STATE"
-                )
-            continue
+            continue  # a recurrent mixer (some have q/k/v projections too) is never wrapped
         if chosen is not None and layer_id not in chosen:
             continue
         wrapper = wrap_attention_layer(layer, layer_id, layout)

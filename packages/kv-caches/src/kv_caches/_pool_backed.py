@@ -62,7 +62,7 @@ class PoolBackedKVCache:
         self._layer_id = layer_id
         self._window = spec.window
         geometry = spec.geometry
-        self._geometry = (1, geometry.n_kv_heads, geometry.head_dim, geometry.head_dim)
+        self._geometry = (1, geometry.n_kv_heads, geometry.head_dim, geometry.value_dim)
         self._dtype = geometry.dtype
         self._offset = offset
 
@@ -139,6 +139,15 @@ class PoolBackedKVCache:
         """The mask for ``N`` new queries over the keys ``update_and_fetch`` will return."""
         if self._window is None:
             return make_attention_mask(N, self._offset, return_array, window_size)
+        if isinstance(window_size, int) and window_size > self._window:
+            # The pool keeps what the layout's window needs; a wider mask contradicts the
+            # layout, even before any key is dropped.
+            raise CacheStateError(
+                f"{_NAME} of sliding layer {self._layer_id}: the model asks for an attention "
+                f"mask over window_size={window_size} but the layer's window is {self._window} "
+                "(from the model's make_cache()); its attention and its caches disagree, so "
+                "the pool cannot keep what it reads"
+            )
         return trailing_window_mask(
             N,
             self._offset,

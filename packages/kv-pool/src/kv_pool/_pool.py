@@ -100,15 +100,15 @@ class _Group:
 
 def _groups(layout: CacheLayout) -> tuple[_Group, ...]:
     """Group FULL and SLIDING layers by (kind, window, geometry), ordered by first layer id."""
-    keyed: dict[tuple[LayerKind, int | None, int, int, str], list[LayerSpec]] = {}
+    keyed: dict[tuple[LayerKind, int | None, int, int, int, str], list[LayerSpec]] = {}
     for spec in layout.specs:
         if spec.kind is LayerKind.STATE:
             continue
         g = spec.geometry
-        key = (spec.kind, spec.window, g.n_kv_heads, g.head_dim, str(g.dtype))
+        key = (spec.kind, spec.window, g.n_kv_heads, g.head_dim, g.value_dim, str(g.dtype))
         keyed.setdefault(key, []).append(spec)
-    geometries = {(k[2], k[3], k[4]) for k in keyed}
-    dtypes = {k[4] for k in keyed}
+    geometries = {k[2:] for k in keyed}
+    dtypes = {k[5] for k in keyed}
     groups: list[_Group] = []
     for specs in keyed.values():
         first = specs[0]
@@ -116,6 +116,8 @@ def _groups(layout: CacheLayout) -> tuple[_Group, ...]:
         name = "full" if first.kind is LayerKind.FULL else f"sliding-w{first.window}"
         if len(geometries) > 1:
             name += f"-{geometry.n_kv_heads}x{geometry.head_dim}"
+            if geometry.v_head_dim is not None:
+                name += f"v{geometry.v_head_dim}"
             if len(dtypes) > 1:
                 name += f"-{_dtype_name(geometry.dtype)}"
         groups.append(
@@ -172,10 +174,11 @@ class _SubPool:
         self.window = spec.window
         self.allocator = PageAllocator(spec.num_pages, name=spec.name)
         g = spec.geometry
-        shape = (g.n_kv_heads, spec.num_slots, g.head_dim)
+        key_shape = (g.n_kv_heads, spec.num_slots, g.head_dim)
+        value_shape = (g.n_kv_heads, spec.num_slots, g.value_dim)
         # mx.zeros is lazy: memory is committed when a buffer is first evaluated.
-        self.keys = [mx.zeros(shape, dtype=g.dtype) for _ in spec.layer_ids]
-        self.values = [mx.zeros(shape, dtype=g.dtype) for _ in spec.layer_ids]
+        self.keys = [mx.zeros(key_shape, dtype=g.dtype) for _ in spec.layer_ids]
+        self.values = [mx.zeros(value_shape, dtype=g.dtype) for _ in spec.layer_ids]
 
 
 class _Table:
@@ -275,9 +278,9 @@ class HybridKVPool:
     ) -> None:
         if not isinstance(layout, CacheLayout):
             raise LayoutError(f"HybridKVPool needs a CacheLayout, got {layout!r}")
+        # A layout of STATE layers only (a pure recurrent model) has no sub-pool: requests
+        # are still tracked, and every reservation succeeds without pages.
         groups = _groups(layout)
-        if not groups:
-            raise LayoutError("the layout has no FULL or SLIDING layer; nothing to pool")
         names = [g.name for g in groups]
         sizes = _per_group(page_size, names, "page_size", 1)
         counts = _per_group(num_pages, names, "num_pages", 2)
@@ -387,8 +390,8 @@ class HybridKVPool:
         _check_count(budget_bytes, "budget_bytes", 1)
         _check_count(concurrency, "concurrency", 1)
         groups = _groups(layout)
-        if not groups:
-            raise LayoutError("the layout has no FULL or SLIDING layer; nothing to pool")
+        if not groups:  # nothing to page: the budget buys nothing and is not needed
+            return cls(layout, num_pages={}, page_size={})
         names = [g.name for g in groups]
         sizes = _per_group(page_size, names, "page_size", 1)
         pages = cls.pages_per_request(
@@ -1031,12 +1034,12 @@ class HybridKVPool:
         pool, local = self._entry(layer_id)
         t = self._check_slots(layer_id, slots)
         g = pool.spec.geometry
-        want = (t, g.n_kv_heads, g.head_dim)
-        for name, arr in (("keys", keys), ("values", values)):
+        for name, arr, dim in (("keys", keys, "head_dim"), ("values", values, "v_head_dim")):
+            want = (t, g.n_kv_heads, g.head_dim if name == "keys" else g.value_dim)
             if not isinstance(arr, mx.array) or tuple(arr.shape) != want or arr.dtype != g.dtype:
                 got = f"{tuple(arr.shape)} {arr.dtype}" if isinstance(arr, mx.array) else repr(arr)
                 raise ShapeMismatchError(
-                    f"set_kv(layer {layer_id}): {name} must be (T, n_kv_heads, head_dim) = "
+                    f"set_kv(layer {layer_id}): {name} must be (T, n_kv_heads, {dim}) = "
                     f"{want} {g.dtype}, got {got}"
                 )
         self._trust_slots(layer_id, slots, write=True)

@@ -27,16 +27,27 @@ class LayerKind(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class KVGeometry:
-    """The shape of one token's K (or V) in one layer: ``n_kv_heads x head_dim`` of ``dtype``."""
+    """The shape of one token's K and V in one layer, of ``dtype``.
+
+    K is ``n_kv_heads x head_dim``; V is ``n_kv_heads x v_head_dim``, where ``v_head_dim``
+    ``None`` means V is as wide as K (the common case; latent attention caches and models
+    such as MiMo-V2 store narrower V).
+    """
 
     n_kv_heads: int
     head_dim: int
     dtype: mx.Dtype
+    v_head_dim: int | None = None
+
+    @property
+    def value_dim(self) -> int:
+        """The width of one V head: ``v_head_dim``, or ``head_dim`` when V is as wide as K."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of K *and* V for one token of one layer."""
-        return 2 * self.n_kv_heads * self.head_dim * self.dtype.size
+        return self.n_kv_heads * (self.head_dim + self.value_dim) * self.dtype.size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +57,9 @@ class LayerSpec:
     ``window`` is required for (and only for) ``SLIDING`` layers and counts the keys a query
     sees, itself included: the query at position ``p`` attends to positions
     ``p - window + 1 .. p``. ``n_kv_heads`` and ``head_dim`` are required for attention
-    layers and may be ``None`` for ``STATE`` layers.
+    layers and may be ``None`` for ``STATE`` layers. ``v_head_dim`` is the width of a V head
+    where it differs from ``head_dim``; ``None`` (the default, and what a value equal to
+    ``head_dim`` is stored as, so equal geometries compare equal) means V is as wide as K.
     """
 
     layer_id: int
@@ -55,6 +68,7 @@ class LayerSpec:
     n_kv_heads: int | None = None
     head_dim: int | None = None
     dtype: mx.Dtype = mx.float32
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         # Ids, windows and head counts are ints (not bools, not floats such as 8.0, which
@@ -86,6 +100,15 @@ class LayerSpec:
                 continue
             number = check_int(value, f"{name} of layer {layer_id}", minimum=1, error=LayoutError)
             setter(self, name, number)
+        if self.v_head_dim is not None:
+            if self.kind is LayerKind.STATE:
+                raise LayoutError(
+                    f"v_head_dim must be None for STATE layer {layer_id}, got {self.v_head_dim!r}"
+                )
+            v_dim = check_int(
+                self.v_head_dim, f"v_head_dim of layer {layer_id}", minimum=1, error=LayoutError
+            )
+            setter(self, "v_head_dim", None if v_dim == self.head_dim else v_dim)
         if not isinstance(self.dtype, mx.Dtype):
             raise LayoutError(f"dtype must be an mlx dtype, got {self.dtype!r}")
 
@@ -99,4 +122,9 @@ class LayerSpec:
         """The KV geometry of an attention layer; a ``LayerKindError`` for a ``STATE`` layer."""
         if self.n_kv_heads is None or self.head_dim is None:
             raise LayerKindError(f"layer {self.layer_id} is a STATE layer and stores no K/V")
-        return KVGeometry(n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+        return KVGeometry(
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            v_head_dim=self.v_head_dim,
+        )

@@ -175,8 +175,10 @@ class CacheLayout:
                 else self.sliding_pool_index(spec.layer_id)
             )
             window = f" window={spec.window}" if spec.window is not None else ""
+            v_dim = f" (V {spec.v_head_dim})" if spec.v_head_dim is not None else ""
             lines.append(
                 f"  layer {spec.layer_id:3d}  {spec.kind.value:<7s} pool index {index:3d}  "
-                f"{spec.n_kv_heads} kv heads x {spec.head_dim} {_dtype_name(spec.dtype)}{window}"
+                f"{spec.n_kv_heads} kv heads x {spec.head_dim}{v_dim} "
+                f"{_dtype_name(spec.dtype)}{window}"
             )
         return "\n".join(lines)

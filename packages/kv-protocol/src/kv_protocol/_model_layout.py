@@ -18,6 +18,7 @@ __all__ = [
     "attention_module",
     "find_layers",
     "first_attr",
+    "flatten_caches",
     "language_model_container",
     "layout_from_model",
     "model_args",
@@ -224,6 +225,22 @@ STATE_CACHE_NAMES = frozenset({"ArraysCache", "MambaCache"})
 SERVED_CACHES = "KVCache, RotatingKVCache(max_size=W, keep=0), ArraysCache or MambaCache"
 
 
+def flatten_caches(caches: Sequence[object]) -> list[object]:
+    """A ``make_cache()`` list with each ``CacheList`` replaced by the caches it holds, in order.
+
+    mlx-lm gives a decoder layer that keeps several caches (a convolution state beside its
+    K/V, two attention sublayers) one ``CacheList``; the layout gives each of them its own
+    layer id, their position in this flat list.
+    """
+    flat: list[object] = []
+    for cache in caches:
+        if type(cache).__name__ == "CacheList":
+            flat.extend(flatten_caches(list(getattr(cache, "caches", ()))))
+        else:
+            flat.append(cache)
+    return flat
+
+
 def _cache_kind(cache: object, layer_id: int) -> tuple[LayerKind, int | None]:
     """``(kind, window)`` of one entry of a model's ``make_cache()`` list.
 
@@ -391,17 +408,86 @@ def _kv_module(layer: object) -> tuple[Any | None, str]:
     return None, where
 
 
-def _check_value_geometry(attn: Any, layer_id: int) -> None:
-    """Refuse K and V of different widths: a pool page stores both with one geometry."""
-    k_weight = getattr(getattr(attn, "k_proj", None), "weight", None)
+def _value_head_dim(attn: Any, n_kv: int, layer_id: int) -> int | None:
+    """The width of one V head as ``v_proj`` gives it (None where it has no weight)."""
     v_weight = getattr(getattr(attn, "v_proj", None), "weight", None)
-    if isinstance(k_weight, mx.array) and isinstance(v_weight, mx.array):
-        k_out, v_out = int(k_weight.shape[0]), int(v_weight.shape[0])
-        if getattr(getattr(attn, "k_proj", None), "scales", None) is None and k_out != v_out:
-            raise UnsupportedModelError(
-                f"layer {layer_id}: v_proj produces {v_out} features but k_proj {k_out}; K "
-                "and V of different head dims (v_head_dim != head_dim) are not served"
+    if not isinstance(v_weight, mx.array):
+        return None
+    v_out = int(v_weight.shape[0])
+    if v_out % n_kv:
+        raise UnsupportedModelError(
+            f"layer {layer_id}: v_proj produces {v_out} features, not a multiple of its "
+            f"{n_kv} KV heads"
+        )
+    return v_out // n_kv
+
+
+class _ObservedGeometry:
+    """K/V geometry observed from what one forward step writes into ``make_cache()``'s caches.
+
+    The fallback for attention the attributes cannot describe (latent attention that caches a
+    compressed KV and a RoPE key, mixers with their own attribute names): the model runs one
+    token on a fresh cache list and each attention cache's ``keys`` / ``values`` arrays give
+    ``(batch, kv_heads, tokens, dim)`` and the dtype. Run at most once, on first use.
+    """
+
+    def __init__(self, model: object) -> None:
+        self._model = model
+        self._caches: list[object] | None = None
+        self._error = ""
+
+    def _run(self) -> list[object] | None:
+        if self._caches is None and not self._error:
+            try:
+                caches = _model_caches(self._model)
+                if caches is None:
+                    raise UnsupportedModelError("the model has no make_cache()")
+                forward: Any = self._model
+                mx.eval(forward(mx.array([[0]], dtype=mx.int32), cache=caches))
+                self._caches = flatten_caches(caches)
+            except Exception as exc:  # any failure: the caller refuses with the reason
+                self._error = f"{type(exc).__name__}: {exc}"
+        return self._caches
+
+    def geometry(self, cache_index: int) -> tuple[int, int, int, mx.Dtype] | str:
+        """``(kv_heads, k_dim, v_dim, dtype)`` of flat cache ``cache_index``, or why not."""
+        caches = self._run()
+        if caches is None:
+            return f"a one-token probe forward failed ({self._error})"
+        if cache_index >= len(caches):
+            return f"the probe's cache list has no entry {cache_index}"
+        keys = getattr(caches[cache_index], "keys", None)
+        values = getattr(caches[cache_index], "values", None)
+        if not (isinstance(keys, mx.array) and isinstance(values, mx.array)):
+            return "a one-token probe forward wrote no keys / values into its cache"
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[1] != values.shape[1]:
+            return (
+                f"the probe's cached keys {tuple(keys.shape)} and values "
+                f"{tuple(values.shape)} are not (batch, kv_heads, tokens, dim) with one head count"
             )
+        if keys.dtype != values.dtype:
+            return f"the probe's cached keys are {keys.dtype} and values {values.dtype}"
+        return int(keys.shape[1]), int(keys.shape[3]), int(values.shape[3]), keys.dtype
+
+
+def _observed_spec(
+    layer_id: int,
+    kind: LayerKind,
+    window: int | None,
+    dtype: mx.Dtype | None,
+    seen: tuple[int, int, int, mx.Dtype],
+) -> LayerSpec:
+    """The spec of an attention layer whose geometry a probe forward observed."""
+    n_kv, head_dim, v_dim, seen_dtype = seen
+    return LayerSpec(
+        layer_id=layer_id,
+        kind=kind,
+        window=window,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        v_head_dim=v_dim,
+        dtype=dtype if dtype is not None else seen_dtype,
+    )
 
 
 def _attention_spec(
@@ -412,23 +498,32 @@ def _attention_spec(
     dtype: mx.Dtype | None,
     *,
     source: str,
+    observed: _ObservedGeometry | None = None,
 ) -> LayerSpec:
-    """The spec of an attention layer of ``kind``: geometry and dtype from its module."""
+    """The spec of an attention layer of ``kind``: geometry and dtype from its module.
+
+    Where the module's geometry cannot be read and ``observed`` is given (the layout comes
+    from ``make_cache()``), the geometry the model writes into its own cache decides.
+    """
     attn, found = _kv_module(config.layers[layer_id])
     if attn is None:
+        seen = observed.geometry(layer_id) if observed is not None else ""
+        if isinstance(seen, tuple):
+            return _observed_spec(layer_id, kind, window, dtype, seen)
+        probe = f"; {seen}" if seen else ""
         raise UnsupportedModelError(
             f"layer {layer_id}: {source} makes it a {kind.name} attention layer, but it has no "
             "attention module with q_proj / k_proj / v_proj or declared KV heads and head_dim "
-            f"(found: {found}), so its KV geometry cannot be read"
+            f"(found: {found}), so its KV geometry cannot be read{probe}"
         )
     n_kv, head_dim = _geometry(attn, config.args, layer_id)
-    _check_value_geometry(attn, layer_id)
     return LayerSpec(
         layer_id=layer_id,
         kind=kind,
         window=window,
         n_kv_heads=n_kv,
         head_dim=head_dim,
+        v_head_dim=_value_head_dim(attn, n_kv, layer_id),
         dtype=dtype if dtype is not None else _kv_dtype(attn),
     )
 
@@ -468,13 +563,10 @@ def _layout_from_attributes(model: object, dtype: mx.Dtype | None) -> CacheLayou
 def _layout_from_caches(model: object, caches: list[object], dtype: mx.Dtype | None) -> CacheLayout:
     """The layout ``make_cache()`` says, cross-checked with what the attributes declare."""
     config = _Config(model)
-    if len(caches) != len(config.layers):
-        raise UnsupportedModelError(
-            f"{type(model).__name__}.make_cache() returns {len(caches)} caches for "
-            f"{len(config.layers)} decoder layers (layers that share another's KV, loop over "
-            "the layers twice or hold no cache); the engine needs exactly one cache per "
-            "decoder layer"
-        )
+    flat = flatten_caches(caches)
+    observed = _ObservedGeometry(model)
+    if not (len(flat) == len(caches) == len(config.layers)):
+        return _layout_from_cache_slots(model, flat, dtype, observed)
     specs: list[LayerSpec] = []
     for layer_id, cache in enumerate(caches):
         kind, window = _cache_kind(cache, layer_id)
@@ -496,7 +588,36 @@ def _layout_from_caches(model: object, caches: list[object], dtype: mx.Dtype | N
             specs.append(LayerSpec(layer_id=layer_id, kind=LayerKind.STATE))
             continue
         source = f"make_cache()'s {type(cache).__name__}"
-        specs.append(_attention_spec(config, layer_id, kind, window, dtype, source=source))
+        specs.append(
+            _attention_spec(config, layer_id, kind, window, dtype, source=source, observed=observed)
+        )
+    return CacheLayout(specs)
+
+
+def _layout_from_cache_slots(
+    model: object, flat: list[object], dtype: mx.Dtype | None, observed: _ObservedGeometry
+) -> CacheLayout:
+    """The layout of a model whose caches are not one per decoder layer.
+
+    A ``CacheList``, a layer without a cache (an MLP-only block) or a model that runs its
+    layers twice on separate caches: layer id ``i`` is then flat cache ``i``, which no
+    decoder layer's attributes describe, so the kinds come from the caches alone and the
+    geometry from a one-token probe forward.
+    """
+    specs: list[LayerSpec] = []
+    for layer_id, cache in enumerate(flat):
+        kind, window = _cache_kind(cache, layer_id)
+        if kind is LayerKind.STATE:
+            specs.append(LayerSpec(layer_id=layer_id, kind=LayerKind.STATE))
+            continue
+        seen = observed.geometry(layer_id)
+        if isinstance(seen, str):
+            raise UnsupportedModelError(
+                f"cache {layer_id} of {type(model).__name__}.make_cache() (flattened: "
+                f"{len(flat)} caches) is a {type(cache).__name__}, but its KV geometry cannot "
+                f"be observed: {seen}"
+            )
+        specs.append(_observed_spec(layer_id, kind, window, dtype, seen))
     return CacheLayout(specs)
 
 
@@ -514,12 +635,15 @@ def layout_from_model(model: object, *, dtype: mx.Dtype | None = None) -> CacheL
     per decoder layer: ``KVCache`` is a FULL layer, ``RotatingKVCache(max_size=W)`` (with
     ``keep=0``) a SLIDING layer of window ``W``, ``ArraysCache`` / ``MambaCache`` a STATE
     layer. Any other cache (``ChunkedKVCache``, a ``RotatingKVCache`` with ``keep > 0``,
-    ``CacheList``, ``QuantizedKVCache`` ...) or a list whose length is not the number of
-    layers is refused with an ``UnsupportedModelError`` naming the layer and the cache type.
-    Each layer is cross-checked with what the attributes below *declare* (a flag, a
-    ``layer_types`` entry, a pattern, a window); a disagreement is an
-    ``UnsupportedModelError`` naming both answers. Should ``make_cache()`` itself raise, the
-    attributes alone decide (as for a model without one).
+    ``QuantizedKVCache`` ...) is refused with an ``UnsupportedModelError`` naming the layer
+    and the cache type. Where the list holds one plain cache per decoder layer, each layer is
+    cross-checked with what the attributes below *declare* (a flag, a ``layer_types`` entry,
+    a pattern, a window); a disagreement is an ``UnsupportedModelError`` naming both
+    answers. Otherwise (a ``CacheList``, layers without a cache, layers run twice) the layer
+    ids are the positions in :func:`flatten_caches` of the list and the geometry is observed
+    from a one-token forward on the model's own caches; so is the geometry of a layer whose
+    attention module the attributes cannot describe (latent attention). Should
+    ``make_cache()`` itself raise, the attributes alone decide (as for a model without one).
 
     **From the attributes**, a layer's kind comes from, in order: a sliding flag on the
     layer or its attention module (``is_sliding``, ``is_local``, ``use_sliding``,

@@ -14,7 +14,6 @@ from kv_protocol import (
     KVCache,
     KVPool,
     RequestStateError,
-    UnsupportedModelError,
     attention_module,
     check_int,
     find_layers,
@@ -59,12 +58,8 @@ def build_pool(
     max_running = check_int(max_running, "max_running", minimum=1)
     max_context = check_int(max_context, "max_context", minimum=1)
     prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
-    if not layout.attention_layer_ids:
-        raise UnsupportedModelError(
-            f"every one of the model's {layout.num_layers} layers is a recurrent STATE layer: "
-            "the paged KV pool would hold nothing, and pure recurrent models (no attention "
-            "layer) are not served yet"
-        )
+    if not layout.attention_layer_ids:  # a pure recurrent model: no pages to size
+        return HybridKVPool(layout, num_pages={}, page_size={})
     if num_pages is not None:
         pages = check_int(num_pages, "num_pages", minimum=2)
         return HybridKVPool(layout, num_pages=pages, page_size=page_size)
