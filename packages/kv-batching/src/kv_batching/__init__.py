@@ -1,5 +1,8 @@
 """Batched paged decode for hybrid-attention mlx-lm models: context, attention wrapper, engine."""
 
+from ._attention_spec import AttentionSpec, NormMode
+from ._batched_attention import BatchedAttention
+from ._cache_nesting import CacheNesting
 from ._context import FUSED_ROPE_MAP_ERROR, BatchedDecodeContext, PoolAddressing
 from ._decode_paths import DecodePathChoice, DecodePlan, check_batched_decode, plan_decode_paths
 from ._engine import (
@@ -22,21 +25,20 @@ from ._layer_cache import (
     batched_layer_caches,
     decode_mask,
 )
-from ._state_cache import (
-    StackedStateCache,
-    StateCacheFactory,
-    StateSnapshot,
-    model_state_caches,
-    state_nbytes,
-)
-from ._wrapper import (
-    AttentionSpec,
-    BatchedAttention,
-    NormMode,
+from ._patching import (
     is_patched,
     patch_model_attention,
     unpatch_model_attention,
     wrap_attention_layer,
+)
+from ._state_cache import (
+    StackedStateCache,
+    StateCacheFactory,
+    StateSnapshot,
+    install_stacked_states,
+    model_state_caches,
+    request_caches,
+    state_nbytes,
 )
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "BatchedAttention",
     "BatchedDecodeContext",
     "BatchedLayerCache",
+    "CacheNesting",
     "DecodeEngine",
     "DecodePathChoice",
     "DecodePlan",
@@ -63,6 +66,7 @@ __all__ = [
     "batched_layer_caches",
     "check_batched_decode",
     "decode_mask",
+    "install_stacked_states",
     "pages_in_use",
     "sample_top_p",
     "state_nbytes",
@@ -72,6 +76,7 @@ __all__ = [
     "model_state_caches",
     "patch_model_attention",
     "plan_decode_paths",
+    "request_caches",
     "unpatch_model_attention",
     "vocabulary_size",
     "wrap_attention_layer",

@@ -32,8 +32,8 @@ from kv_protocol import (
 from ._cache_nesting import CacheNesting
 from ._context import BatchedDecodeContext, PoolAddressing
 from ._layer_cache import batched_layer_caches
+from ._patching import wrap_attention_layer
 from ._state_cache import StateCacheFactory, install_stacked_states, request_caches
-from ._wrapper import wrap_attention_layer
 
 __all__ = ["DecodePathChoice", "DecodePlan", "check_batched_decode", "plan_decode_paths"]
 

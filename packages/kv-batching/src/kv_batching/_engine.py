@@ -36,6 +36,7 @@ from ._cache_nesting import CacheNesting
 from ._context import BatchedDecodeContext, PoolAddressing
 from ._decode_paths import DecodePlan, check_batched_decode, plan_decode_paths
 from ._layer_cache import batched_layer_caches
+from ._patching import patch_model_attention, unpatch_model_attention
 from ._state_cache import (
     StateCacheFactory,
     StateSnapshot,
@@ -44,7 +45,6 @@ from ._state_cache import (
     request_caches,
     state_nbytes,
 )
-from ._wrapper import patch_model_attention, unpatch_model_attention
 
 __all__ = [
     "DEFAULT_STATS_WINDOW",

@@ -20,7 +20,10 @@ from ._layer_spec import KVGeometry, LayerKind, LayerSpec
 from ._layout import CacheLayout
 from ._model_layout import (
     ATTENTION_CHILD_NAMES,
+    HEAD_COUNT_NAMES,
     KV_HEAD_NAMES,
+    AttentionHeads,
+    attention_heads,
     attention_module,
     find_layers,
     first_attr,
@@ -41,12 +44,14 @@ from ._protocols import (
     PagedDecodeAttention,
     RopeScatterKernel,
 )
-from ._rope import RopeConfig
+from ._rope import RopeConfig, rope_config_from_module
 from ._validate import as_int, check_int, check_int_sequence, check_number, is_int
 
 __all__ = [
     "ATTENTION_CHILD_NAMES",
+    "HEAD_COUNT_NAMES",
     "KV_HEAD_NAMES",
+    "AttentionHeads",
     "CacheLayout",
     "CacheStateError",
     "DecodeKVCache",
@@ -77,6 +82,7 @@ __all__ = [
     "UnknownRequestError",
     "UnsupportedModelError",
     "as_int",
+    "attention_heads",
     "attention_module",
     "check_int",
     "check_int_sequence",
@@ -88,4 +94,5 @@ __all__ = [
     "language_model_container",
     "layout_from_model",
     "model_args",
+    "rope_config_from_module",
 ]

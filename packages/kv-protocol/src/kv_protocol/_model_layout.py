@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -14,7 +15,10 @@ from ._validate import as_int, check_int
 
 __all__ = [
     "ATTENTION_CHILD_NAMES",
+    "HEAD_COUNT_NAMES",
     "KV_HEAD_NAMES",
+    "AttentionHeads",
+    "attention_heads",
     "attention_module",
     "find_layers",
     "first_attr",
@@ -37,6 +41,8 @@ SLIDING_FLAG_NAMES = (
 WINDOW_NAMES = ("window_size", "sliding_window")
 #: Attribute names of an attention module's KV head count, in lookup order.
 KV_HEAD_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv")
+#: Attribute names of an attention module's query head count, in lookup order.
+HEAD_COUNT_NAMES = ("n_heads", "num_attention_heads", "num_heads", "n_head")
 SLIDING_LAYER_TYPES = frozenset({"sliding_attention", "sliding_window_attention", "local"})
 FULL_LAYER_TYPES = frozenset({"full_attention", "attention", "global"})
 STATE_LAYER_TYPES = frozenset(
@@ -186,36 +192,90 @@ def _kv_dtype(attn: Any) -> mx.Dtype:
     return mx.float32
 
 
-def _geometry(attn: Any, args: object | None, layer_id: int) -> tuple[int, int]:
-    where = f"layer {layer_id}: "
-    name, n_kv = _named_attr(attn, KV_HEAD_NAMES)
-    if n_kv is None and args is not None:
-        name, n_kv = _named_attr(
+@dataclass(frozen=True, kw_only=True)
+class AttentionHeads:
+    """An attention module's head counts and K head width, as :func:`attention_heads` reads them.
+
+    ``n_heads`` (query heads) is ``None`` where the module does not say and ``q_proj`` cannot
+    tell; ``q_features`` and ``k_features`` are the projections' output widths, if known.
+    """
+
+    n_heads: int | None
+    n_kv_heads: int
+    head_dim: int
+    q_features: int | None
+    k_features: int | None
+
+
+def _out_features(linear: object) -> int | None:
+    weight = getattr(linear, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, mx.array) else None
+
+
+def attention_heads(attn: Any, where: str, args: object | None = None) -> AttentionHeads:
+    """The one rule for an attention module's head counts, used by the layout and the wrapper.
+
+    KV heads: the module's ``n_kv_heads`` / ``num_key_value_heads`` / ``num_kv_heads`` /
+    ``n_kv``, else (with ``args``, the model's ``ModelArgs``) the model's
+    ``num_key_value_heads`` / ``num_kv_heads`` / ``num_attention_heads``, else ``k_proj``'s
+    width over ``head_dim``. Query heads: ``n_heads`` / ``num_attention_heads`` /
+    ``num_heads`` / ``n_head``, else ``q_proj``'s width over ``head_dim``. ``head_dim``: the
+    module's own, else ``k_proj``'s width over the KV heads, else ``q_proj``'s over the query
+    heads. ``k_proj`` must produce exactly ``n_kv_heads * head_dim`` features. Raises
+    ``UnsupportedModelError`` (naming ``where``) when the counts cannot be read or are not
+    ints >= 1.
+    """
+    q_out = _out_features(getattr(attn, "q_proj", None))
+    k_out = _out_features(getattr(attn, "k_proj", None))
+    kv_name, raw_kv = _named_attr(attn, KV_HEAD_NAMES)
+    if raw_kv is None and args is not None:
+        kv_name, raw_kv = _named_attr(
             args, ("num_key_value_heads", "num_kv_heads", "num_attention_heads")
         )
-    heads = None
-    if n_kv is not None:
-        heads = check_int(n_kv, where + name, minimum=1, error=UnsupportedModelError)
-    k_weight = getattr(getattr(attn, "k_proj", None), "weight", None)
-    k_out = int(k_weight.shape[0]) if isinstance(k_weight, mx.array) else None
-    head_dim = None
+    q_name, raw_heads = _named_attr(attn, HEAD_COUNT_NAMES)
+    n_kv = (
+        check_int(raw_kv, f"{where}: {kv_name}", minimum=1, error=UnsupportedModelError)
+        if raw_kv is not None
+        else None
+    )
+    n_heads = (
+        check_int(raw_heads, f"{where}: {q_name}", minimum=1, error=UnsupportedModelError)
+        if raw_heads is not None
+        else None
+    )
+    head_dim: int | None = None
     raw_head_dim = getattr(attn, "head_dim", None)
     if raw_head_dim is not None:
         head_dim = check_int(
-            raw_head_dim, where + "head_dim", minimum=1, error=UnsupportedModelError
+            raw_head_dim, f"{where}: head_dim", minimum=1, error=UnsupportedModelError
         )
-    elif heads is not None and k_out:
-        head_dim = k_out // heads
-    if not heads or not head_dim:
+    elif n_kv is not None and k_out:
+        head_dim = k_out // n_kv
+    elif n_heads is not None and q_out:
+        head_dim = q_out // n_heads
+    if head_dim:
+        if n_kv is None and k_out:
+            n_kv = k_out // head_dim
+        if n_heads is None and q_out:
+            n_heads = q_out // head_dim
+    if not n_kv or not head_dim:
         raise UnsupportedModelError(
-            f"cannot determine the KV geometry (n_kv_heads, head_dim) of layer {layer_id}"
+            f"{where}: cannot determine the attention head counts (n_heads={n_heads}, "
+            f"n_kv_heads={n_kv}, head_dim={head_dim}); expected attributes such as n_heads / "
+            "num_attention_heads, n_kv_heads / num_key_value_heads, head_dim"
         )
-    if k_out is not None and k_out != heads * head_dim:
+    if k_out is not None and k_out != n_kv * head_dim:
         raise UnsupportedModelError(
-            f"layer {layer_id}: k_proj produces {k_out} features, expected "
-            f"n_kv_heads * head_dim = {heads} * {head_dim}"
+            f"{where}: k_proj produces {k_out} features, expected n_kv_heads * head_dim = "
+            f"{n_kv} * {head_dim}"
         )
-    return heads, head_dim
+    return AttentionHeads(
+        n_heads=n_heads or None,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        q_features=q_out,
+        k_features=k_out,
+    )
 
 
 #: mlx-lm cache classes (matched by exact class name: kv-protocol does not import mlx-lm)
@@ -516,7 +576,8 @@ def _attention_spec(
             "attention module with q_proj / k_proj / v_proj or declared KV heads and head_dim "
             f"(found: {found}), so its KV geometry cannot be read{probe}"
         )
-    n_kv, head_dim = _geometry(attn, config.args, layer_id)
+    heads = attention_heads(attn, f"layer {layer_id}", config.args)
+    n_kv, head_dim = heads.n_kv_heads, heads.head_dim
     return LayerSpec(
         layer_id=layer_id,
         kind=kind,
