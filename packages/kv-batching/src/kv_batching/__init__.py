@@ -8,15 +8,10 @@ from ._decode_paths import DecodePathChoice, DecodePlan, check_batched_decode, p
 from ._engine import (
     DecodeEngine,
     EngineStats,
-    LastPositionForward,
     PrefillCacheFactory,
     RequestOutput,
     RequestStatus,
-    last_position_forward,
     pages_in_use,
-    sample_top_p,
-    token_key,
-    vocabulary_size,
 )
 from ._layer_cache import (
     DECODE_PATHS,
@@ -25,12 +20,14 @@ from ._layer_cache import (
     batched_layer_caches,
     decode_mask,
 )
+from ._model_forward import LastPositionForward, last_position_forward, vocabulary_size
 from ._patching import (
     is_patched,
     patch_model_attention,
     unpatch_model_attention,
     wrap_attention_layer,
 )
+from ._sampling import sample_top_p, token_key
 from ._state_cache import (
     StackedStateCache,
     StateCacheFactory,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import time
@@ -27,16 +26,16 @@ from kv_protocol import (
     check_int,
     check_int_sequence,
     check_number,
-    language_model_container,
     layout_from_model,
-    model_args,
 )
 
 from ._cache_nesting import CacheNesting
 from ._context import BatchedDecodeContext, PoolAddressing
 from ._decode_paths import DecodePlan, check_batched_decode, plan_decode_paths
 from ._layer_cache import batched_layer_caches
+from ._model_forward import last_position_forward, vocabulary_size
 from ._patching import patch_model_attention, unpatch_model_attention
+from ._sampling import sample_top_p, token_key
 from ._state_cache import (
     StateCacheFactory,
     StateSnapshot,
@@ -50,21 +49,13 @@ __all__ = [
     "DEFAULT_STATS_WINDOW",
     "DecodeEngine",
     "EngineStats",
-    "LastPositionForward",
     "PrefillCacheFactory",
     "RequestOutput",
     "RequestStatus",
     "pages_in_use",
-    "last_position_forward",
-    "sample_top_p",
-    "token_key",
-    "vocabulary_size",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Attribute names under which mlx-lm models keep their input embedding table.
-_EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embedding")
 
 #: ``make_prefill_cache(pool, request_id, layer_id)`` -> a per-request, per-layer cache.
 PrefillCacheFactory = Callable[[KVPool, int, int], KVCache]
@@ -259,68 +250,6 @@ def pages_in_use(pool: object) -> dict[str, int] | None:
     if callable(direct):
         return {str(k): int(v) for k, v in dict(direct()).items()}
     return None
-
-
-def vocabulary_size(model: object) -> int | None:
-    """Rows of the model's input embedding table (or its ``args.vocab_size``), if it tells.
-
-    Token ids must be below it: an id past the table reads memory past its end.
-    """
-    owners: list[object] = [model]
-    with contextlib.suppress(UnsupportedModelError):
-        owners.insert(0, language_model_container(model))
-    for owner in owners:
-        for name in _EMBEDDING_NAMES:
-            weight = getattr(getattr(owner, name, None), "weight", None)
-            if isinstance(weight, mx.array) and weight.ndim == 2:
-                return int(weight.shape[0])
-    if isinstance(model, nn.Module):
-        # Deeper containers (a multimodal wrapper's language model): the first table found.
-        for path, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            named = path.rsplit(".", 1)[-1] in _EMBEDDING_NAMES
-            if named and isinstance(weight, mx.array) and weight.ndim == 2:
-                return int(weight.shape[0])
-    declared = as_int(getattr(model_args(model), "vocab_size", None))
-    return declared if declared is not None and declared > 0 else None
-
-
-#: ``forward(tokens (1, T), caches) -> logits (1, 1, vocab)`` of the last position only.
-LastPositionForward = Callable[[mx.array, list[Any]], mx.array]
-
-
-def last_position_forward(model: nn.Module, vocab_size: int) -> LastPositionForward | None:
-    """A forward that projects only the last position onto the vocabulary, if it is exact.
-
-    mlx-lm models are ``head(backbone(tokens, cache))`` with ``head`` an ``lm_head`` or the
-    tied embedding's ``as_linear``. Prefill samples from the last position only, so the
-    head of every other position is wasted work (with a 262k vocabulary, more than the rest
-    of the model). The split is probed once on a short random input: it is used only when its
-    last-position logits equal the model's own, so a model that post-processes its logits
-    (soft-capping, scaling) keeps the full path.
-    """
-    backbone = getattr(model, "model", None)
-    if not isinstance(backbone, nn.Module):
-        return None
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Module):
-        head = getattr(getattr(backbone, "embed_tokens", None), "as_linear", None)
-    if not callable(head):
-        return None
-    project = head
-
-    def forward(tokens: mx.array, caches: list[Any]) -> mx.array:
-        hidden = backbone(tokens, cache=caches)
-        return cast(mx.array, project(hidden[:, -1:, :]))
-
-    probe = mx.array([[(7 * i + 3) % vocab_size for i in range(5)]], dtype=mx.int32)
-    try:
-        full = model(probe)[:, -1:, :]
-        fast = forward(probe, cast(list[Any], None))
-        same = full.shape == fast.shape and bool(mx.allclose(full, fast, rtol=1e-5, atol=1e-5))
-    except Exception:  # any model the split does not fit keeps the full path
-        return None
-    return forward if same else None
 
 
 def _plan_and_check(
@@ -1011,31 +940,3 @@ def _host_tokens(tokens: object, what: str) -> object:
             )
         return tokens.reshape(-1).tolist()
     return tokens
-
-
-def token_key(seed: int, index: int) -> mx.array:
-    """The random key of the ``index``-th generated token of a request seeded ``seed``.
-
-    A pure function of both (the ``index``-th of ``index + 1`` keys split from the seed's
-    key), so a rolled-back or re-prefilled step samples the same token again.
-    """
-    return mx.random.split(mx.random.key(seed), index + 1)[index]
-
-
-def sample_top_p(
-    logits: mx.array, temperatures: Sequence[float], top_ps: Sequence[float], key: mx.array
-) -> mx.array:
-    """Temperature + nucleus sampling, one row per request, in one graph.
-
-    Row ``b`` keeps the smallest set of most likely tokens whose probability reaches
-    ``top_ps[b]`` (the most likely token always stays) and samples from it.
-    """
-    scaled = logits.astype(mx.float32) / mx.array(list(temperatures), dtype=mx.float32)[:, None]
-    order = mx.argsort(-scaled, axis=-1)
-    ranked = mx.take_along_axis(scaled, order, axis=-1)
-    probs = mx.softmax(ranked, axis=-1)
-    before = mx.cumsum(probs, axis=-1) - probs
-    keep = before < mx.array(list(top_ps), dtype=mx.float32)[:, None]
-    masked = mx.where(keep, ranked, mx.array(-mx.inf, dtype=mx.float32))
-    choice = mx.random.categorical(masked, key=key)
-    return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]

@@ -1,0 +1,84 @@
+"""What the engine reads off the model and how it runs a prefill forward: vocabulary, head."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kv_protocol import (
+    UnsupportedModelError,
+    as_int,
+    language_model_container,
+    model_args,
+)
+
+__all__ = ["LastPositionForward", "last_position_forward", "vocabulary_size"]
+
+#: Attribute names under which mlx-lm models keep their input embedding table.
+_EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embedding")
+
+
+def vocabulary_size(model: object) -> int | None:
+    """Rows of the model's input embedding table (or its ``args.vocab_size``), if it tells.
+
+    Token ids must be below it: an id past the table reads memory past its end.
+    """
+    owners: list[object] = [model]
+    with contextlib.suppress(UnsupportedModelError):
+        owners.insert(0, language_model_container(model))
+    for owner in owners:
+        for name in _EMBEDDING_NAMES:
+            weight = getattr(getattr(owner, name, None), "weight", None)
+            if isinstance(weight, mx.array) and weight.ndim == 2:
+                return int(weight.shape[0])
+    if isinstance(model, nn.Module):
+        # Deeper containers (a multimodal wrapper's language model): the first table found.
+        for path, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            named = path.rsplit(".", 1)[-1] in _EMBEDDING_NAMES
+            if named and isinstance(weight, mx.array) and weight.ndim == 2:
+                return int(weight.shape[0])
+    declared = as_int(getattr(model_args(model), "vocab_size", None))
+    return declared if declared is not None and declared > 0 else None
+
+
+#: ``forward(tokens (1, T), caches) -> logits (1, 1, vocab)`` of the last position only.
+LastPositionForward = Callable[[mx.array, list[Any]], mx.array]
+
+
+def last_position_forward(model: nn.Module, vocab_size: int) -> LastPositionForward | None:
+    """A forward that projects only the last position onto the vocabulary, if it is exact.
+
+    mlx-lm models are ``head(backbone(tokens, cache))`` with ``head`` an ``lm_head`` or the
+    tied embedding's ``as_linear``. Prefill samples from the last position only, so the
+    head of every other position is wasted work (with a 262k vocabulary, more than the rest
+    of the model). The split is probed once on a short random input: it is used only when its
+    last-position logits equal the model's own, so a model that post-processes its logits
+    (soft-capping, scaling) keeps the full path.
+    """
+    backbone = getattr(model, "model", None)
+    if not isinstance(backbone, nn.Module):
+        return None
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module):
+        head = getattr(getattr(backbone, "embed_tokens", None), "as_linear", None)
+    if not callable(head):
+        return None
+    project = head
+
+    def forward(tokens: mx.array, caches: list[Any]) -> mx.array:
+        hidden = backbone(tokens, cache=caches)
+        return cast(mx.array, project(hidden[:, -1:, :]))
+
+    probe = mx.array([[(7 * i + 3) % vocab_size for i in range(5)]], dtype=mx.int32)
+    try:
+        full = model(probe)[:, -1:, :]
+        fast = forward(probe, cast(list[Any], None))
+        same = full.shape == fast.shape and bool(mx.allclose(full, fast, rtol=1e-5, atol=1e-5))
+    except Exception:  # any model the split does not fit keeps the full path
+        return None
+    return forward if same else None
