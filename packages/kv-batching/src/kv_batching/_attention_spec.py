@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -102,20 +102,14 @@ def inspect_attention(inner: Any, layer_id: int, sliding: bool) -> AttentionSpec
         raise UnsupportedModelError(
             f"{where}: cannot determine the attention scale (no `scale` or `sm_scale`)"
         )
-    heads = attention_heads(inner, where)
+    heads = attention_heads(inner, where, require_query_heads=True)
     n_kv, head_dim, q_out, k_out = (
         heads.n_kv_heads,
         heads.head_dim,
         heads.q_features,
         heads.k_features,
     )
-    n_heads = heads.n_heads
-    if n_heads is None:
-        raise UnsupportedModelError(
-            f"{where}: cannot determine the attention head counts (n_heads=None, "
-            f"n_kv_heads={n_kv}, head_dim={head_dim}); expected attributes such as n_heads / "
-            "num_attention_heads, n_kv_heads / num_key_value_heads, head_dim"
-        )
+    n_heads = cast(int, heads.n_heads)  # required above
     if q_out is not None and q_out != n_heads * head_dim:
         raise UnsupportedModelError(
             f"{where}: q_proj produces {q_out} features, expected n_heads * head_dim = "

@@ -212,7 +212,9 @@ def _out_features(linear: object) -> int | None:
     return int(weight.shape[0]) if isinstance(weight, mx.array) else None
 
 
-def attention_heads(attn: Any, where: str, args: object | None = None) -> AttentionHeads:
+def attention_heads(
+    attn: Any, where: str, args: object | None = None, *, require_query_heads: bool = False
+) -> AttentionHeads:
     """The one rule for an attention module's head counts, used by the layout and the wrapper.
 
     KV heads: the module's ``n_kv_heads`` / ``num_key_value_heads`` / ``num_kv_heads`` /
@@ -223,7 +225,7 @@ def attention_heads(attn: Any, where: str, args: object | None = None) -> Attent
     module's own, else ``k_proj``'s width over the KV heads, else ``q_proj``'s over the query
     heads. ``k_proj`` must produce exactly ``n_kv_heads * head_dim`` features. Raises
     ``UnsupportedModelError`` (naming ``where``) when the counts cannot be read or are not
-    ints >= 1.
+    ints >= 1, or (with ``require_query_heads``) when the query heads cannot.
     """
     q_out = _out_features(getattr(attn, "q_proj", None))
     k_out = _out_features(getattr(attn, "k_proj", None))
@@ -258,7 +260,7 @@ def attention_heads(attn: Any, where: str, args: object | None = None) -> Attent
             n_kv = k_out // head_dim
         if n_heads is None and q_out:
             n_heads = q_out // head_dim
-    if not n_kv or not head_dim:
+    if not n_kv or not head_dim or (require_query_heads and not n_heads):
         raise UnsupportedModelError(
             f"{where}: cannot determine the attention head counts (n_heads={n_heads}, "
             f"n_kv_heads={n_kv}, head_dim={head_dim}); expected attributes such as n_heads / "
