@@ -115,7 +115,7 @@ def hooked(engine: DecodeEngine, point: str, fault: Fault) -> Iterator[None]:
     if point == "factory":
         target, name = engine, "make_prefill_cache"
     elif point == "sample":
-        target, name = engine, "_sample"
+        target, name = engine.sampler, "sample"
     elif point == "reserve_batch":
         target, name = engine.pool, "reserve_batch"
     elif point == "reserve":

@@ -16,6 +16,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from kv_protocol import (
     CacheLayout,
+    KVLifetime,
     LayerKind,
     PoolExhaustedError,
     RequestStateError,
@@ -34,10 +35,7 @@ class _SubPool:
         self.tables: dict[int, list[int]] = {}
 
     def first_visible(self, seq_len: int) -> int:
-        # The query at position seq_len sees positions seq_len - window + 1 .. seq_len.
-        if self.window is None:
-            return 0
-        return max(0, seq_len - self.window + 1)
+        return KVLifetime(self.window).first_visible(seq_len)
 
     def plan(self, table: list[int], seq_len: int, n: int) -> tuple[int, list[int]]:
         """(pages to allocate, table indices to release) to reserve n more tokens."""
@@ -397,7 +395,7 @@ class FakePrefillCache:
         return ()
 
     def _kept(self) -> int:
-        return self._offset if self.window is None else min(self._offset, self.window - 1)
+        return KVLifetime(self.window).kept_before(self._offset)
 
     def make_mask(
         self, N: int, *, return_array: bool = False, window_size: int | None = None

@@ -12,7 +12,9 @@ from kv_batching import (
     FUSED_ROPE_MAP_ERROR,
     BatchedDecodeContext,
     BatchedLayerCache,
+    DecodeStep,
     PoolAddressing,
+    PoolDecodeCache,
     batched_layer_caches,
 )
 from kv_protocol import (
@@ -94,7 +96,7 @@ def test_empty_batch_is_a_clear_error() -> None:
     with pytest.raises(RequestStateError, match="empty batch"):
         ctx([])
     with pytest.raises(ValueError, match="empty batch"):
-        BatchedDecodeContext.from_pool(FakePagedPool(gpt_oss_like()), [], FakeKernels())
+        DecodeStep.from_pool(FakePagedPool(gpt_oss_like()), [], FakeKernels())
 
 
 @pytest.mark.parametrize(
@@ -203,23 +205,43 @@ def test_from_pool_reserves_one_token_and_reads_slots_at_the_old_length() -> Non
     for rid, n in ((10, 5), (11, 1), (12, 9)):
         pool.add_request(rid)
         pool.reserve(rid, n)
-    c = BatchedDecodeContext.from_pool(pool, [10, 11, 12], FakeKernels())
+    step = DecodeStep.from_pool(pool, [10, 11, 12], FakeKernels())
+    c = step.context
     assert pool.reserve_batch_calls == 1  # one atomic reservation for the whole batch
     assert c.seq_lens == (5, 1, 9)
     assert [pool.seq_len(r) for r in (10, 11, 12)] == [6, 2, 10]
-    assert c.addressing is not None and c.addressing.sub_pools == ("sliding", "full")
+    assert step.addressing.sub_pools == ("sliding", "full")
     for name in ("full", "sliding"):
         layer = 1 if name == "full" else 0
         want = [
             pool.token_slots(r, layer, s, s + 1).item()
             for r, s in zip((10, 11, 12), c.seq_lens, strict=True)
         ]
-        assert c.new_token_slots[name].tolist() == want
-        assert c.new_token_slots[name].dtype == mx.int32
-        assert c.page_tables[name].tolist() == pool.batch_page_table([10, 11, 12], name).tolist()
+        sub = step.sub_pools[name]
+        assert sub.new_token_slots.tolist() == want
+        assert sub.new_token_slots.dtype == mx.int32
+        assert sub.page_table.tolist() == pool.batch_page_table([10, 11, 12], name).tolist()
     assert dict(c.full_kv_pool_index_by_layer) == {1: 0, 3: 1}
-    assert c.sub_pool(2) == "sliding" and c.sub_pool(3) == "full"
-    assert c.window(0) == 4 and c.window(1) is None
+    # Each attention layer's own view: its sub-pool's arrays, page size and window.
+    for layer_id in range(4):
+        view = step.layer(layer_id)
+        name = "sliding" if layer_id % 2 == 0 else "full"
+        assert view.layer_id == layer_id and view.pool_layer == layer_id
+        assert view.sub_pool == name and view.page_size == 2
+        assert view.window == (4 if name == "sliding" else None)
+        assert view.new_token_slots is step.sub_pools[name].new_token_slots
+        assert view.page_table is step.sub_pools[name].page_table
+        assert view.fused_rope is False and view.context is c and view.pool is pool
+    with pytest.raises(LayerKindError, match="not an attention layer"):
+        step.layer(4)
+
+
+def test_only_full_layers_are_addressed_by_the_fused_kernel() -> None:
+    pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4)
+    pool.add_request(0)
+    pool.reserve(0, 3)
+    step = DecodeStep.from_pool(pool, [0], FakeKernels(rope=FakeRope()))
+    assert [step.layer(i).fused_rope for i in range(4)] == [False, True, False, True]
 
 
 def test_from_pool_without_room_reserves_nothing() -> None:
@@ -230,7 +252,7 @@ def test_from_pool_without_room_reserves_nothing() -> None:
     pool.reserve(1, 2)
     before = (pool.seq_len(0), pool.seq_len(1), pool.free_pages())
     with pytest.raises(CacheStateError, match="nothing was reserved"):
-        BatchedDecodeContext.from_pool(pool, [0, 1], FakeKernels())
+        DecodeStep.from_pool(pool, [0, 1], FakeKernels())
     assert (pool.seq_len(0), pool.seq_len(1), pool.free_pages()) == before
 
 
@@ -238,23 +260,57 @@ def test_from_pool_without_reserve_reads_only() -> None:
     pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4)
     pool.add_request(3)
     pool.reserve(3, 5)
-    c = BatchedDecodeContext.from_pool(pool, [3], FakeKernels(), reserve=False)
-    assert c.seq_lens == (5,) and pool.seq_len(3) == 5
+    step = DecodeStep.from_pool(pool, [3], FakeKernels(), reserve=False)
+    assert step.context.seq_lens == (5,) and pool.seq_len(3) == 5
+
+
+def test_a_step_needs_every_sub_pool() -> None:
+    pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4)
+    pool.add_request(0)
+    pool.reserve(0, 2)
+    full = DecodeStep.from_pool(pool, [0], FakeKernels())
+    with pytest.raises(CacheStateError, match=r"missing \['full'\]"):
+        DecodeStep(
+            context=full.context,
+            pool=pool,
+            kernels=FakeKernels(),
+            addressing=full.addressing,
+            sub_pools={"sliding": full.sub_pools["sliding"]},
+        )
 
 
 def test_pool_addressing() -> None:
     pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4, sliding_page_size=2)
     plan = PoolAddressing.from_pool(pool)
-    assert dict(plan.sub_pool_by_layer) == {0: "sliding", 1: "full", 2: "sliding", 3: "full"}
-    assert dict(plan.page_size_by_layer) == {0: 2, 1: 4, 2: 2, 3: 4}
+    assert {i: a.sub_pool for i, a in plan.layers.items()} == {
+        0: "sliding",
+        1: "full",
+        2: "sliding",
+        3: "full",
+    }
+    assert {i: a.page_size for i, a in plan.layers.items()} == {0: 2, 1: 4, 2: 2, 3: 4}
+    assert {i: a.full_pool_index for i, a in plan.layers.items()} == {
+        0: None,
+        1: 0,
+        2: None,
+        3: 1,
+    }
+    assert {i: a.window for i, a in plan.layers.items()} == {0: 8, 1: None, 2: 8, 3: None}
 
 
 # ---------------------------------------------------------------- the layer cache shim
 
 
+def step_of(seq_lens: list[int], layout: CacheLayout | None = None) -> DecodeStep:
+    pool = FakePagedPool(layout or gpt_oss_like(), num_pages=32, page_size=4)
+    for rid, n in enumerate(seq_lens):
+        pool.add_request(rid)
+        pool.reserve(rid, n)
+    return DecodeStep.from_pool(pool, list(range(len(seq_lens))), FakeKernels())
+
+
 def test_batched_layer_cache_is_a_data_free_shim() -> None:
-    c = ctx([4, 9])
-    shims = batched_layer_caches(c)
+    shims = batched_layer_caches(step_of([4, 9]))
     assert [s.layer_id for s in shims] == [0, 1, 2, 3]
     shim = shims[1]
     assert isinstance(shim, BatchedLayerCache)
@@ -275,6 +331,14 @@ def test_batched_layer_cache_is_a_data_free_shim() -> None:
     with pytest.raises(CacheStateError, match="planned for the patched fast path"):
         shim.update_and_fetch(mx.zeros((2, 2, 1, 8)), mx.zeros((2, 2, 1, 8)))
     assert "layer_id=1" in repr(shim)
+
+
+def test_layer_caches_by_path_and_none_for_state_layers() -> None:
+    caches = batched_layer_caches(step_of([2, 5], with_state_layer()), universal_layers={2})
+    assert caches[0] is None  # a STATE layer: its stacked recurrent state goes there
+    assert isinstance(caches[1], BatchedLayerCache)
+    assert isinstance(caches[2], PoolDecodeCache) and caches[2].layer.window == 4
+    assert caches[2].offset.tolist() == [2, 5]
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kv_batching import (
     BatchedAttention,
-    BatchedDecodeContext,
+    DecodeStep,
     NormMode,
     batched_layer_caches,
     is_patched,
@@ -236,12 +236,12 @@ def test_batched_decode_equals_each_request_alone(arch: str, fused: bool) -> Non
             )
     set_before = pool.set_kv_calls
     ids = list(range(len(seq_lens)))
-    ctx = BatchedDecodeContext.from_pool(pool, ids, kernels)
+    step = DecodeStep.from_pool(pool, ids, kernels)
     x = mx.random.normal((len(seq_lens), 1, 64), key=mx.random.key(9))
     attention = kernels.attention
     for layer_id, layer in enumerate(model.layers):
         wrapper = layer.self_attn
-        got = wrapper.batched_decode(x, ctx)
+        got = wrapper.batched_decode(x, step.layer(layer_id))
         window = layout.window(layer_id)
         for b, rid in enumerate(ids):
             want = dense_reference(wrapper.inner, x[b : b + 1], histories[rid, layer_id], window)
@@ -266,7 +266,7 @@ def test_kernel_refusing_the_rope_variant_falls_back_to_unfused() -> None:
     pool.add_request(0)
     pool.reserve(0, 3)
     rope = FakeRope(refuse=True)
-    ctx = BatchedDecodeContext.from_pool(pool, [0], FakeKernels(rope=rope))
-    model(mx.array([[3]]), cache=batched_layer_caches(ctx))
+    step = DecodeStep.from_pool(pool, [0], FakeKernels(rope=rope))
+    model(mx.array([[3]]), cache=batched_layer_caches(step))
     assert rope.calls == 0 and pool.replace_calls == 0 and pool.set_kv_calls == 4
     assert all(layout.kind(i) in (LayerKind.FULL, LayerKind.SLIDING) for i in range(4))

@@ -9,6 +9,7 @@ model's thread). Servers are started and stopped by the fixtures (uvicorn on a t
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import random
 import threading
@@ -553,7 +554,13 @@ def test_full_queue_is_429_and_an_engine_failure_is_500_for_that_request_only(
                 while running.server.worker.waiting < 1:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.005)
-                refused = await http.post("/v1/completions", json=GOOD)
+                try:
+                    refused = await http.post("/v1/completions", json=GOOD, timeout=30)
+                except httpx.TimeoutException:
+                    # The refusal needs no engine work: a hang here is a bug; show every
+                    # thread's stack (pytest reports the captured stderr).
+                    faulthandler.dump_traceback(all_threads=True)
+                    raise
                 assert_error(refused, 429)
                 assert refused.headers["Retry-After"] == "1"
                 assert refused.json()["error"]["type"] == "rate_limit_error"

@@ -3,16 +3,17 @@
 from ._attention_spec import AttentionSpec, NormMode
 from ._batched_attention import BatchedAttention
 from ._cache_nesting import CacheNesting
-from ._context import FUSED_ROPE_MAP_ERROR, BatchedDecodeContext, PoolAddressing
-from ._decode_paths import DecodePathChoice, DecodePlan, check_batched_decode, plan_decode_paths
-from ._engine import (
-    DecodeEngine,
-    EngineStats,
-    PrefillCacheFactory,
-    RequestOutput,
-    RequestStatus,
-    pages_in_use,
+from ._context import FUSED_ROPE_MAP_ERROR, BatchedDecodeContext
+from ._decode_paths import (
+    DecodePathChoice,
+    DecodePlan,
+    check_batched_decode,
+    choose_decode_paths,
+    plan_decode_paths,
 )
+from ._decode_step import DecodeStep, LayerAddress, LayerStep, PoolAddressing, SubPoolStep
+from ._engine import DecodeEngine, PrefillCacheFactory
+from ._engine_stats import DEFAULT_STATS_WINDOW, EngineStats, pages_in_use
 from ._layer_cache import (
     DECODE_PATHS,
     BatchedLayerCache,
@@ -21,13 +22,16 @@ from ._layer_cache import (
     decode_mask,
 )
 from ._model_forward import LastPositionForward, last_position_forward, vocabulary_size
+from ._model_runner import DecodeOutput, ModelRunner
 from ._patching import (
     is_patched,
     patch_model_attention,
     unpatch_model_attention,
     wrap_attention_layer,
 )
-from ._sampling import sample_top_p, token_key
+from ._requests import RequestOutput, RequestStatus
+from ._sampling import Sampler, SamplingRow, sample_top_p, token_key
+from ._scheduler import Scheduler
 from ._state_cache import (
     StackedStateCache,
     StateCacheFactory,
@@ -40,6 +44,16 @@ from ._state_cache import (
 
 __all__ = [
     "DECODE_PATHS",
+    "DEFAULT_STATS_WINDOW",
+    "DecodeOutput",
+    "DecodeStep",
+    "LayerAddress",
+    "LayerStep",
+    "ModelRunner",
+    "Sampler",
+    "SamplingRow",
+    "Scheduler",
+    "SubPoolStep",
     "FUSED_ROPE_MAP_ERROR",
     "AttentionSpec",
     "BatchedAttention",
@@ -62,6 +76,7 @@ __all__ = [
     "PoolDecodeCache",
     "batched_layer_caches",
     "check_batched_decode",
+    "choose_decode_paths",
     "decode_mask",
     "install_stacked_states",
     "pages_in_use",

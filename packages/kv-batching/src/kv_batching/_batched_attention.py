@@ -13,7 +13,7 @@ from kv_protocol import (
 )
 
 from ._attention_spec import AttentionSpec, project_qkv
-from ._context import BatchedDecodeContext
+from ._decode_step import LayerStep
 from ._layer_cache import BatchedLayerCache
 
 __all__ = ["BatchedAttention"]
@@ -50,40 +50,40 @@ class BatchedAttention(nn.Module):
         """
         for candidate in (kwargs.get("cache"), *args):
             if isinstance(candidate, BatchedLayerCache):
-                return self.batched_decode(x, candidate.context)
+                return self.batched_decode(x, candidate.layer)
         result: mx.array = self.inner(x, *args, **kwargs)
         return result
 
-    def batched_decode(self, x: mx.array, ctx: BatchedDecodeContext) -> mx.array:
+    def batched_decode(self, x: mx.array, layer: LayerStep) -> mx.array:
         """One decode token per request: project, RoPE, write K/V to the pool, paged attention.
 
-        ``x`` is ``(B, 1, hidden)`` with row ``b`` the token of ``ctx.request_ids[b]``.
+        ``x`` is ``(B, 1, hidden)`` with row ``b`` the token of the step's ``b``-th request.
         """
         spec = self.spec
-        layer_id = spec.layer_id
+        if layer.layer_id != spec.layer_id:
+            raise CacheStateError(
+                f"the wrapper of layer {spec.layer_id} was handed the decode view of layer "
+                f"{layer.layer_id}; each layer must get its own cache"
+            )
+        ctx = layer.context
         batch = x.shape[0]
         if x.ndim != 3 or x.shape[1] != 1 or batch != ctx.batch_size:
             raise ShapeMismatchError(
-                f"batched decode of layer {layer_id} expects x of shape ({ctx.batch_size}, 1, "
-                f"hidden), got {tuple(x.shape)}"
+                f"batched decode of layer {spec.layer_id} expects x of shape ({ctx.batch_size}, "
+                f"1, hidden), got {tuple(x.shape)}"
             )
-        pool = ctx.pool
-        if pool is None:
-            raise CacheStateError(
-                "the BatchedDecodeContext has no pool; build it with BatchedDecodeContext.from_pool"
-            )
+        pool = layer.pool
+        kernels = layer.kernels
         inner: Any = self.inner
-        sub_pool = ctx.sub_pool(layer_id)
-        pool_layer = ctx.pool_layer(layer_id)
-        slots = ctx.new_token_slots[sub_pool]
+        pool_layer = layer.pool_layer
         q, k, v = project_qkv(inner, spec, x)
 
-        rope_kernel = ctx.aot.rope
+        rope_kernel = kernels.rope
         config = spec.rope_config
         if (
-            rope_kernel is not None
+            layer.fused_rope
+            and rope_kernel is not None
             and config is not None
-            and layer_id in ctx.full_kv_pool_index_by_layer
             and rope_kernel.supports(config)
         ):
             q, _, k_pool, v_pool = rope_kernel(
@@ -91,7 +91,7 @@ class BatchedAttention(nn.Module):
                 k,
                 v,
                 ctx.offsets,
-                slots,
+                layer.new_token_slots,
                 pool.get_key_buffer(pool_layer),
                 pool.get_value_buffer(pool_layer),
                 rope=config,
@@ -103,18 +103,17 @@ class BatchedAttention(nn.Module):
             if spec.uses_rope:
                 q4 = inner.rope(q4, offset=ctx.offsets)
                 k = inner.rope(k[:, :, None, :], offset=ctx.offsets)[:, :, 0, :]
-            pool.set_kv(pool_layer, slots, k, v)
+            pool.set_kv(pool_layer, layer.new_token_slots, k, v)
 
-        assert ctx.addressing is not None  # sub_pool() checked it
-        out = ctx.aot.attention(
+        out = kernels.attention(
             q4,
             pool.get_key_buffer(pool_layer),
             pool.get_value_buffer(pool_layer),
-            ctx.page_tables[sub_pool],
+            layer.page_table,
             ctx.valid_lens,
-            page_size=ctx.addressing.page_size_by_layer[layer_id],
+            page_size=layer.page_size,
             scale=spec.scale,
-            window=ctx.window(layer_id),
+            window=layer.window,
             sinks=inner.sinks if spec.has_sinks else None,
         )
         result: mx.array = inner.o_proj(out.reshape(batch, 1, spec.n_heads * spec.head_dim))

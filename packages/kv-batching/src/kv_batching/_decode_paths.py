@@ -30,12 +30,17 @@ from kv_protocol import (
 )
 
 from ._cache_nesting import CacheNesting
-from ._context import BatchedDecodeContext, PoolAddressing
-from ._layer_cache import batched_layer_caches
-from ._patching import wrap_attention_layer
-from ._state_cache import StateCacheFactory, install_stacked_states, request_caches
+from ._model_runner import ModelRunner
+from ._patching import patch_model_attention, unpatch_model_attention, wrap_attention_layer
+from ._state_cache import StateCacheFactory, request_caches
 
-__all__ = ["DecodePathChoice", "DecodePlan", "check_batched_decode", "plan_decode_paths"]
+__all__ = [
+    "DecodePathChoice",
+    "DecodePlan",
+    "check_batched_decode",
+    "choose_decode_paths",
+    "plan_decode_paths",
+]
 
 logger = logging.getLogger("kv_batching")
 
@@ -152,7 +157,14 @@ def check_batched_decode(
     probe, which is tiny. STATE layers (``state_layer_ids``) get fresh caches from
     ``state_caches`` per prefill and the rows' states stacked for the batched step.
     """
-    nest = (nesting or CacheNesting.from_model(model)).nest
+    runner = ModelRunner(
+        model,
+        pool,
+        kernels,
+        universal_layers=plan.universal_layers,
+        state_layer_ids=state_layer_ids,
+        nesting=nesting,
+    )
     prompts = [[(11 * i + 5 * n + 1) % vocab_size for i in range(n)] for n in _PROBE_LENGTHS]
     nexts = [(7 * n + 2) % vocab_size for n in _PROBE_LENGTHS]
     added: list[int] = []
@@ -170,20 +182,14 @@ def check_batched_decode(
             lambda layer_id: make_prefill_cache(pool, rid, layer_id),
         )
         pool.reserve(rid, len(tokens))
-        logits: mx.array = model(mx.array([tokens], dtype=mx.int32), cache=nest(caches))[:, -1, :]
+        logits = runner.prefill(tokens, caches)[:, -1, :]
         mx.eval(logits)
         return logits
 
     try:
         for rid, prompt in zip(_PROBE_IDS, prompts, strict=True):
             prefill(rid, prompt)
-        ctx = BatchedDecodeContext.from_pool(
-            pool, list(_PROBE_IDS), kernels, addressing=PoolAddressing.from_pool(pool)
-        )
-        tokens = mx.array([[t] for t in nexts], dtype=mx.int32)
-        step_caches = batched_layer_caches(ctx, plan.universal_layers)
-        install_stacked_states(step_caches, state_layer_ids, [states[rid] for rid in _PROBE_IDS])
-        batched = model(tokens, cache=nest(step_caches))[:, -1, :]
+        batched = runner.decode(_PROBE_IDS, nexts, [states[rid] for rid in _PROBE_IDS]).logits
         mx.eval(batched)
         for rid in list(added):
             pool.free_request(rid)
@@ -213,3 +219,74 @@ def check_batched_decode(
             f"{worst:.2e} (relative; tolerance {tolerance:.0e})"
         )
     return None
+
+
+def choose_decode_paths(
+    model: nn.Module,
+    pool: KVPool,
+    kernels: KernelSet,
+    make_prefill_cache: Any,
+    decode_path: str,
+    *,
+    vocab_size: int,
+    num_layers: int,
+    state_caches: StateCacheFactory | None = None,
+    state_layer_ids: tuple[int, ...] = (),
+    nesting: CacheNesting | None = None,
+) -> DecodePlan:
+    """Choose the layers' decode paths, wrap the fast ones and check one batched step.
+
+    This **modifies the model**: the fast layers' attention modules are wrapped in place
+    (:func:`~kv_batching.unpatch_model_attention` puts them back).
+
+    Under ``auto``, a model whose check fails with some layers on the fast path is tried
+    again with every layer universal. A model neither path serves is unpatched and refused
+    with ``UnsupportedModelError`` and the reason.
+    """
+    plan = plan_decode_paths(model, pool.layout, decode_path, nesting=nesting)
+    patch_model_attention(model, pool.layout, layers=plan.fast_layers)
+    problem = check_batched_decode(
+        model,
+        pool,
+        kernels,
+        make_prefill_cache,
+        plan,
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        state_caches=state_caches,
+        state_layer_ids=state_layer_ids,
+        nesting=nesting,
+    )
+    if problem is not None and decode_path == "auto" and plan.fast_layers:
+        unpatch_model_attention(model)
+        fallback = plan_decode_paths(model, pool.layout, "universal", nesting=nesting)
+        retry = check_batched_decode(
+            model,
+            pool,
+            kernels,
+            make_prefill_cache,
+            fallback,
+            vocab_size=vocab_size,
+            num_layers=num_layers,
+            state_caches=state_caches,
+            state_layer_ids=state_layer_ids,
+            nesting=nesting,
+        )
+        if retry is None:
+            logger.warning(
+                "%s: the patched fast path failed the build-time check (%s); every layer "
+                "takes the universal path",
+                type(model).__name__,
+                problem,
+            )
+            reason = f"the fast path failed the build-time check: {problem}"
+            return DecodePlan(paths=fallback.paths, reasons={i: reason for i in fallback.paths})
+        problem = retry
+    if problem is not None:
+        unpatch_model_attention(model)
+        raise UnsupportedModelError(
+            f"{type(model).__name__} cannot be served by batched decode: {problem} "
+            f"({plan.describe()}); its attention must call cache.update_and_fetch and build "
+            "its mask with cache.make_mask, as mlx-lm's caches expect"
+        )
+    return plan

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from kv_protocol import CacheStateError, MaskSpec, ShapeMismatchError
 
-from ._context import BatchedDecodeContext
+from ._decode_step import DecodeStep, LayerStep
 
 __all__ = [
     "DECODE_PATHS",
@@ -37,29 +37,14 @@ DECODE_PATHS = ("fast", "universal")
 
 
 def decode_mask(
-    context: BatchedDecodeContext,
-    layer_id: int,
-    N: int,
-    *,
-    window_size: int | None,
-    return_array: bool,
+    layer: LayerStep, N: int, *, window_size: int | None, return_array: bool
 ) -> MaskSpec:
-    """The keep-mask a single-query batched decode step needs for ``layer_id``'s keys.
+    """The keep-mask a single-query batched decode step needs for ``layer``'s keys.
 
     ``window_size`` (what a model container asks for) wins over the layer's own window, as
     mlx-lm's caches do. ``None`` when no row needs padding, unless ``return_array``.
     """
-    if N != 1:
-        raise CacheStateError(
-            f"batched decode serves one query per request; layer {layer_id}'s cache was asked "
-            f"for a mask of {N} queries (prefill and extend go through per-request caches)"
-        )
-    window = window_size if window_size is not None else context.window(layer_id)
-    _, mask = context.decode_padding(window)
-    if mask is None and return_array:
-        width = max(context.visible_keys(window))
-        mask = mx.ones((context.batch_size, 1, 1, width), dtype=mx.bool_)
-    return mask
+    return layer.make_mask(N, window_size=window_size, return_array=return_array)
 
 
 class BatchedLayerCache:
@@ -69,19 +54,23 @@ class BatchedLayerCache:
     an offset see a sane scalar) and ``make_mask`` answers the same keep-mask as
     :class:`PoolDecodeCache` (the wrapper ignores it and applies each request's own length
     and window; a universal layer that shares the container's mask needs it). A patched
-    attention module recognises it and takes the batched path with ``context``.
+    attention module recognises it and takes the batched path with its :class:`LayerStep`.
     """
 
-    __slots__ = ("context", "layer_id")
+    __slots__ = ("layer",)
 
-    def __init__(self, context: BatchedDecodeContext, layer_id: int) -> None:
-        self.context = context
-        self.layer_id = layer_id
+    def __init__(self, layer: LayerStep) -> None:
+        self.layer = layer
+
+    @property
+    def layer_id(self) -> int:
+        """The model layer this cache serves."""
+        return self.layer.layer_id
 
     @property
     def offset(self) -> int:
         """The largest number of cached tokens in the batch (a scalar, for containers)."""
-        return self.context.max_len - 1
+        return self.layer.context.max_len - 1
 
     @property
     def state(self) -> tuple[()]:
@@ -92,9 +81,7 @@ class BatchedLayerCache:
         self, N: int, *, return_array: bool = False, window_size: int | None = None
     ) -> MaskSpec:
         """The keep-mask of this layer's keys for the one decode query (see :func:`decode_mask`)."""
-        return decode_mask(
-            self.context, self.layer_id, N, window_size=window_size, return_array=return_array
-        )
+        return self.layer.make_mask(N, window_size=window_size, return_array=return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Always raises: a layer on the fast path runs through its attention wrapper."""
@@ -123,7 +110,7 @@ class BatchedLayerCache:
 
     def __repr__(self) -> str:
         return (
-            f"BatchedLayerCache(layer_id={self.layer_id}, batch={self.context.batch_size}, "
+            f"BatchedLayerCache(layer_id={self.layer_id}, batch={self.layer.context.batch_size}, "
             f"offset={self.offset})"
         )
 
@@ -135,20 +122,24 @@ class PoolDecodeCache:
     per-row positions (mlx-lm's RoPE accepts it); ``update_and_fetch(keys, values)`` writes
     the ``(B, n_kv_heads, 1, head_dim)`` new K/V at the step's slots of the layer's sub-pool
     and returns ``(B, n_kv_heads, width, head_dim)`` K/V, each row its visible keys oldest
-    first (:meth:`BatchedDecodeContext.visible_slots`), right-padded; ``make_mask`` returns
+    first (:meth:`DecodeStep.visible_slots`), right-padded; ``make_mask`` returns
     the matching ``(B, 1, 1, width)`` keep-mask, ``None`` when no row is padded.
     """
 
-    __slots__ = ("context", "layer_id")
+    __slots__ = ("layer",)
 
-    def __init__(self, context: BatchedDecodeContext, layer_id: int) -> None:
-        self.context = context
-        self.layer_id = layer_id
+    def __init__(self, layer: LayerStep) -> None:
+        self.layer = layer
+
+    @property
+    def layer_id(self) -> int:
+        """The model layer this cache serves."""
+        return self.layer.layer_id
 
     @property
     def offset(self) -> mx.array:
         """Per-row positions of the decoded tokens (int32 ``(B,)``)."""
-        return self.context.offsets
+        return self.layer.context.offsets
 
     @property
     def state(self) -> tuple[()]:
@@ -159,15 +150,13 @@ class PoolDecodeCache:
         self, N: int, *, return_array: bool = False, window_size: int | None = None
     ) -> MaskSpec:
         """The keep-mask of this layer's keys for the one decode query (see :func:`decode_mask`)."""
-        return decode_mask(
-            self.context, self.layer_id, N, window_size=window_size, return_array=return_array
-        )
+        return self.layer.make_mask(N, window_size=window_size, return_array=return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write the step's K/V into the pool; return each row's visible K/V, right-padded."""
-        ctx = self.context
-        layer_id = self.layer_id
-        batch = ctx.batch_size
+        layer = self.layer
+        layer_id = layer.layer_id
+        batch = layer.context.batch_size
         if keys.ndim != 4 or keys.shape[0] != batch or keys.shape[2] != 1:
             raise ShapeMismatchError(
                 f"layer {layer_id}: batched decode expects keys of shape ({batch}, n_kv_heads, "
@@ -178,17 +167,10 @@ class PoolDecodeCache:
                 f"layer {layer_id}: values {tuple(values.shape)} do not match keys "
                 f"{tuple(keys.shape)}"
             )
-        pool = ctx.pool
-        if pool is None or ctx.addressing is None:
-            raise CacheStateError(
-                "the BatchedDecodeContext has no pool; build it with BatchedDecodeContext.from_pool"
-            )
-        sub_pool = ctx.sub_pool(layer_id)
-        pool_layer = ctx.pool_layer(layer_id)
-        pool.set_kv(pool_layer, ctx.new_token_slots[sub_pool], keys[:, :, 0, :], values[:, :, 0, :])
-        slots = ctx.visible_slots(
-            sub_pool, ctx.window(layer_id), ctx.addressing.page_size_by_layer[layer_id]
-        )
+        pool = layer.pool
+        pool_layer = layer.pool_layer
+        pool.set_kv(pool_layer, layer.new_token_slots, keys[:, :, 0, :], values[:, :, 0, :])
+        slots = layer.visible_slots()
         width = slots.shape[1]
         flat = slots.reshape(-1)
         gathered_k = pool.get_key_buffer(pool_layer)[:, flat]
@@ -216,21 +198,25 @@ class PoolDecodeCache:
         return False
 
     def __repr__(self) -> str:
-        return f"PoolDecodeCache(layer_id={self.layer_id}, batch={self.context.batch_size})"
+        return f"PoolDecodeCache(layer_id={self.layer_id}, batch={self.layer.context.batch_size})"
 
 
-def batched_layer_caches(
-    context: BatchedDecodeContext, universal_layers: Collection[int] = ()
-) -> list[Any]:
+def batched_layer_caches(step: DecodeStep, universal_layers: Collection[int] = ()) -> list[Any]:
     """One cache per model layer, ready to pass as ``cache=`` for one batched decode step.
 
-    Layers in ``universal_layers`` get a :class:`PoolDecodeCache`, every other layer a
-    :class:`BatchedLayerCache` (its attention must be wrapped).
+    Attention layers in ``universal_layers`` get a :class:`PoolDecodeCache`, every other
+    attention layer a :class:`BatchedLayerCache` (its attention must be wrapped), each with
+    its own :class:`LayerStep`. STATE layers get ``None``: their stacked recurrent states go
+    there (:func:`~kv_batching.install_stacked_states`).
     """
     universal = frozenset(universal_layers)
-    return [
-        PoolDecodeCache(context, layer_id)
-        if layer_id in universal
-        else BatchedLayerCache(context, layer_id)
-        for layer_id in range(context.layout.num_layers)
-    ]
+    caches: list[Any] = []
+    for layer_id in range(step.context.layout.num_layers):
+        view = step.layers.get(layer_id)
+        if view is None:
+            caches.append(None)
+        elif layer_id in universal:
+            caches.append(PoolDecodeCache(view))
+        else:
+            caches.append(BatchedLayerCache(view))
+    return caches

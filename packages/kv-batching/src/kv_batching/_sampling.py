@@ -1,12 +1,13 @@
-"""Sampling the next tokens: per-request keys, temperature and top-p."""
+"""Sampling the next tokens: greedy, temperature and top-p, per-request keys."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-__all__ = ["sample_top_p", "token_key"]
+__all__ = ["Sampler", "SamplingRow", "sample_top_p", "token_key"]
 
 
 def token_key(seed: int, index: int) -> mx.array:
@@ -35,3 +36,61 @@ def sample_top_p(
     masked = mx.where(keep, ranked, mx.array(-mx.inf, dtype=mx.float32))
     choice = mx.random.categorical(masked, key=key)
     return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingRow:
+    """How one row of a batch samples.
+
+    ``temperature == 0`` is greedy; ``seed`` gives the row its own stream (its
+    ``generated``-th token's key is :func:`token_key`).
+    """
+
+    temperature: float
+    top_p: float
+    seed: int | None
+    generated: int
+
+
+class Sampler:
+    """Turns a batch's last-position logits into tokens, one :class:`SamplingRow` per row.
+
+    Rows without a seed draw from the sampler's own stream (seeded once); a step that is
+    rolled back puts the stream back with :meth:`restore` so a retry samples the same.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self._key = mx.random.key(seed)
+
+    def save(self) -> mx.array:
+        """The stream's state now (for :meth:`restore`)."""
+        return self._key
+
+    def restore(self, saved: mx.array) -> None:
+        """Put the stream back where :meth:`save` found it."""
+        self._key = saved
+
+    def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
+        """``(B,)`` tokens (lazy) for ``(B, vocab)`` logits."""
+        greedy = mx.argmax(logits, axis=-1)
+        if all(r.temperature == 0.0 for r in rows):
+            return greedy
+        self._key, key = mx.random.split(self._key)
+        sampled = sample_top_p(
+            logits,
+            [r.temperature if r.temperature > 0 else 1.0 for r in rows],
+            [r.top_p for r in rows],
+            key,
+        )
+        if any(r.seed is not None and r.temperature > 0 for r in rows):
+            picked = [
+                sample_top_p(
+                    logits[i : i + 1], [r.temperature], [r.top_p], token_key(r.seed, r.generated)
+                )[0]
+                if r.seed is not None and r.temperature > 0
+                else sampled[i]
+                for i, r in enumerate(rows)
+            ]
+            sampled = mx.stack(picked)
+        use = mx.array([r.temperature > 0 for r in rows])
+        return mx.where(use, sampled, greedy)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kv_protocol import CacheStateError, LayoutError, MaskSpec, ShapeMismatchError, check_int
+from kv_protocol import (
+    CacheStateError,
+    KVLifetime,
+    LayoutError,
+    MaskSpec,
+    ShapeMismatchError,
+    check_int,
+)
 
 from ._checks import check_count, check_flag
 
@@ -79,7 +86,7 @@ def trailing_window_mask(
     window wider than the cache's) is asked for after older keys were dropped.
     """
     N, offset, window_size = _check_mask_args(N, offset, window_size, return_array)
-    kept = min(offset, window - 1)
+    kept = KVLifetime(window).kept_before(offset)
     dropped = offset > kept
     if dropped and window_size is None:
         raise CacheStateError(

@@ -61,6 +61,7 @@ class PoolBackedKVCache:
         self._request_id = request_id
         self._layer_id = layer_id
         self._window = spec.window
+        self._lifetime = spec.lifetime
         geometry = spec.geometry
         self._geometry = (1, geometry.n_kv_heads, geometry.head_dim, geometry.value_dim)
         self._dtype = geometry.dtype
@@ -100,9 +101,7 @@ class PoolBackedKVCache:
 
     def _read_start(self, stop: int) -> int:
         """First position attention reads for queries ending at ``stop``: 0 for a full layer."""
-        if self._window is None:
-            return 0
-        return max(0, stop - self._window + 1)
+        return self._lifetime.first_visible(stop)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write ``(1, H, S, D)`` keys/values into the pool; return what attention needs.

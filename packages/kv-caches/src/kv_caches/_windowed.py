@@ -6,7 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kv_protocol import CacheStateError, MaskSpec
+from kv_protocol import CacheStateError, KVLifetime, MaskSpec
 
 from ._checks import check_count, check_kv, check_positive
 from ._masks import trailing_window_mask
@@ -38,6 +38,7 @@ class WindowedAttentionKVCache(StorageCache[tuple[mx.array, mx.array, int]]):
 
     def __init__(self, window: int) -> None:
         self._window = check_positive("window", window)
+        self._lifetime = KVLifetime(self._window)
         super().__init__(initial_capacity=2 * self._window)
 
     def __repr__(self) -> str:
@@ -50,7 +51,7 @@ class WindowedAttentionKVCache(StorageCache[tuple[mx.array, mx.array, int]]):
 
     def _kept(self) -> int:
         """Old tokens the next query still sees."""
-        return min(self._offset, self._window - 1)
+        return self._lifetime.kept_before(self._offset)
 
     def _growth(self, n_new: int) -> tuple[int, int] | None:
         """Fresh buffers when out of room or much larger than needed, keeping the visible tail."""
@@ -62,7 +63,7 @@ class WindowedAttentionKVCache(StorageCache[tuple[mx.array, mx.array, int]]):
 
     def _check_trim(self, n: int) -> None:
         new_offset = self._offset - n
-        if self._fill - n < min(new_offset, self._window - 1):
+        if self._fill - n < self._lifetime.kept_before(new_offset):
             raise CacheStateError(
                 f"{_NAME}: cannot trim {n} tokens: the window before position {new_offset} "
                 "is no longer stored"
@@ -142,10 +143,11 @@ class WindowedAttentionKVCache(StorageCache[tuple[mx.array, mx.array, int]]):
         n_tokens = keys.shape[2]
         if n_tokens > offset:
             raise CacheStateError(f"{_NAME}: state holds {n_tokens} tokens but offset is {offset}")
-        if n_tokens < min(offset, self._window - 1):
+        needed = self._lifetime.kept_before(offset)
+        if n_tokens < needed:
             raise CacheStateError(
                 f"{_NAME}: state holds {n_tokens} tokens, fewer than the "
-                f"{min(offset, self._window - 1)} the next query at offset {offset} needs"
+                f"{needed} the next query at offset {offset} needs"
             )
         self._release()
         self._append(keys, values)

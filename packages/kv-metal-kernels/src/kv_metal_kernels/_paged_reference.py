@@ -8,7 +8,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from kv_protocol import ShapeMismatchError, check_int
+from kv_protocol import KVLifetime, ShapeMismatchError, check_int
 
 from ._memo import IdentityMemo
 from ._validate import PagedIndexCheck, check_paged_attention_args
@@ -18,7 +18,9 @@ __all__ = ["ReferencePagedAttention", "window_page_count"]
 
 def window_page_count(window: int, page_size: int) -> int:
     """Pages that can hold the trailing ``window`` tokens: ``ceil(window / page_size) + 1``."""
-    return -(-window // page_size) + 1
+    span = KVLifetime(window).span_pages(page_size)
+    assert span is not None  # a window always spans a bounded number of pages
+    return span
 
 
 def _gather_pages(pool: mx.array, pages: mx.array, page_size: int) -> mx.array:
@@ -48,20 +50,22 @@ def _attend(
     lens = seq_lens[:, None]
     if window is not None and window_page_count(window, page_size) < n_cols:
         n = window_page_count(window, page_size)
-        start_page = mx.maximum(seq_lens - window, 0) // page_size
+        # The decode query is at position seq_len - 1.
+        first = KVLifetime(window).first_visible_array(seq_lens - 1)
+        start_page = first // page_size
         cols = start_page[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
         in_table = cols < max_pages
         pages = mx.take_along_axis(page_table, mx.minimum(cols, max_pages - 1), axis=1)
         offsets = mx.arange(page_size, dtype=mx.int32)
         pos = (cols[:, :, None] * page_size + offsets).reshape(cols.shape[0], n * page_size)
-        keep = (pos < lens) & (pos >= lens - window)
+        keep = (pos < lens) & (pos >= first[:, None])
         keep = keep & mx.repeat(in_table, page_size, axis=1)
     else:
         pages = page_table[:, :n_cols]
         pos = mx.arange(n_cols * page_size, dtype=mx.int32)[None, :]
         keep = pos < lens
         if window is not None:
-            keep = keep & (pos >= lens - window)
+            keep = keep & (pos >= KVLifetime(window).first_visible_array(lens - 1))
     keys = _gather_pages(k_pool, pages, page_size)
     values = _gather_pages(v_pool, pages, page_size)
     return mx.fast.scaled_dot_product_attention(

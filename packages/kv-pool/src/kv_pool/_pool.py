@@ -13,6 +13,7 @@ from kv_protocol import (
     CacheLayout,
     CacheStateError,
     KVGeometry,
+    KVLifetime,
     LayerKind,
     LayerKindError,
     LayerSpec,
@@ -77,6 +78,11 @@ class SubPoolSpec:
     layer_ids: tuple[int, ...]
     page_size: int
     num_pages: int
+
+    @property
+    def lifetime(self) -> KVLifetime:
+        """Which cached positions the sub-pool's queries see (its window, or all)."""
+        return KVLifetime(self.window)
 
     @property
     def bytes_per_page(self) -> int:
@@ -165,13 +171,14 @@ def _check_slot_capacity(name: str, num_pages: int, page_size: int) -> None:
 class _SubPool:
     """Buffers, allocator and static facts of one sub-pool."""
 
-    __slots__ = ("allocator", "keys", "name", "page_size", "spec", "values", "window")
+    __slots__ = ("allocator", "keys", "lifetime", "name", "page_size", "spec", "values", "window")
 
     def __init__(self, spec: SubPoolSpec) -> None:
         self.spec = spec
         self.name = spec.name
         self.page_size = spec.page_size
         self.window = spec.window
+        self.lifetime = spec.lifetime
         self.allocator = PageAllocator(spec.num_pages, name=spec.name)
         g = spec.geometry
         key_shape = (g.n_kv_heads, spec.num_slots, g.head_dim)
@@ -339,11 +346,8 @@ class HybridKVPool:
         sizes = _per_group(page_size, [g.name for g in groups], "page_size", 1)
         out: dict[str, int] = {}
         for group, size in zip(groups, sizes, strict=True):
-            full = _cdiv(max_context, size)
-            if group.window is None:
-                out[group.name] = full
-            else:
-                out[group.name] = min(full, _cdiv(group.window - 1 + prefill_chunk, size) + 1)
+            lifetime = KVLifetime(group.window)
+            out[group.name] = lifetime.peak_pages(max_context, size, prefill_chunk)
         return out
 
     @classmethod
@@ -499,11 +503,9 @@ class HybridKVPool:
         for pool, table in zip(self._pools, req.tables, strict=True):
             size = pool.page_size
             n_new = -(-new // size) - len(table.pages)
-            cut = first = table.first_live
-            window = pool.window
-            if window is not None and old >= window:
-                # Queries at positions >= old see keys >= old - window + 1.
-                cut = max(first, (old - window + 1) // size)
+            first = table.first_live
+            # Queries at positions >= old see no page before this one.
+            cut = max(first, pool.lifetime.first_live_page(old, size))
             if cut == first:
                 plans.append((cut, [], n_new, 0))
                 continue
@@ -679,8 +681,8 @@ class HybridKVPool:
         cuts: list[int] = []
         for pool, table in zip(self._pools, req.tables, strict=True):
             size = pool.page_size
-            if pool.window is not None and table.first_live:
-                needed = max(0, new_len - pool.window + 1)
+            if table.first_live:
+                needed = pool.lifetime.first_visible(new_len)
                 if table.first_live * size > needed:
                     raise CacheStateError(
                         f"cannot trim request {request_id} to {new_len} tokens: sub-pool "
@@ -728,9 +730,7 @@ class HybridKVPool:
         for pool, table in zip(self._pools, parent.tables, strict=True):
             spec = pool.spec
             whole, tail = divmod(n_tokens, spec.page_size)
-            first = 0
-            if spec.window is not None:
-                first = max(0, n_tokens - spec.window + 1) // spec.page_size
+            first = spec.lifetime.first_live_page(n_tokens, spec.page_size)
             if n_tokens and first < table.first_live:
                 raise RequestStateError(
                     f"cannot fork {n_tokens} tokens of request {parent_id}: sub-pool "

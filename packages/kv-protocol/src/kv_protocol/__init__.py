@@ -18,6 +18,7 @@ from ._errors import (
 )
 from ._layer_spec import KVGeometry, LayerKind, LayerSpec
 from ._layout import CacheLayout
+from ._lifetime import KVLifetime
 from ._model_layout import (
     ATTENTION_CHILD_NAMES,
     HEAD_COUNT_NAMES,
@@ -60,6 +61,7 @@ __all__ = [
     "KVCache",
     "KVCacheError",
     "KVGeometry",
+    "KVLifetime",
     "KVPool",
     "KernelSet",
     "KernelUnavailableError",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ._errors import LayerKindError, LayoutError
+from ._lifetime import KVLifetime
 from ._validate import check_int
 
 __all__ = ["KVGeometry", "LayerKind", "LayerSpec"]
@@ -116,6 +117,11 @@ class LayerSpec:
     def is_attention(self) -> bool:
         """True for layers that store K/V (``FULL`` and ``SLIDING``)."""
         return self.kind is not LayerKind.STATE
+
+    @property
+    def lifetime(self) -> KVLifetime:
+        """Which cached positions this layer's queries see (the trailing window, or all)."""
+        return KVLifetime(self.window)
 
     @property
     def geometry(self) -> KVGeometry:

@@ -8,6 +8,7 @@ from types import MappingProxyType
 
 from ._errors import LayerKindError, LayoutError
 from ._layer_spec import KVGeometry, LayerKind, LayerSpec
+from ._lifetime import KVLifetime
 from ._validate import as_int
 
 __all__ = ["CacheLayout"]
@@ -126,6 +127,10 @@ class CacheLayout:
     def window(self, layer_id: int) -> int | None:
         """The sliding window of ``layer_id``, or ``None`` for a full or state layer."""
         return self.spec(layer_id).window
+
+    def lifetime(self, layer_id: int) -> KVLifetime:
+        """Which cached positions ``layer_id``'s queries see (see :class:`KVLifetime`)."""
+        return self.spec(layer_id).lifetime
 
     def geometry(self, layer_id: int) -> KVGeometry:
         """The KV geometry of attention layer ``layer_id``."""

@@ -1,0 +1,111 @@
+"""Running the model for the engine.
+
+A prefill chunk goes through one request's caches; a batched decode step through the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kv_protocol import KernelSet, KVPool
+
+from ._cache_nesting import CacheNesting
+from ._decode_step import DecodeStep, PoolAddressing
+from ._layer_cache import batched_layer_caches
+from ._model_forward import LastPositionForward
+from ._state_cache import StackedStateCache, install_stacked_states
+
+__all__ = ["DecodeOutput", "ModelRunner"]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class DecodeOutput:
+    """What one batched decode forward left.
+
+    The last position's ``(B, vocab)`` logits (lazy), the step (its reserved token per
+    request) and the stacked recurrent states, to be evaluated with the sampled tokens and
+    then split back into the rows.
+    """
+
+    logits: mx.array
+    step: DecodeStep
+    states: list[StackedStateCache]
+
+    def split_states(self) -> None:
+        """Hand each row its new recurrent state (after evaluation)."""
+        for state in self.states:
+            state.split()
+
+    def state_arrays(self) -> list[Any]:
+        """The new state arrays, to evaluate with the sampled tokens in one ``mx.eval``."""
+        return [state.view.cache for state in self.states]
+
+
+class ModelRunner:
+    """Forward passes of one model over a paged pool, for the engine and its build check.
+
+    ``universal_layers`` take :class:`~kv_batching.PoolDecodeCache` in a batched decode and
+    every other attention layer :class:`~kv_batching.BatchedLayerCache` (its module must be
+    wrapped); ``state_layer_ids`` get each row's recurrent state, stacked; ``nesting`` puts
+    the flat per-layer caches back into the model's own cache structure. ``prefill_forward``
+    (from :func:`~kv_batching.last_position_forward`) projects only the last position of a
+    prefill chunk when given.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pool: KVPool,
+        kernels: KernelSet,
+        *,
+        universal_layers: Collection[int],
+        state_layer_ids: Sequence[int] = (),
+        nesting: CacheNesting | None = None,
+        prefill_forward: LastPositionForward | None = None,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.kernels = kernels
+        self.universal_layers = frozenset(universal_layers)
+        self.state_layer_ids = tuple(state_layer_ids)
+        self.nesting = nesting if nesting is not None else CacheNesting.from_model(model)
+        self.prefill_forward = prefill_forward
+        self.addressing = PoolAddressing.from_pool(pool)
+
+    def prefill(self, tokens: Sequence[int], caches: list[Any]) -> mx.array:
+        """Logits (lazy) of one request's ``tokens`` run through its per-layer ``caches``.
+
+        ``(1, T, vocab)``, or ``(1, 1, vocab)`` of the last position with ``prefill_forward``.
+        """
+        chunk = mx.array(list(tokens), dtype=mx.int32)[None]
+        model_caches = self.nesting.nest(caches)
+        if self.prefill_forward is not None:
+            return self.prefill_forward(chunk, model_caches)
+        logits: mx.array = self.model(chunk, cache=model_caches)
+        return logits
+
+    def decode(
+        self,
+        request_ids: Sequence[int],
+        last_tokens: Sequence[int],
+        states: Sequence[Sequence[Any]],
+    ) -> DecodeOutput:
+        """One batched decode forward: each request's ``last_tokens`` entry at its position.
+
+        Reserves one token per request in the pool (atomically, see
+        :meth:`DecodeStep.from_pool`); ``states[b]`` are row ``b``'s recurrent state caches,
+        one per STATE layer. The caller trims the pool back if anything after fails.
+        """
+        step = DecodeStep.from_pool(
+            self.pool, request_ids, self.kernels, addressing=self.addressing
+        )
+        tokens = mx.array([[t] for t in last_tokens], dtype=mx.int32)
+        caches = batched_layer_caches(step, self.universal_layers)
+        stacked = install_stacked_states(caches, self.state_layer_ids, states)
+        logits = self.model(tokens, cache=self.nesting.nest(caches))
+        return DecodeOutput(logits=logits[:, -1, :], step=step, states=stacked)

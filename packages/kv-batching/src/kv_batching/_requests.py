@@ -1,0 +1,170 @@
+"""The engine's requests.
+
+What it keeps per request, what a caller reads, and the table that hands them out by id.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kv_protocol import RequestStateError, UnknownRequestError, as_int
+
+from ._sampling import SamplingRow
+
+__all__ = ["EngineRequest", "RequestOutput", "RequestStatus", "RequestTable"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the engine."""
+
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A snapshot of one request: its tokens so far and why it finished (if it did).
+
+    ``finish_reason`` is ``"stop"`` (a stop token was generated, and is included),
+    ``"length"`` (``max_tokens`` reached), ``"aborted"``, ``"pool_exhausted"`` (the request
+    alone does not fit in the pool), ``"error"`` (its prefill or decode raised; ``error``
+    holds the exception) or ``None`` while it runs.
+    """
+
+    request_id: int
+    prompt_tokens: tuple[int, ...]
+    tokens: tuple[int, ...]
+    status: RequestStatus
+    finish_reason: str | None
+    error: BaseException | None = None
+
+
+class EngineRequest:
+    """One request as the engine keeps it: prompt, sampling, tokens, where it is, its caches."""
+
+    __slots__ = (
+        "caches",
+        "error",
+        "finish_reason",
+        "generated",
+        "in_pool",
+        "max_tokens",
+        "prefilled",
+        "prompt",
+        "rid",
+        "seed",
+        "states",
+        "status",
+        "stop_tokens",
+        "temperature",
+        "top_p",
+    )
+
+    def __init__(
+        self,
+        rid: int,
+        prompt: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_tokens: frozenset[int],
+        seed: int | None = None,
+    ) -> None:
+        self.rid = rid
+        self.seed = seed
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.stop_tokens = stop_tokens
+        self.generated: list[int] = []
+        self.status = RequestStatus.QUEUED
+        self.finish_reason: str | None = None
+        self.prefilled = 0
+        self.caches: list[Any] | None = None
+        self.states: list[Any] | None = None
+        self.in_pool = False
+        self.error: BaseException | None = None
+
+    def prefill_tokens(self) -> list[int]:
+        """The tokens to prefill.
+
+        The prompt, and after a preemption the generated tokens but the last (which the
+        first decode step feeds).
+        """
+        return self.prompt + self.generated[:-1]
+
+    def sampling_row(self) -> SamplingRow:
+        """How this request samples its next token."""
+        return SamplingRow(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            generated=len(self.generated),
+        )
+
+    def output(self) -> RequestOutput:
+        """A snapshot of the request (copies of its tokens)."""
+        return RequestOutput(
+            self.rid,
+            tuple(self.prompt),
+            tuple(self.generated),
+            self.status,
+            self.finish_reason,
+            self.error,
+        )
+
+
+class RequestTable:
+    """The requests an engine keeps, by id; ids are handed out in order and never reused.
+
+    A released request is forgotten: naming it again raises ``UnknownRequestError`` that
+    says so (and a different one for an id never handed out).
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[int, EngineRequest] = {}
+        self._next_id = 0
+
+    def next_id(self) -> int:
+        """The id the next :meth:`add` will use."""
+        return self._next_id
+
+    def add(self, request: EngineRequest) -> None:
+        """Keep ``request`` (its id must be :meth:`next_id`)."""
+        if request.rid != self._next_id:
+            raise RequestStateError(
+                f"request ids are handed out in order: expected {self._next_id}, got {request.rid}"
+            )
+        self._requests[request.rid] = request
+        self._next_id += 1
+
+    def get(self, request_id: int) -> EngineRequest:
+        """The request with this id, or ``UnknownRequestError`` saying why there is none."""
+        key = as_int(request_id)
+        if key is None:
+            raise RequestStateError(f"request ids are ints, got {request_id!r}")
+        request = self._requests.get(key)
+        if request is None:
+            if 0 <= key < self._next_id:
+                raise UnknownRequestError(
+                    f"request {request_id} was released from this engine (its output was "
+                    "delivered and forgotten)"
+                )
+            raise UnknownRequestError(f"request {request_id} was never submitted to this engine")
+        return request
+
+    def forget(self, request_id: int) -> None:
+        """Drop the request (it must be kept)."""
+        del self._requests[request_id]
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[EngineRequest]:
+        return iter(list(self._requests.values()))

@@ -1,0 +1,217 @@
+"""Scheduling the engine's requests over the pool.
+
+Where each active request is (queued, prefilling, running) and what the pool lets them do
+next (admission, chunk sizes, room for a decode step, preemption).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+
+from kv_protocol import KVPool, check_int
+
+from ._engine_stats import EngineStats
+from ._requests import EngineRequest, RequestStatus
+from ._state_cache import state_nbytes
+
+__all__ = ["Scheduler"]
+
+logger = logging.getLogger("kv_batching._engine")
+
+
+class Scheduler:
+    """The queue, the one request being prefilled and the running batch, over one pool.
+
+    At most ``max_running`` requests run; a request is admitted when its pool entry can be
+    made and (with ``state_budget_bytes``) one more request's recurrent state fits. When the
+    running requests outgrow the pool the prefilling request, then the newest running one,
+    is preempted back to the head of the queue (pages freed, tokens kept); a request alone
+    that cannot fit is finished with ``"pool_exhausted"``. Every transition that ends a
+    request's time in the pool frees its pages.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        stats: EngineStats,
+        *,
+        max_running: int,
+        state_budget_bytes: int | None = None,
+    ) -> None:
+        self.pool = pool
+        self.stats = stats
+        self.max_running = check_int(max_running, "max_running", minimum=1)
+        self._state_budget_bytes: int | None = None
+        self.state_budget_bytes = state_budget_bytes
+        #: Bytes of one request's recurrent state (largest seen; ``None`` until one is known).
+        self.state_bytes_per_request: int | None = None
+        self.queue: deque[EngineRequest] = deque()
+        self.prefilling: EngineRequest | None = None
+        self.running: list[EngineRequest] = []
+
+    @property
+    def state_budget_bytes(self) -> int | None:
+        """Bytes of recurrent state the running requests may hold together (``None``: no cap)."""
+        return self._state_budget_bytes
+
+    @state_budget_bytes.setter
+    def state_budget_bytes(self, value: int | None) -> None:
+        self._state_budget_bytes = (
+            None if value is None else check_int(value, "state_budget_bytes", minimum=1)
+        )
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def has_work(self) -> bool:
+        """True while any request is queued, prefilling or running."""
+        return bool(self.queue or self.running or self.prefilling is not None)
+
+    def active(self) -> list[EngineRequest]:
+        """Every request that has not finished: running, prefilling, then queued."""
+        prefilling = [self.prefilling] if self.prefilling is not None else []
+        return [*self.running, *prefilling, *self.queue]
+
+    def state_bytes_in_use(self) -> int:
+        """Bytes of recurrent state held now (running and prefilling requests)."""
+        holders = [*self.running, *([self.prefilling] if self.prefilling else [])]
+        return sum(state_nbytes(r.states) for r in holders if r.states is not None)
+
+    def note_state_bytes(self, request: EngineRequest) -> None:
+        """Account the size of ``request``'s recurrent state for admission."""
+        if request.states:
+            held = state_nbytes(request.states)
+            self.state_bytes_per_request = max(self.state_bytes_per_request or 0, held)
+
+    # ------------------------------------------------------------------ transitions
+
+    def enqueue(self, request: EngineRequest) -> None:
+        """Queue a new request at the back."""
+        self.queue.append(request)
+
+    def release(self, request: EngineRequest) -> None:
+        """Give back every page the request holds in the pool (if it holds any)."""
+        request.caches = None
+        request.states = None
+        if request.in_pool:
+            request.in_pool = False
+            self.pool.free_request(request.rid)
+
+    def _remove(self, request: EngineRequest) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        if self.prefilling is request:
+            self.prefilling = None
+
+    def finish(self, request: EngineRequest, reason: str) -> None:
+        """End ``request`` with ``reason`` wherever it is; its pages are freed."""
+        self._remove(request)
+        if request.status is RequestStatus.QUEUED and request in self.queue:
+            self.queue.remove(request)
+        self.release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.stats.finished += 1
+
+    def fail(self, request: EngineRequest, error: Exception) -> None:
+        """Finish ``request`` with reason ``"error"``, keeping the exception."""
+        logger.error(
+            "request %d failed and was finished with reason 'error': %r", request.rid, error
+        )
+        request.error = error
+        self.stats.errors += 1
+        self.finish(request, "error")
+
+    def preempt(self, request: EngineRequest) -> None:
+        """Send ``request`` back to the head of the queue: pages freed, tokens kept."""
+        self._remove(request)
+        self.release(request)
+        request.prefilled = 0
+        request.status = RequestStatus.QUEUED
+        self.queue.appendleft(request)
+        self.stats.preemptions += 1
+
+    def requeue_unstarted(self, request: EngineRequest) -> None:
+        """Put the prefilling request, which has prefilled nothing, back at the queue's head."""
+        self.prefilling = None
+        self.release(request)
+        request.status = RequestStatus.QUEUED
+        self.queue.appendleft(request)
+
+    def start_running(self, request: EngineRequest) -> None:
+        """The prefilling request has prefilled everything: it joins the running batch."""
+        self.prefilling = None
+        request.caches = None
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    # ------------------------------------------------------------------ decisions
+
+    def make_decode_room(self) -> None:
+        """Preempt (or finish) until the pool can hold one more token per running request."""
+        while self.running:
+            if self.pool.can_reserve({r.rid: 1 for r in self.running}):
+                return
+            if self.prefilling is not None:
+                self.preempt(self.prefilling)
+            elif len(self.running) == 1:
+                self.finish(self.running[0], "pool_exhausted")
+            else:
+                self.preempt(self.running[-1])
+
+    def fit_chunk(self, request: EngineRequest, n: int) -> int:
+        """The largest of ``n, n // 2, ...`` prefill tokens the pool can hold for ``request``.
+
+        Beside one more token of each running request; 0 when not even one fits.
+        """
+        demands = {r.rid: 1 for r in self.running}
+        while n >= 1:
+            demands[request.rid] = n
+            if self.pool.can_reserve(demands):
+                return n
+            n //= 2
+        return 0
+
+    def state_room(self) -> bool:
+        """Whether one more request's recurrent state fits ``state_budget_bytes``."""
+        per = self.state_bytes_per_request
+        if self.state_budget_bytes is None or per is None:
+            return True
+        return (len(self.running) + 1) * per <= self.state_budget_bytes
+
+    def may_admit(self) -> bool:
+        """Whether a queued request could start now (running slots and state budget)."""
+        return bool(self.queue) and len(self.running) < self.max_running and self.state_room()
+
+    def admit(self) -> EngineRequest | None:
+        """Move the queue's head into the pool and make it the prefilling request.
+
+        ``None`` when nothing may be admitted, or when the pool refused the head (which is
+        then finished with the error; :meth:`may_admit` says whether to try the next).
+        """
+        if not self.may_admit():
+            return None
+        request = self.queue[0]
+        try:
+            self.pool.add_request(request.rid)
+        except Exception as error:
+            self.queue.popleft()
+            self.fail(request, error)
+            return None
+        self.queue.popleft()
+        request.in_pool = True
+        request.caches = None
+        request.prefilled = 0
+        request.status = RequestStatus.PREFILLING
+        self.prefilling = request
+        return request
+
+    def trim_back(self, batch: Sequence[EngineRequest], lengths: Sequence[int]) -> None:
+        """Trim each request of ``batch`` in the pool back to its length before a step."""
+        for request, length in zip(batch, lengths, strict=True):
+            if request.in_pool:
+                extra = self.pool.seq_len(request.rid) - length
+                if extra > 0:
+                    self.pool.trim_request(request.rid, extra)
