@@ -14,7 +14,13 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 
-from kv_batching import StackedStateCache, StateSnapshot, state_nbytes
+from kv_batching import (
+    StackedStateCache,
+    StateSnapshot,
+    group_by_state_shapes,
+    state_nbytes,
+    state_shapes,
+)
 from kv_protocol import CacheStateError
 from kv_serve import build_engine
 from kv_testing import build_zoo_model
@@ -131,3 +137,30 @@ def test_snapshot_puts_back_what_a_failed_chunk_changed() -> None:
     assert cache.cache[0] is None
     assert bool(mx.array_equal(cache.cache[1], mx.ones((1, 2))))
     assert cache.lengths is None
+
+
+def test_states_of_different_shapes_decode_in_groups_not_one_by_one() -> None:
+    """longcat_flash_ngram keeps the last n - 1 tokens as its n-gram state, so a request with
+    a shorter history has a narrower state: such rows decode in separate batched calls (one
+    per shape) instead of failing the batch and retrying each request alone."""
+    model = build_zoo_model("longcat_flash_ngram")
+    prompts = [[5], [9, 4], [3, 1, 4, 1, 5], [2], [7, 7, 7, 7, 7, 7]]
+    want = [mlx_lm_greedy(model, p, 6).tokens for p in prompts]
+    with build_engine(model, max_running=8, page_size=4, prefill_chunk=64) as engine:
+        ids = [engine.submit(p, 6) for p in prompts]
+        out = engine.run()
+        assert [out[i] for i in ids] == want
+        assert engine.stats.decode_fallbacks == 0
+        # Batched, not one request per decode: more than one row per decode call on average.
+        assert engine.stats.mean_decode_batch_size > 1
+
+
+def test_group_by_state_shapes_keeps_order_and_stacks_equal_shapes() -> None:
+    class Row:
+        def __init__(self, *widths: int | None) -> None:
+            self.cache = [None if w is None else mx.zeros((1, w)) for w in widths]
+
+    rows = [("a", [Row(2)]), ("b", [Row(1)]), ("c", [Row(2)]), ("d", [Row(None)])]
+    groups = group_by_state_shapes(rows, lambda row: row[1])
+    assert [[name for name, _ in g] for g in groups] == [["a", "c"], ["b"], ["d"]]
+    assert state_shapes([Row(3, None)]) == (((3,), None),)

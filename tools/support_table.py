@@ -147,11 +147,19 @@ def check_architecture(name: str) -> SupportRow:
                 ids = [engine.submit(p, MAX_TOKENS) for p in prompts]
                 out = engine.run()
                 fast = bool(engine.decode_plan.fast_layers)
+                fallbacks = engine.stats.decode_fallbacks
             if [out[i] for i in ids] != want:
                 return SupportRow(
                     **row,
                     status="tokens differ",
                     reason=f"page_size={page_size}, decode_path={decode_path}",
+                )
+            if fallbacks:
+                return SupportRow(
+                    **row,
+                    status="decode falls back",
+                    reason=f"{fallbacks} batched decode steps failed and ran request by "
+                    f"request (page_size={page_size}, decode_path={decode_path})",
                 )
             if decode_path == "auto" and not fast:
                 break  # auto was already all universal

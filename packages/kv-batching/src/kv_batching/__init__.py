@@ -36,10 +36,12 @@ from ._state_cache import (
     StackedStateCache,
     StateCacheFactory,
     StateSnapshot,
+    group_by_state_shapes,
     install_stacked_states,
     model_state_caches,
     request_caches,
     state_nbytes,
+    state_shapes,
 )
 
 __all__ = [
@@ -82,6 +84,8 @@ __all__ = [
     "pages_in_use",
     "sample_top_p",
     "state_nbytes",
+    "state_shapes",
+    "group_by_state_shapes",
     "token_key",
     "is_patched",
     "last_position_forward",

@@ -41,6 +41,7 @@ from ._scheduler import Scheduler
 from ._state_cache import (
     StateCacheFactory,
     StateSnapshot,
+    group_by_state_shapes,
     model_state_caches,
     request_caches,
 )
@@ -440,10 +441,22 @@ class DecodeEngine:
         if not self.scheduler.running:
             return
         batch = list(self.scheduler.running)
+        if self._state_layer_ids:
+            # Rows decode together only where their recurrent states stack (same shapes);
+            # a state that grows with the text (an n-gram context) splits the batch early on.
+            groups = group_by_state_shapes(batch, lambda r: r.states or [])
+        else:
+            groups = [batch]
+        for group in groups:
+            self._decode_group(group, produced)
+        self.stats.record_decode(time.perf_counter() - start, len(batch))
+
+    def _decode_group(self, batch: list[EngineRequest], produced: dict[int, list[int]]) -> None:
         try:
             chosen = self._decode_batch(batch)
         except Exception as error:
             # Nothing of the batch was kept; find the request(s) that fail on their own.
+            self.stats.decode_fallbacks += 1
             logger.warning(
                 "batched decode of %d requests failed (%r); retrying them one by one",
                 len(batch),
@@ -459,7 +472,6 @@ class DecodeEngine:
         else:
             for request, token in zip(batch, chosen, strict=True):
                 self._emit(request, token, produced)
-        self.stats.record_decode(time.perf_counter() - start, len(batch))
 
     def _prefill_chunk(
         self, request: EngineRequest, tokens: list[int], n: int, produced: dict[int, list[int]]

@@ -38,6 +38,8 @@ class EngineStats:
     finished: int = 0
     aborted: int = 0
     errors: int = 0
+    #: Batched decodes that raised and were retried request by request.
+    decode_fallbacks: int = 0
     window: int | None = DEFAULT_STATS_WINDOW
     queue_length: deque[int] = field(default_factory=deque, repr=False)
     running: deque[int] = field(default_factory=deque, repr=False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
@@ -25,9 +25,13 @@ __all__ = [
     "request_caches",
     "StateCacheFactory",
     "StateSnapshot",
+    "group_by_state_shapes",
     "model_state_caches",
     "state_nbytes",
+    "state_shapes",
 ]
+
+T = TypeVar("T")
 
 #: ``factory()`` -> fresh per-request caches, one per STATE layer, in layer order.
 StateCacheFactory = Callable[[], list[Any]]
@@ -94,6 +98,31 @@ def install_stacked_states(
     for layer_id, state in zip(state_layer_ids, stacked, strict=True):
         caches[layer_id] = state.view
     return stacked
+
+
+def state_shapes(caches: Sequence[Any]) -> tuple[tuple[tuple[int, ...] | None, ...], ...]:
+    """The shape of every slot of every state cache, but the batch axis (``None``: unset)."""
+    return tuple(
+        tuple(
+            tuple(slot.shape[1:]) if isinstance(slot, mx.array) else None
+            for slot in getattr(cache, "cache", ())
+        )
+        for cache in caches
+    )
+
+
+def group_by_state_shapes(
+    rows: Sequence[T], states_of: Callable[[T], Sequence[Any]]
+) -> list[list[T]]:
+    """``rows`` split into groups whose state caches stack (equal :func:`state_shapes`).
+
+    Groups keep the rows' order, first-seen group first; one group when every row's state
+    has the same shapes (the common case: a fixed-size recurrent state).
+    """
+    groups: dict[tuple[Any, ...], list[T]] = {}
+    for row in rows:
+        groups.setdefault(state_shapes(states_of(row)), []).append(row)
+    return list(groups.values())
 
 
 def state_nbytes(caches: Sequence[Any]) -> int:
