@@ -164,3 +164,39 @@ def test_group_by_state_shapes_keeps_order_and_stacks_equal_shapes() -> None:
     groups = group_by_state_shapes(rows, lambda row: row[1])
     assert [[name for name, _ in g] for g in groups] == [["a", "c"], ["b"], ["d"]]
     assert state_shapes([Row(3, None)]) == (((3,), None),)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen3_next", "mamba"])
+def test_state_bytes_are_known_when_built_and_in_the_memory_report(arch: str) -> None:
+    model = build_zoo_model(arch)
+    with build_engine(model, max_running=4, max_context=64) as engine:
+        per = engine.state_bytes_per_request
+        assert per is not None and per > 0  # measured before any request: admission holds
+        idle = engine.memory_report()
+        assert idle.state_bytes_in_use == 0 and idle.state_bytes_per_request == per
+        ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS[:3]]
+        while engine.num_running < 3:
+            engine.step()
+        report = engine.memory_report()
+        # A fixed-size state: three running requests hold three states of the measured size.
+        assert report.state_bytes_in_use == 3 * per == engine.state_bytes_in_use()
+        assert report.bytes_in_use == (report.pool_bytes_used or 0) + 3 * per
+        if engine.pool.layout.attention_layer_ids:
+            assert report.pool_bytes_used is not None and report.pool_bytes_used > 0
+        engine.run()
+        assert engine.memory_report().state_bytes_in_use == 0
+        assert all(engine.output(i).finish_reason == "length" for i in ids)
+
+
+def test_a_state_budget_passed_to_build_engine_caps_admission() -> None:
+    model = build_zoo_model("lfm2")
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    per = build_engine(model, max_running=1, max_context=64).state_bytes_per_request
+    assert per is not None
+    with build_engine(model, max_running=4, max_context=64, state_budget_bytes=per) as engine:
+        assert engine.memory_report().state_budget_bytes == per
+        ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
+        while engine.has_work:
+            engine.step()
+            assert engine.num_running <= 1
+        assert [list(engine.output(i).tokens) for i in ids] == want

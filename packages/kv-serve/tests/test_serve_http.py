@@ -167,6 +167,8 @@ def test_models_health_and_metrics(served: RunningServer) -> None:
         "kv_serve_time_to_first_token_seconds_count",
     ):
         assert name in text, name
+    # An attention-only model holds no recurrent state.
+    assert "\nkv_serve_state_bytes 0\n" in text
 
 
 PROMPT = "The river rises in the hills"

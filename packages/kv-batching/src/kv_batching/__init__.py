@@ -13,7 +13,7 @@ from ._decode_paths import (
 )
 from ._decode_step import DecodeStep, LayerAddress, LayerStep, PoolAddressing, SubPoolStep
 from ._engine import DecodeEngine, PrefillCacheFactory
-from ._engine_stats import DEFAULT_STATS_WINDOW, EngineStats, pages_in_use
+from ._engine_stats import DEFAULT_STATS_WINDOW, EngineMemoryReport, EngineStats, pages_in_use
 from ._layer_cache import (
     DECODE_PATHS,
     BatchedLayerCache,
@@ -40,6 +40,7 @@ from ._state_cache import (
     install_stacked_states,
     model_state_caches,
     request_caches,
+    request_state_bytes,
     state_nbytes,
     state_shapes,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "DecodeEngine",
     "DecodePathChoice",
     "DecodePlan",
+    "EngineMemoryReport",
     "EngineStats",
     "LastPositionForward",
     "PrefillCacheFactory",
@@ -93,6 +95,7 @@ __all__ = [
     "patch_model_attention",
     "plan_decode_paths",
     "request_caches",
+    "request_state_bytes",
     "unpatch_model_attention",
     "vocabulary_size",
     "wrap_attention_layer",

@@ -31,7 +31,13 @@ from kv_protocol import (
 
 from ._cache_nesting import CacheNesting
 from ._decode_paths import choose_decode_paths
-from ._engine_stats import DEFAULT_STATS_WINDOW, EngineStats, pages_in_use
+from ._engine_stats import (
+    DEFAULT_STATS_WINDOW,
+    EngineMemoryReport,
+    EngineStats,
+    pages_in_use,
+    pool_bytes,
+)
 from ._model_forward import last_position_forward, vocabulary_size
 from ._model_runner import ModelRunner
 from ._patching import unpatch_model_attention
@@ -44,6 +50,7 @@ from ._state_cache import (
     group_by_state_shapes,
     model_state_caches,
     request_caches,
+    request_state_bytes,
 )
 
 __all__ = ["DecodeEngine", "PrefillCacheFactory"]
@@ -202,6 +209,9 @@ class DecodeEngine:
         self.scheduler = Scheduler(
             pool, self.stats, max_running=max_running, state_budget_bytes=state_budget_bytes
         )
+        if self._state_layer_ids:
+            # Known before the first admission, so a state budget holds from the start.
+            self.scheduler.state_bytes_per_request = request_state_bytes(model, model_layout)
         self.sampler = Sampler(seed)
         self._num_layers = model_layout.num_layers
         self._requests = RequestTable()
@@ -363,6 +373,17 @@ class DecodeEngine:
     def pages_in_use(self) -> Mapping[str, int] | None:
         """Pages in use per sub-pool now, if the pool can tell."""
         return pages_in_use(self.pool)
+
+    def memory_report(self) -> EngineMemoryReport:
+        """The pool's bytes and the recurrent states' bytes the engine holds now."""
+        total, used = pool_bytes(self.pool)
+        return EngineMemoryReport(
+            pool_bytes_total=total,
+            pool_bytes_used=used,
+            state_bytes_in_use=self.state_bytes_in_use(),
+            state_bytes_per_request=self.state_bytes_per_request,
+            state_budget_bytes=self.state_budget_bytes,
+        )
 
     # ------------------------------------------------------------------ driving
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kv_protocol import check_int
 
-__all__ = ["DEFAULT_STATS_WINDOW", "EngineStats", "pages_in_use"]
+__all__ = ["DEFAULT_STATS_WINDOW", "EngineMemoryReport", "EngineStats", "pages_in_use"]
 
 
 #: Steps of history an engine's :class:`EngineStats` series keep by default.
@@ -112,6 +112,42 @@ class EngineStats:
             for name, pages in sample.items():
                 peak[name] = max(peak.get(name, 0), pages)
         return peak
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineMemoryReport:
+    """What an engine holds now: the KV pool's pages and the requests' recurrent states.
+
+    ``pool_bytes_total`` / ``pool_bytes_used`` come from the pool's ``memory_report()``
+    (``None`` when the pool cannot tell); ``state_bytes_in_use`` is the recurrent state of the
+    running and prefilling requests, ``state_bytes_per_request`` one request's (the largest
+    seen, measured when the engine was built), ``state_budget_bytes`` the admission cap.
+    """
+
+    pool_bytes_total: int | None
+    pool_bytes_used: int | None
+    state_bytes_in_use: int
+    state_bytes_per_request: int | None
+    state_budget_bytes: int | None
+
+    @property
+    def bytes_in_use(self) -> int:
+        """KV pages held by requests plus their recurrent states."""
+        return (self.pool_bytes_used or 0) + self.state_bytes_in_use
+
+
+def pool_bytes(pool: object) -> tuple[int | None, int | None]:
+    """``(bytes_total, bytes_used)`` of the pool's buffers, if it has a ``memory_report()``."""
+    report = getattr(pool, "memory_report", None)
+    if not callable(report):
+        return None, None
+    got = report()
+    total = getattr(got, "bytes_total", None)
+    used = getattr(got, "bytes_used", None)
+    return (
+        int(total) if isinstance(total, int) else None,
+        int(used) if isinstance(used, int) else None,
+    )
 
 
 def pages_in_use(pool: object) -> dict[str, int] | None:

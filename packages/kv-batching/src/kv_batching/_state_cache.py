@@ -27,6 +27,7 @@ __all__ = [
     "StateSnapshot",
     "group_by_state_shapes",
     "model_state_caches",
+    "request_state_bytes",
     "state_nbytes",
     "state_shapes",
 ]
@@ -63,6 +64,30 @@ def model_state_caches(model: object, layout: CacheLayout) -> StateCacheFactory:
                 "state arrays (.cache), so its rows cannot be stacked for a batched step"
             )
     return factory
+
+
+def request_state_bytes(model: object, layout: CacheLayout) -> int:
+    """Bytes of one request's recurrent state, measured after a one-token forward.
+
+    The model runs one token on a fresh ``make_cache()`` list (its own caches, no pool) and
+    the state arrays of ``layout``'s STATE layers are counted. Most recurrent states have a
+    fixed size (convolution windows, SSM and linear-attention states); one that grows with
+    the text is measured at one token, and the engine keeps the largest it sees afterwards.
+    0 when the model has no STATE layer.
+    """
+    state_ids = list(layout.state_layer_ids)
+    if not state_ids:
+        return 0
+    make_cache = getattr(model, "make_cache", None)
+    if not callable(make_cache):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has STATE layers {state_ids} but no make_cache()"
+        )
+    caches = list(make_cache())
+    forward: Any = model
+    mx.eval(forward(mx.array([[0]], dtype=mx.int32), cache=caches))
+    flat = flatten_caches(caches)
+    return state_nbytes([flat[i] for i in state_ids])
 
 
 def request_caches(

@@ -97,6 +97,7 @@ def build_engine(
     record_pages: bool = True,
     pool: KVPool | None = None,
     decode_path: str = "auto",
+    state_budget_bytes: int | None = None,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -108,6 +109,11 @@ def build_engine(
     the model's layout) replaces the sizing arguments. ``decode_path`` (``auto``,
     ``universal`` or ``fast``) picks each attention layer's decode path (see
     :class:`kv_batching.DecodeEngine`; ``engine.decode_paths`` reports it).
+
+    ``kv_budget_bytes`` bounds the KV pool; a model with recurrent STATE layers also keeps
+    one state per running request beside it (``engine.memory_report()`` shows both), which
+    ``state_budget_bytes`` caps at admission. Building the engine wraps the attention
+    modules it serves on the fast path in place; ``engine.close()`` puts them back.
     """
     layout = layout_from_model(model)
     if pool is None:
@@ -133,4 +139,5 @@ def build_engine(
         seed=seed,
         record_pages=record_pages,
         decode_path=decode_path,
+        state_budget_bytes=state_budget_bytes,
     )

@@ -631,6 +631,9 @@ class KVServer:
             f'kv_serve_pool_pages_total{{sub_pool="{n}"}} {v}' for n, v in snap.pages_total.items()
         ]
         lines += [
+            "# HELP kv_serve_state_bytes Bytes of recurrent state the running requests hold.",
+            "# TYPE kv_serve_state_bytes gauge",
+            f"kv_serve_state_bytes {snap.state_bytes}",
             "# HELP kv_serve_engine_steps_total Engine steps.",
             "# TYPE kv_serve_engine_steps_total counter",
             f"kv_serve_engine_steps_total {snap.steps}",

@@ -117,6 +117,7 @@ class WorkerSnapshot:
     decode_tokens: int = 0
     preemptions: int = 0
     errors: int = 0
+    state_bytes: int = 0
 
 
 @dataclass
@@ -354,6 +355,7 @@ class EngineWorker:
             decode_tokens=stats.decode_tokens,
             preemptions=stats.preemptions,
             errors=stats.errors,
+            state_bytes=engine.state_bytes_in_use(),
         )
         with self._lock:
             self._engine_queued = engine.num_queued
