@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_pool import HybridKVPool
+from kv_pool import HybridKVPool, KVStorage
 from kv_protocol import CacheLayout, LayerKind, LayerSpec, RequestStateError, ShapeMismatchError
 
 
@@ -113,13 +113,13 @@ def test_reads_may_repeat_a_slot() -> None:
 def test_issued_slots_skip_the_host_check(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = HybridKVPool(layout(), num_pages=8, page_size=2)
     checked: list[Any] = []
-    real = HybridKVPool._check_slot_values
+    real = KVStorage._check_slot_values
 
-    def counting(self: HybridKVPool, *args: Any, **kwargs: Any) -> list[int]:
+    def counting(self: KVStorage, *args: Any, **kwargs: Any) -> list[int]:
         checked.append(args)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(HybridKVPool, "_check_slot_values", counting)
+    monkeypatch.setattr(KVStorage, "_check_slot_values", counting)
     pool.add_request(0)
     pool.add_request(1)
     for step in range(3):

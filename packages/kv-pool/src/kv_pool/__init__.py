@@ -2,14 +2,38 @@
 
 from ._allocator import PageAllocator
 from ._counter import LayerDoneCounter
-from ._pool import HybridKVPool, SubPoolSpec
+from ._page_tables import ForkPlan, PageTable, ReservePlan, SubPoolPages
+from ._pool import HybridKVPool
 from ._report import PoolMemoryReport, SubPoolReport
+from ._sizing import (
+    MAX_SLOTS_PER_LAYER,
+    SubPoolGroup,
+    SubPoolSpec,
+    budget_page_counts,
+    pages_per_request,
+    required_bytes,
+    sub_pool_groups,
+    sub_pool_specs,
+)
+from ._storage import KVStorage
 
 __all__ = [
+    "MAX_SLOTS_PER_LAYER",
+    "ForkPlan",
     "HybridKVPool",
+    "KVStorage",
     "LayerDoneCounter",
     "PageAllocator",
+    "PageTable",
     "PoolMemoryReport",
+    "ReservePlan",
+    "SubPoolGroup",
+    "SubPoolPages",
     "SubPoolReport",
     "SubPoolSpec",
+    "budget_page_counts",
+    "pages_per_request",
+    "required_bytes",
+    "sub_pool_groups",
+    "sub_pool_specs",
 ]
