@@ -27,9 +27,10 @@ from kv_protocol import (
     RequestStateError,
     ShapeMismatchError,
 )
+from kv_testing import ReferenceKVPool
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, FakePagedPool, FakeRope
+from batching_fakes import FakeKernels, FakeRope
 
 
 def gpt_oss_like(window: int = 8) -> CacheLayout:
@@ -96,7 +97,7 @@ def test_empty_batch_is_a_clear_error() -> None:
     with pytest.raises(RequestStateError, match="empty batch"):
         ctx([])
     with pytest.raises(ValueError, match="empty batch"):
-        DecodeStep.from_pool(FakePagedPool(gpt_oss_like()), [], FakeKernels())
+        DecodeStep.from_pool(ReferenceKVPool(gpt_oss_like()), [], FakeKernels())
 
 
 @pytest.mark.parametrize(
@@ -201,7 +202,7 @@ def test_decode_padding_is_memoised_per_window() -> None:
 
 
 def test_from_pool_reserves_one_token_and_reads_slots_at_the_old_length() -> None:
-    pool = FakePagedPool(gpt_oss_like(window=4), num_pages=32, page_size=2)
+    pool = ReferenceKVPool(gpt_oss_like(window=4), num_pages=32, page_size=2)
     for rid, n in ((10, 5), (11, 1), (12, 9)):
         pool.add_request(rid)
         pool.reserve(rid, n)
@@ -237,7 +238,7 @@ def test_from_pool_reserves_one_token_and_reads_slots_at_the_old_length() -> Non
 
 
 def test_only_full_layers_are_addressed_by_the_fused_kernel() -> None:
-    pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4)
+    pool = ReferenceKVPool(gpt_oss_like(), num_pages=8, page_size=4)
     pool.add_request(0)
     pool.reserve(0, 3)
     step = DecodeStep.from_pool(pool, [0], FakeKernels(rope=FakeRope()))
@@ -245,7 +246,7 @@ def test_only_full_layers_are_addressed_by_the_fused_kernel() -> None:
 
 
 def test_from_pool_without_room_reserves_nothing() -> None:
-    pool = FakePagedPool(gpt_oss_like(window=64), num_pages=3, page_size=2)
+    pool = ReferenceKVPool(gpt_oss_like(window=64), num_pages=3, page_size=2)
     pool.add_request(0)
     pool.add_request(1)
     pool.reserve(0, 2)
@@ -257,7 +258,7 @@ def test_from_pool_without_room_reserves_nothing() -> None:
 
 
 def test_from_pool_without_reserve_reads_only() -> None:
-    pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4)
+    pool = ReferenceKVPool(gpt_oss_like(), num_pages=8, page_size=4)
     pool.add_request(3)
     pool.reserve(3, 5)
     step = DecodeStep.from_pool(pool, [3], FakeKernels(), reserve=False)
@@ -265,7 +266,7 @@ def test_from_pool_without_reserve_reads_only() -> None:
 
 
 def test_a_step_needs_every_sub_pool() -> None:
-    pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4)
+    pool = ReferenceKVPool(gpt_oss_like(), num_pages=8, page_size=4)
     pool.add_request(0)
     pool.reserve(0, 2)
     full = DecodeStep.from_pool(pool, [0], FakeKernels())
@@ -280,7 +281,7 @@ def test_a_step_needs_every_sub_pool() -> None:
 
 
 def test_pool_addressing() -> None:
-    pool = FakePagedPool(gpt_oss_like(), num_pages=8, page_size=4, sliding_page_size=2)
+    pool = ReferenceKVPool(gpt_oss_like(), num_pages=8, page_size=4, sliding_page_size=2)
     plan = PoolAddressing.from_pool(pool)
     assert {i: a.sub_pool for i, a in plan.layers.items()} == {
         0: "sliding",
@@ -302,7 +303,7 @@ def test_pool_addressing() -> None:
 
 
 def step_of(seq_lens: list[int], layout: CacheLayout | None = None) -> DecodeStep:
-    pool = FakePagedPool(layout or gpt_oss_like(), num_pages=32, page_size=4)
+    pool = ReferenceKVPool(layout or gpt_oss_like(), num_pages=32, page_size=4)
     for rid, n in enumerate(seq_lens):
         pool.add_request(rid)
         pool.reserve(rid, n)

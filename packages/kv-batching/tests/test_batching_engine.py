@@ -23,12 +23,11 @@ from kv_protocol import (
     UnsupportedModelError,
     layout_from_model,
 )
-from kv_testing import build_tiny_model
+from kv_testing import ReferenceKVPool, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batching_fakes import (
     FakeKernels,
-    FakePagedPool,
     FakeRope,
     fake_prefill_cache,
     mlx_lm_greedy,
@@ -51,12 +50,12 @@ def references() -> list[list[int]]:
 def engine(
     *, num_pages: int = 64, page_size: int = 2, rope: Any = None, **kwargs: Any
 ) -> DecodeEngine:
-    pool = FakePagedPool(layout_from_model(model()), num_pages=num_pages, page_size=page_size)
+    pool = ReferenceKVPool(layout_from_model(model()), num_pages=num_pages, page_size=page_size)
     return DecodeEngine(model(), pool, FakeKernels(rope=rope), fake_prefill_cache, **kwargs)
 
 
-def pool_of(e: DecodeEngine) -> FakePagedPool:
-    assert isinstance(e.pool, FakePagedPool)
+def pool_of(e: DecodeEngine) -> ReferenceKVPool:
+    assert isinstance(e.pool, ReferenceKVPool)
     return e.pool
 
 
@@ -223,16 +222,16 @@ def test_models_with_state_layers_and_mismatched_pools_are_refused() -> None:
 
     layout = CacheLayout([LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=2, head_dim=4)])
     with pytest.raises(LayoutError, match="layer 0: the model has state"):
-        DecodeEngine(StateModel(), FakePagedPool(layout), FakeKernels(), fake_prefill_cache)
+        DecodeEngine(StateModel(), ReferenceKVPool(layout), FakeKernels(), fake_prefill_cache)
     # A recurrent layer's state comes from the model's make_cache(); without one, refused.
     state_layout = layout_from_model(StateModel())
     with pytest.raises(UnsupportedModelError, match=r"STATE layers \[0\] but no make_cache"):
-        DecodeEngine(StateModel(), FakePagedPool(state_layout), FakeKernels(), fake_prefill_cache)
+        DecodeEngine(StateModel(), ReferenceKVPool(state_layout), FakeKernels(), fake_prefill_cache)
     other = build_tiny_model("gpt_oss", window=8, num_layers=4, vocab_size=64)
     with pytest.raises(LayoutError, match="window"):
         DecodeEngine(
             other,
-            FakePagedPool(layout_from_model(model())),
+            ReferenceKVPool(layout_from_model(model())),
             FakeKernels(),
             fake_prefill_cache,
         )

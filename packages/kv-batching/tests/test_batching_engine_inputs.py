@@ -17,10 +17,10 @@ import pytest
 
 from kv_batching import DecodeEngine, vocabulary_size
 from kv_protocol import KVCacheError, RequestStateError, UnsupportedModelError, layout_from_model
-from kv_testing import build_tiny_model
+from kv_testing import ReferenceKVPool, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, FakePagedPool, fake_prefill_cache, mlx_lm_greedy
+from batching_fakes import FakeKernels, fake_prefill_cache, mlx_lm_greedy
 
 VOCAB = 64
 
@@ -31,7 +31,7 @@ def model() -> Any:
 
 
 def engine(**kwargs: Any) -> DecodeEngine:
-    pool = FakePagedPool(layout_from_model(model()), num_pages=64, page_size=2)
+    pool = ReferenceKVPool(layout_from_model(model()), num_pages=64, page_size=2)
     return DecodeEngine(model(), pool, FakeKernels(), fake_prefill_cache, **kwargs)
 
 

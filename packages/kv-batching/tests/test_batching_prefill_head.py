@@ -12,10 +12,10 @@ import pytest
 
 from kv_batching import DecodeEngine, last_position_forward
 from kv_protocol import layout_from_model
-from kv_testing import ARCHITECTURES, build_tiny_model
+from kv_testing import ARCHITECTURES, ReferenceKVPool, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, FakePagedPool, fake_prefill_cache, mlx_lm_greedy
+from batching_fakes import FakeKernels, fake_prefill_cache, mlx_lm_greedy
 
 VOCAB = 64
 
@@ -50,7 +50,7 @@ def test_engine_tokens_do_not_depend_on_the_prefill_head(last_only: bool) -> Non
     model: nn.Module = build_tiny_model("gemma3_text", window=4, num_layers=4, vocab_size=VOCAB)
     prompts = [[(3 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((3, 11, 26))]
     want = [mlx_lm_greedy(model, p, 8) for p in prompts]
-    pool = FakePagedPool(layout_from_model(model), num_pages=64, page_size=2)
+    pool = ReferenceKVPool(layout_from_model(model), num_pages=64, page_size=2)
     engine = DecodeEngine(
         model,
         pool,

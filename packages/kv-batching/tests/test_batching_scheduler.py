@@ -18,9 +18,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kv_batching import EngineStats, RequestStatus, Scheduler
 from kv_batching._requests import EngineRequest
 from kv_protocol import CacheLayout, LayerKind, LayerSpec
+from kv_testing import ReferenceKVPool
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakePagedPool
 
 
 def layout() -> CacheLayout:
@@ -39,7 +39,7 @@ def request(rid: int, prompt_len: int) -> EngineRequest:
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = FakePagedPool(layout(), num_pages=12, page_size=2)
+        self.pool = ReferenceKVPool(layout(), num_pages=12, page_size=2)
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.pool, self.stats, max_running=3)
         self.requests: list[EngineRequest] = []
@@ -173,7 +173,7 @@ test_scheduler_against_a_model_of_request_places = SchedulerMachine.TestCase
 
 
 def test_state_budget_limits_admission() -> None:
-    pool = FakePagedPool(layout(), num_pages=32, page_size=2)
+    pool = ReferenceKVPool(layout(), num_pages=32, page_size=2)
     scheduler = Scheduler(pool, EngineStats(), max_running=8, state_budget_bytes=100)
     scheduler.state_bytes_per_request = 40
     for rid in range(4):
@@ -187,3 +187,53 @@ def test_state_budget_limits_admission() -> None:
     assert started == [0, 1] and not scheduler.may_admit()
     scheduler.state_budget_bytes = None
     assert scheduler.may_admit()
+
+
+class LengthsOnly:
+    """A pool reduced to the tensor-free bookkeeping a scheduler needs."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.lengths: dict[int, int] = {}
+
+    @property
+    def layout(self) -> CacheLayout:
+        return layout()
+
+    def add_request(self, request_id: int) -> None:
+        self.lengths[request_id] = 0
+
+    def free_request(self, request_id: int) -> None:
+        del self.lengths[request_id]
+
+    def has_request(self, request_id: int) -> bool:
+        return request_id in self.lengths
+
+    def seq_len(self, request_id: int) -> int:
+        return self.lengths[request_id]
+
+    def trim_request(self, request_id: int, n_tokens: int) -> None:
+        self.lengths[request_id] -= n_tokens
+
+    def can_reserve(self, demands: dict[int, int]) -> bool:
+        return sum(self.lengths.values()) + sum(demands.values()) <= self.capacity
+
+
+def test_the_scheduler_needs_only_tensor_free_bookkeeping() -> None:
+    book = LengthsOnly(capacity=10)
+    scheduler = Scheduler(book, EngineStats(), max_running=4)
+    for rid in range(3):
+        scheduler.enqueue(request(rid, 4))
+    first = scheduler.admit()
+    assert first is not None and book.has_request(0)
+    assert scheduler.fit_chunk(first, 16) == 8  # halved from 16 until it fits in 10
+    book.lengths[0] = 4
+    scheduler.start_running(first)
+    second = scheduler.admit()
+    assert second is not None
+    book.lengths[1] = 5
+    scheduler.start_running(second)
+    # 9 of 10 held: one more token each does not fit, so the newest is preempted.
+    scheduler.make_decode_room()
+    assert [r.rid for r in scheduler.running] == [0] and scheduler.queue[0] is second
+    assert not book.has_request(1)

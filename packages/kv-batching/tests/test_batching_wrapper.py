@@ -28,10 +28,10 @@ from kv_protocol import (
     UnsupportedModelError,
     layout_from_model,
 )
-from kv_testing import build_tiny_model
+from kv_testing import ReferenceKVPool, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, FakePagedPool, FakeRope
+from batching_fakes import FakeKernels, FakeRope
 
 ARCHS = ("gpt_oss", "gemma3_text", "cohere2", "olmo3")
 
@@ -213,7 +213,7 @@ def test_batched_decode_equals_each_request_alone(arch: str, fused: bool) -> Non
     model = fresh(arch)
     patch_model_attention(model)
     layout = layout_from_model(model)
-    pool = FakePagedPool(layout, num_pages=64, page_size=3)
+    pool = ReferenceKVPool(layout, num_pages=64, page_size=3)
     rope = FakeRope() if fused else None
     kernels = FakeKernels(rope=rope)
     seq_lens = [0, 2, 5, 6, 11, 17]  # window 6: short, at and well past the window
@@ -262,7 +262,7 @@ def test_kernel_refusing_the_rope_variant_falls_back_to_unfused() -> None:
     model = fresh("gpt_oss")
     patch_model_attention(model)
     layout = layout_from_model(model)
-    pool = FakePagedPool(layout, num_pages=16, page_size=4)
+    pool = ReferenceKVPool(layout, num_pages=16, page_size=4)
     pool.add_request(0)
     pool.reserve(0, 3)
     rope = FakeRope(refuse=True)

@@ -452,7 +452,12 @@ def test_set_kv_writes_in_place() -> None:
 
 def test_from_budget_fits_the_stated_workload() -> None:
     layout = gpt_oss_like(window=8)
-    kwargs = {"max_context": 40, "concurrency": 3, "page_size": 4, "prefill_chunk": 8}
+    kwargs: dict[str, Any] = {
+        "max_context": 40,
+        "concurrency": 3,
+        "page_size": 4,
+        "prefill_chunk": 8,
+    }
     need = HybridKVPool.required_bytes(layout, **kwargs)
     pages = HybridKVPool.pages_per_request(layout, max_context=40, page_size=4, prefill_chunk=8)
     assert pages == {"sliding-w8": math.ceil((8 - 1 + 8) / 4) + 1, "full": 10}

@@ -169,6 +169,7 @@ def test_models_health_and_metrics(served: RunningServer) -> None:
         assert name in text, name
     # An attention-only model holds no recurrent state.
     assert "\nkv_serve_state_bytes 0\n" in text
+    assert "\nkv_serve_prefix_cache_hit_tokens_total " in text
 
 
 PROMPT = "The river rises in the hills"

@@ -20,6 +20,7 @@ from kv_protocol import (
     KernelSet,
     KVCache,
     KVPool,
+    KVPrefixCache,
     LayoutError,
     RequestStateError,
     UnsupportedModelError,
@@ -147,6 +148,7 @@ class DecodeEngine:
         decode_path: str = "auto",
         make_state_caches: StateCacheFactory | None = None,
         state_budget_bytes: int | None = None,
+        prefix_caching: bool | None = None,
     ) -> None:
         max_running = check_int(max_running, "max_running", minimum=1)
         if state_budget_bytes is not None:
@@ -213,12 +215,39 @@ class DecodeEngine:
             # Known before the first admission, so a state budget holds from the start.
             self.scheduler.state_bytes_per_request = request_state_bytes(model, model_layout)
         self.sampler = Sampler(seed)
+        self._prefix_cache = self._choose_prefix_cache(pool, prefix_caching)
         self._num_layers = model_layout.num_layers
         self._requests = RequestTable()
         # Tokens of a step that raised, handed out by the next step.
         self._undelivered: dict[int, list[int]] = {}
 
     # ------------------------------------------------------------------ configuration
+
+    def _choose_prefix_cache(self, pool: KVPool, wanted: bool | None) -> KVPrefixCache | None:
+        """The pool's prefix cache if it has one that is on and the model can use it."""
+        capable = isinstance(pool, KVPrefixCache) and pool.prefix_caching
+        if wanted is False or (wanted is None and not capable):
+            return None
+        if not capable:
+            raise UnsupportedModelError(
+                "prefix_caching=True needs a pool built with prefix caching on (a "
+                "kv_protocol.KVPrefixCache whose prefix_caching is True)"
+            )
+        if self._state_layer_ids:
+            # A reused prefix would need each request's recurrent state at that length,
+            # which is not kept: such models prefill every prompt whole.
+            if wanted:
+                raise UnsupportedModelError(
+                    f"prefix caching is not available for {type(self.model).__name__}: its "
+                    f"STATE layers {list(self._state_layer_ids)} keep no state per prefix"
+                )
+            return None
+        return cast(KVPrefixCache, pool)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether requests reuse cached K/V of a shared prompt prefix."""
+        return self._prefix_cache is not None
 
     @property
     def max_running(self) -> int:
@@ -428,6 +457,32 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ internals
 
+    def _commit(self, request: EngineRequest, tokens: Sequence[int]) -> None:
+        """Tell the prefix cache the request's next positions hold these tokens' K/V."""
+        if self._prefix_cache is None:
+            return
+        try:
+            self._prefix_cache.commit_tokens(request.rid, tokens)
+        except Exception as error:  # the cache only loses an entry; the request goes on
+            logger.warning("prefix cache: commit for request %d failed: %r", request.rid, error)
+
+    def _reuse_prefix(self, request: EngineRequest) -> None:
+        """Start a just-admitted request at the longest prefix the cache holds."""
+        cache = self._prefix_cache
+        if cache is None:
+            return
+        tokens = request.prefill_tokens()
+        try:
+            hit = cache.match_prefix(tokens)
+            if hit:
+                cache.reuse_prefix(request.rid, tokens, hit)
+        except Exception as error:  # nothing was reused; prefill computes everything
+            logger.warning("prefix cache: reuse for request %d failed: %r", request.rid, error)
+            return
+        if hit:
+            request.prefilled = hit
+            self.stats.prefix_hit_tokens += hit
+
     def _emit(self, request: EngineRequest, token: int, produced: dict[int, list[int]]) -> None:
         request.generated.append(token)
         produced.setdefault(request.rid, []).append(token)
@@ -489,9 +544,11 @@ class DecodeEngine:
                 except Exception as alone:
                     self.scheduler.fail(request, alone)
                 else:
+                    self._commit(request, request.generated[-1:])
                     self._emit(request, token, produced)
         else:
             for request, token in zip(batch, chosen, strict=True):
+                self._commit(request, request.generated[-1:])
                 self._emit(request, token, produced)
 
     def _prefill_chunk(
@@ -532,6 +589,7 @@ class DecodeEngine:
             self.scheduler.trim_back([request], [begin])
             raise
         self.scheduler.note_state_bytes(request)
+        self._commit(request, tokens[begin : begin + n])
         request.prefilled = begin + n
         self.stats.prefill_tokens += n
         if request.prefilled < len(tokens):
@@ -544,9 +602,11 @@ class DecodeEngine:
         scheduler = self.scheduler
         budget = self.prefill_chunk
         while budget > 0:
-            request = (
-                scheduler.prefilling if scheduler.prefilling is not None else scheduler.admit()
-            )
+            request = scheduler.prefilling
+            if request is None:
+                request = scheduler.admit()
+                if request is not None:
+                    self._reuse_prefix(request)
             if request is None:
                 if scheduler.may_admit():
                     continue  # the head of the queue failed admission; try the next one

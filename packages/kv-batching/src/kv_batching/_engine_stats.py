@@ -40,6 +40,8 @@ class EngineStats:
     errors: int = 0
     #: Batched decodes that raised and were retried request by request.
     decode_fallbacks: int = 0
+    #: Prompt tokens not prefilled because their K/V were reused from the prefix cache.
+    prefix_hit_tokens: int = 0
     window: int | None = DEFAULT_STATS_WINDOW
     queue_length: deque[int] = field(default_factory=deque, repr=False)
     running: deque[int] = field(default_factory=deque, repr=False)

@@ -10,7 +10,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from kv_protocol import KVPool, check_int
+from kv_protocol import KVRequestBookkeeping, check_int
 
 from ._engine_stats import EngineStats
 from ._requests import EngineRequest, RequestStatus
@@ -24,6 +24,8 @@ logger = logging.getLogger("kv_batching._engine")
 class Scheduler:
     """The queue, the one request being prefilled and the running batch, over one pool.
 
+    It needs the pool's tensor-free bookkeeping only (:class:`kv_protocol.KVRequestBookkeeping`).
+
     At most ``max_running`` requests run; a request is admitted when its pool entry can be
     made and (with ``state_budget_bytes``) one more request's recurrent state fits. When the
     running requests outgrow the pool the prefilling request, then the newest running one,
@@ -34,7 +36,7 @@ class Scheduler:
 
     def __init__(
         self,
-        pool: KVPool,
+        pool: KVRequestBookkeeping,
         stats: EngineStats,
         *,
         max_running: int,

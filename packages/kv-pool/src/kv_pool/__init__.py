@@ -2,8 +2,8 @@
 
 from ._allocator import PageAllocator
 from ._counter import LayerDoneCounter
-from ._page_tables import ForkPlan, PageTable, ReservePlan, SubPoolPages
-from ._pool import HybridKVPool
+from ._page_tables import ForkPlan, PageTable, ReservePlan, SubPoolPages, block_hashes
+from ._pool import HybridKVPool, PrefixCacheStats
 from ._report import PoolMemoryReport, SubPoolReport
 from ._sizing import (
     MAX_SLOTS_PER_LAYER,
@@ -26,11 +26,13 @@ __all__ = [
     "PageAllocator",
     "PageTable",
     "PoolMemoryReport",
+    "PrefixCacheStats",
     "ReservePlan",
     "SubPoolGroup",
     "SubPoolPages",
     "SubPoolReport",
     "SubPoolSpec",
+    "block_hashes",
     "budget_page_counts",
     "pages_per_request",
     "required_bytes",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 
 from kv_protocol import InvalidPageError, PoolExhaustedError, check_int, is_int
 
@@ -22,6 +22,13 @@ class PageAllocator:
     lost an owner in between, and maybe went to another one: the pool uses it to end the
     trust of the slot arrays it issued. ``drops_total`` counts those events over all pages,
     so "nothing changed" is one comparison.
+
+    Prefix caching: a page holding a complete, written block of tokens can be registered
+    under the block's content hash (:meth:`register_hash`). When its last owner lets go of
+    it, such a page is not freed but kept *cached*: refcount 0, counted as free, found by
+    :meth:`cached_page`, given back to a new owner by :meth:`reuse`, and evicted (its hash
+    forgotten) least recently released first when :meth:`alloc` runs out of plain free pages.
+    A page in use is never evicted.
     """
 
     def __init__(self, num_pages: int, *, name: str = "pool") -> None:
@@ -37,6 +44,11 @@ class PageAllocator:
         self._allocated_total = 0
         self._released_total = 0
         self._drops_total = 0
+        self._hash_of: dict[int, Hashable] = {}
+        self._page_of: dict[Hashable, int] = {}
+        # Cached pages at refcount 0, least recently released first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._evictions = 0
 
     @property
     def name(self) -> str:
@@ -50,13 +62,28 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        """Pages that can be allocated now."""
-        return len(self._free)
+        """Pages that can be allocated now (free ones and cached ones nobody holds)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
         """Pages currently held by at least one owner (the null page excluded)."""
-        return self._num_pages - 1 - len(self._free)
+        return self._num_pages - 1 - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Pages nobody holds that keep a registered block for reuse (evictable)."""
+        return len(self._evictable)
+
+    @property
+    def num_hashed(self) -> int:
+        """Pages registered under a block hash, held or not."""
+        return len(self._hash_of)
+
+    @property
+    def evictions_total(self) -> int:
+        """Cached pages evicted (their block forgotten) to satisfy ``alloc`` (a statistic)."""
+        return self._evictions
 
     @property
     def pages_allocated_total(self) -> int:
@@ -86,15 +113,21 @@ class PageAllocator:
     def alloc(self, n: int) -> list[int]:
         """Allocate ``n`` pages atomically (all or none) with refcount 1 each."""
         n = check_int(n, "alloc's page count", minimum=0)
-        if n > len(self._free):
+        if n > self.num_free:
             raise PoolExhaustedError(
-                sub_pool=self._name, pages_requested=n, pages_free=len(self._free)
+                sub_pool=self._name, pages_requested=n, pages_free=self.num_free
             )
         if n == 0:
             return []
-        pages = self._free[-n:]
-        del self._free[-n:]
+        plain = min(n, len(self._free))
+        pages = self._free[len(self._free) - plain :]
+        del self._free[len(self._free) - plain :]
         pages.reverse()
+        for _ in range(n - plain):
+            page, _ = self._evictable.popitem(last=False)
+            self._forget(page)
+            self._evictions += 1
+            pages.append(page)
         refcounts = self._refcounts
         for page in pages:
             refcounts[page] = 1
@@ -159,8 +192,7 @@ class PageAllocator:
                 self._generations[page] += 1
                 self._drops_total += 1
                 if left == 0:
-                    self._free.append(page)
-                    self._released_total += 1
+                    self._release(page)
                 return
         counts = self._check_owned(pages, "free")
         for page, times in counts.items():
@@ -169,8 +201,74 @@ class PageAllocator:
             self._generations[page] += times
             self._drops_total += times
             if left == 0:
-                self._free.append(page)
-                self._released_total += 1
+                self._release(page)
+
+    def _release(self, page: int) -> None:
+        """A page's last owner let go: cache it if it holds a registered block, else free it."""
+        self._released_total += 1
+        if page in self._hash_of:
+            self._evictable[page] = None
+        else:
+            self._free.append(page)
+
+    def _forget(self, page: int) -> None:
+        block = self._hash_of.pop(page, None)
+        if block is not None:
+            del self._page_of[block]
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def register_hash(self, page: int, block: Hashable) -> bool:
+        """Record that held ``page`` holds the complete block ``block`` (a content hash).
+
+        False (and nothing recorded) when another page already holds that block or this page
+        holds another one: the first copy stays the cached one.
+        """
+        if self.refcount(page) == 0:
+            raise InvalidPageError(
+                f"register_hash in sub-pool {self._name!r}: page {page} is not held"
+            )
+        if block in self._page_of or page in self._hash_of:
+            return False
+        self._hash_of[page] = block
+        self._page_of[block] = page
+        return True
+
+    def forget_hash(self, page: int) -> None:
+        """Drop the block a held page was registered under (its content is about to change)."""
+        self._forget(page)
+
+    def block_of(self, page: int) -> Hashable | None:
+        """The block hash ``page`` is registered under, if any."""
+        return self._hash_of.get(page)
+
+    def cached_page(self, block: Hashable) -> int | None:
+        """The page holding ``block``, held or cached, or ``None``."""
+        return self._page_of.get(block)
+
+    def reuse(self, pages: Sequence[int]) -> None:
+        """One more owner for each page of a registered block; all-or-nothing.
+
+        A cached page (refcount 0) leaves the eviction order.
+        """
+        for page in pages:
+            if page not in self._hash_of:
+                raise InvalidPageError(
+                    f"reuse in sub-pool {self._name!r}: page {page} holds no registered block"
+                )
+        for page in pages:
+            if self._refcounts[page] == 0:
+                del self._evictable[page]
+            self._refcounts[page] += 1
+
+    def drop_cached(self) -> int:
+        """Forget every cached block nobody holds and free its page; returns how many."""
+        dropped = list(self._evictable)
+        self._evictable.clear()
+        for page in dropped:
+            self._forget(page)
+            self._free.append(page)
+        return len(dropped)
 
     def refcount(self, page: int) -> int:
         """Current owner count of ``page`` (0 when free); ``InvalidPageError`` for a foreign id."""

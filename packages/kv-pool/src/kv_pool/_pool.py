@@ -8,8 +8,10 @@ trust in :mod:`._storage`, and the sizing arithmetic in :mod:`._sizing`.
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -29,7 +31,7 @@ from kv_protocol import (
 )
 
 from ._allocator import PageAllocator
-from ._page_tables import ForkPlan, ReservePlan, SubPoolPages
+from ._page_tables import ForkPlan, ReservePlan, SubPoolPages, block_hashes
 from ._report import PoolMemoryReport, SubPoolReport
 from ._sizing import (
     SubPoolSpec,
@@ -41,7 +43,29 @@ from ._sizing import (
 )
 from ._storage import KVStorage, int32_array
 
-__all__ = ["HybridKVPool"]
+__all__ = ["HybridKVPool", "PrefixCacheStats"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixCacheStats:
+    """What prefix caching did so far: lookups, tokens asked and reused, pages kept, evictions.
+
+    ``cached_pages`` counts pages no request holds that keep a block for reuse (they are also
+    free: an allocation evicts them, least recently released first); ``hashed_pages`` counts
+    every page registered under a block, held or not.
+    """
+
+    queries: int
+    query_tokens: int
+    hit_tokens: int
+    cached_pages: int
+    hashed_pages: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Reused tokens per looked-up token."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 def _request_ids(request_ids: object, what: str) -> list[int]:
@@ -78,6 +102,8 @@ class HybridKVPool:
         *,
         num_pages: int | Mapping[str, int],
         page_size: int | Mapping[str, int] = 16,
+        prefix_caching: bool = False,
+        prefix_salt: bytes = b"",
     ) -> None:
         if not isinstance(layout, CacheLayout):
             raise LayoutError(f"HybridKVPool needs a CacheLayout, got {layout!r}")
@@ -99,6 +125,13 @@ class HybridKVPool:
         self._storage = KVStorage(layout, specs, [p.allocator for p in self._pages])
         # request id -> reserved length (the same in every sub-pool)
         self._lengths: dict[int, int] = {}
+        if not isinstance(prefix_salt, bytes):
+            raise RequestStateError(f"prefix_salt must be bytes, got {prefix_salt!r}")
+        self._prefix_caching = bool(prefix_caching)
+        self._salt = prefix_salt
+        # request id -> the tokens whose K/V it has written (prefix caching only)
+        self._tokens: dict[int, list[int]] = {}
+        self._queries = self._query_tokens = self._hit_tokens = 0
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -153,6 +186,8 @@ class HybridKVPool:
         concurrency: int,
         page_size: int | Mapping[str, int] = 16,
         prefill_chunk: int = 1,
+        prefix_caching: bool = False,
+        prefix_salt: bytes = b"",
     ) -> HybridKVPool:
         """A pool whose buffers fit in ``budget_bytes``, split for a stated workload.
 
@@ -170,7 +205,13 @@ class HybridKVPool:
             page_size=page_size,
             prefill_chunk=prefill_chunk,
         )
-        return cls(layout, num_pages=counts, page_size=sizes)
+        return cls(
+            layout,
+            num_pages=counts,
+            page_size=sizes,
+            prefix_caching=prefix_caching,
+            prefix_salt=prefix_salt,
+        )
 
     # ------------------------------------------------------------------ static facts
 
@@ -245,6 +286,8 @@ class HybridKVPool:
         for pages in self._pages:
             pages.add(request_id)
         self._lengths[request_id] = 0
+        if self._prefix_caching:
+            self._tokens[request_id] = []
 
     def seq_len(self, request_id: int) -> int:
         """Token positions reserved so far for the request."""
@@ -391,6 +434,7 @@ class HybridKVPool:
         for pages in self._pages:
             pages.free(request_id)
         del self._lengths[request_id]
+        self._tokens.pop(request_id, None)
 
     def trim_request(self, request_id: int, n_tokens: int) -> None:
         """Give back the last ``n_tokens`` reserved positions of the request (a rollback).
@@ -409,8 +453,11 @@ class HybridKVPool:
         n_tokens = check_int(n_tokens, "n_tokens", minimum=0, maximum=length)
         keeps = [pages.trim_keep(request_id, length, n_tokens) for pages in self._pages]
         for pages, keep in zip(self._pages, keeps, strict=True):
-            pages.trim(request_id, keep)
+            pages.trim(request_id, keep, length - n_tokens)
         self._lengths[request_id] = length - n_tokens
+        committed = self._tokens.get(request_id)
+        if committed is not None:
+            del committed[length - n_tokens :]
 
     def fork_request(self, parent_id: int, child_id: int, n_tokens: int) -> None:
         """Register ``child_id`` holding the parent's first ``n_tokens`` positions.
@@ -444,6 +491,127 @@ class HybridKVPool:
                 copies.append((index, plan.tail_page * size, new_page * size, n_tokens % size))
         self._storage.copy_tokens(copies)
         self._lengths[child_id] = n_tokens
+        parent_tokens = self._tokens.get(parent_id)
+        if parent_tokens is not None:
+            self._tokens[child_id] = parent_tokens[:n_tokens]
+            for pages in self._pages:
+                pages.inherit(parent_id, child_id, n_tokens)
+
+    # ------------------------------------------------------------------ prefix caching
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether complete pages are kept for reuse by requests with the same prefix."""
+        return self._prefix_caching
+
+    def _prefix_step(self) -> int:
+        """A reusable prefix ends on a page boundary of every sub-pool."""
+        return math.lcm(*(spec.page_size for spec in self._specs)) if self._specs else 0
+
+    def commit_tokens(self, request_id: int, tokens: Sequence[int]) -> None:
+        """Record the tokens of the request's next positions as written (their K/V are in).
+
+        ``tokens`` continue the committed ones (positions ``committed .. committed + n - 1``,
+        within the reserved length). Every page that becomes complete is registered under
+        its chained block hash, so a later request with the same prefix can reuse it, and
+        once no request holds it, it stays cached until an allocation evicts it. A no-op
+        without prefix caching.
+        """
+        length = self._length(request_id)
+        if not self._prefix_caching:
+            return
+        request_id = int(request_id)
+        committed = self._tokens[request_id]
+        new = [check_int(t, "token id", minimum=0) for t in tokens]
+        if len(committed) + len(new) > length:
+            raise RequestStateError(
+                f"cannot commit {len(new)} tokens of request {request_id}: {len(committed)} "
+                f"are committed and only {length} positions are reserved"
+            )
+        committed.extend(new)
+        for pages in self._pages:
+            pages.commit(request_id, committed, salt=self._salt)
+
+    def _usable_prefix(self, tokens: Sequence[int]) -> tuple[int, list[list[bytes]]]:
+        step = self._prefix_step()
+        if not self._prefix_caching or not step or len(tokens) < 2:
+            return 0, []
+        longest = (len(tokens) - 1) // step * step
+        hashes = [block_hashes(tokens[:longest], p.page_size, salt=self._salt) for p in self._pages]
+        # counts[s][j]: blocks of sub-pool s cached among its first j.
+        counts: list[list[int]] = []
+        for pages, own in zip(self._pages, hashes, strict=True):
+            running = [0]
+            for present in pages.cached_blocks(own):
+                running.append(running[-1] + int(present))
+            counts.append(running)
+        for p in range(longest, 0, -step):
+            if all(
+                c[need.stop] - c[need.start] == len(need)
+                for pages, c in zip(self._pages, counts, strict=True)
+                for need in (pages.needed_blocks(p),)
+            ):
+                return p, hashes
+        return 0, hashes
+
+    def match_prefix(self, tokens: Sequence[int]) -> int:
+        """The longest prefix of ``tokens`` a new request can reuse from the cache.
+
+        A multiple of every sub-pool's page size, below ``len(tokens)`` (the last token is
+        always computed, for its logits), such that every sub-pool still has the pages its
+        lifetime needs at that length: all of them in a full sub-pool, only those holding
+        positions ``p - window + 1 .. p - 1`` in a sliding one. 0 without prefix caching.
+        """
+        tokens = [check_int(t, "token id", minimum=0) for t in tokens]
+        found, _ = self._usable_prefix(tokens)
+        if self._prefix_caching:
+            self._queries += 1
+            self._query_tokens += len(tokens)
+        return found
+
+    def reuse_prefix(self, request_id: int, tokens: Sequence[int], n_tokens: int) -> None:
+        """Start the new, empty request at ``n_tokens`` cached tokens of ``tokens``.
+
+        The cached pages its sub-pools need are shared (one more owner each, no copy) and its
+        length becomes ``n_tokens``; prefill goes on from there. ``n_tokens`` must be a prefix
+        :meth:`match_prefix` allows; otherwise ``CacheStateError`` and nothing changes.
+        """
+        length = self._length(request_id)
+        request_id = int(request_id)
+        if length:
+            raise RequestStateError(
+                f"request {request_id} already holds {length} tokens; a prefix is reused by a "
+                "new request only"
+            )
+        tokens = [check_int(t, "token id", minimum=0) for t in tokens]
+        n_tokens = check_int(n_tokens, "n_tokens", minimum=1, maximum=max(len(tokens) - 1, 1))
+        usable, hashes = self._usable_prefix(tokens[: n_tokens + 1])
+        if usable != n_tokens:
+            raise CacheStateError(
+                f"the cache cannot serve a prefix of {n_tokens} tokens for request "
+                f"{request_id} (it serves {usable}); reuse what match_prefix returns"
+            )
+        for pages, own in zip(self._pages, hashes, strict=True):
+            pages.reuse(request_id, own, n_tokens)
+        self._lengths[request_id] = n_tokens
+        self._tokens[request_id] = tokens[:n_tokens]
+        self._hit_tokens += n_tokens
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Lookups, reused tokens, cached pages and evictions so far."""
+        allocators = [p.allocator for p in self._pages]
+        return PrefixCacheStats(
+            queries=self._queries,
+            query_tokens=self._query_tokens,
+            hit_tokens=self._hit_tokens,
+            cached_pages=sum(a.num_cached for a in allocators),
+            hashed_pages=sum(a.num_hashed for a in allocators),
+            evictions=sum(a.evictions_total for a in allocators),
+        )
+
+    def drop_cached_prefixes(self) -> int:
+        """Forget every cached block no request holds; returns the pages freed."""
+        return sum(p.allocator.drop_cached() for p in self._pages)
 
     # ------------------------------------------------------------------ page tables and slots
 

@@ -20,8 +20,12 @@ from ._rope import RopeConfig
 
 __all__ = [
     "DecodeKVCache",
+    "KVBufferStorage",
     "KVCache",
+    "KVPageAddressing",
     "KVPool",
+    "KVPrefixCache",
+    "KVRequestBookkeeping",
     "KernelSet",
     "LayerTransferCounter",
     "MaskSpec",
@@ -144,14 +148,11 @@ class LayerTransferCounter(Protocol):
 
 
 @runtime_checkable
-class KVPool(Protocol):
-    """A paged KV pool with one sub-pool per (lifetime, geometry) group of attention layers.
+class KVRequestBookkeeping(Protocol):
+    """The tensor-free part of a paged KV pool: which requests it holds and how long they are.
 
-    Requests are ``int`` ids. A request *reserves* token positions ``0 .. seq_len - 1``;
-    sliding sub-pools may release pages whose tokens have left every window, so a slot query
-    for such a position fails. Every method taking a ``layer_id`` takes the model's global
-    layer id and translates it through the layout, failing with the layout's error for a layer
-    of the wrong kind.
+    What a scheduler needs (admission, room for the next step, rollback); no method takes or
+    returns an array. Requests are ``int`` ids reserving token positions ``0 .. seq_len - 1``.
     """
 
     @property
@@ -175,6 +176,34 @@ class KVPool(Protocol):
         """Token positions reserved so far for the request."""
         ...
 
+    def trim_request(self, request_id: int, n_tokens: int) -> None:
+        """Give back the request's last ``n_tokens`` reserved positions (a rollback).
+
+        Trimming back to the length a reservation started from always succeeds and undoes
+        its new pages; a trim that would need positions a sliding sub-pool released raises
+        ``CacheStateError`` and changes nothing.
+        """
+        ...
+
+    def can_reserve(self, demands: dict[int, int]) -> bool:
+        """True if reserving ``demands[request_id]`` more tokens for each request would fit.
+
+        True must mean that one :meth:`reserve` per request succeeds in any order, so the
+        pages one request's reserve would release count as room for its own new pages only.
+        """
+        ...
+
+
+@runtime_checkable
+class KVPageAddressing(KVRequestBookkeeping, Protocol):
+    """Reserving positions and addressing them: slots and page tables per sub-pool.
+
+    Sliding sub-pools may release pages whose tokens have left every window, so a slot query
+    for such a position fails. Every method taking a ``layer_id`` takes the model's global
+    layer id and translates it through the layout, failing with the layout's error for a layer
+    of the wrong kind.
+    """
+
     def reserve(self, request_id: int, n_tokens: int) -> dict[str, mx.array]:
         """Reserve ``n_tokens`` more positions, atomically over all sub-pools.
 
@@ -192,23 +221,6 @@ class KVPool(Protocol):
         raises ``PoolExhaustedError`` and nothing changes; an unknown id
         (``UnknownRequestError``) or a repeated one (``RequestStateError``) changes nothing
         either.
-        """
-        ...
-
-    def trim_request(self, request_id: int, n_tokens: int) -> None:
-        """Give back the request's last ``n_tokens`` reserved positions (a rollback).
-
-        Trimming back to the length a reservation started from always succeeds and undoes
-        its new pages; a trim that would need positions a sliding sub-pool released raises
-        ``CacheStateError`` and changes nothing.
-        """
-        ...
-
-    def can_reserve(self, demands: dict[int, int]) -> bool:
-        """True if reserving ``demands[request_id]`` more tokens for each request would fit.
-
-        True must mean that one :meth:`reserve` per request succeeds in any order, so the
-        pages one request's reserve would release count as room for its own new pages only.
         """
         ...
 
@@ -238,6 +250,11 @@ class KVPool(Protocol):
         """``(B,)`` int32 slots of ``positions[b]`` of each request ``b`` in the sub-pool."""
         ...
 
+
+@runtime_checkable
+class KVBufferStorage(Protocol):
+    """The tensors of a paged KV pool: each attention layer's K/V buffers, by slot."""
+
     def get_key_buffer(self, layer_id: int) -> mx.array:
         """The layer's key buffer ``(n_kv_heads, num_slots, head_dim)``."""
         ...
@@ -257,6 +274,41 @@ class KVPool(Protocol):
     def get_kv(self, layer_id: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Read token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``."""
         ...
+
+
+@runtime_checkable
+class KVPrefixCache(Protocol):
+    """A pool that keeps complete pages for reuse by later requests with the same prefix."""
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on."""
+        ...
+
+    def commit_tokens(self, request_id: int, tokens: Sequence[int]) -> None:
+        """Record the tokens of the request's next positions as written (their K/V are in)."""
+        ...
+
+    def match_prefix(self, tokens: Sequence[int]) -> int:
+        """The longest prefix of ``tokens`` (below its length) a new request can reuse."""
+        ...
+
+    def reuse_prefix(self, request_id: int, tokens: Sequence[int], n_tokens: int) -> None:
+        """Start the new, empty request at ``n_tokens`` cached tokens of ``tokens``."""
+        ...
+
+
+@runtime_checkable
+class KVPool(KVPageAddressing, KVBufferStorage, Protocol):
+    """A paged KV pool with one sub-pool per (lifetime, geometry) group of attention layers.
+
+    Bookkeeping (:class:`KVRequestBookkeeping`), addressing (:class:`KVPageAddressing`) and
+    storage (:class:`KVBufferStorage`) together. Requests are ``int`` ids. A request
+    *reserves* token positions ``0 .. seq_len - 1``; sliding sub-pools may release pages
+    whose tokens have left every window, so a slot query for such a position fails. Every
+    method taking a ``layer_id`` takes the model's global layer id and translates it through
+    the layout, failing with the layout's error for a layer of the wrong kind.
+    """
 
 
 @runtime_checkable

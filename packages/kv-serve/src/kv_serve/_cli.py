@@ -149,6 +149,12 @@ def parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     srv.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="prefill every prompt whole instead of reusing cached pages of a shared prefix",
+    )
+    srv.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="info",
@@ -240,6 +246,7 @@ def _serve(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         prefill_chunk=args.prefill_chunk,
         seed=args.seed,
+        prefix_caching=args.prefix_caching,
     )
     progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
     server.serve(args.host, args.port, log_level=args.log_level)

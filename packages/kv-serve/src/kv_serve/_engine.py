@@ -46,11 +46,13 @@ def build_pool(
     max_running: int = 16,
     max_context: int = 4096,
     prefill_chunk: int = 512,
+    prefix_caching: bool = False,
 ) -> HybridKVPool:
     """A pool from a byte budget, from a page count, or sized for ``max_running`` x context.
 
     Without ``kv_budget_bytes`` and ``num_pages`` the pool holds exactly what ``max_running``
     requests of ``max_context`` tokens need at their peak (``HybridKVPool.required_bytes``).
+    ``prefix_caching`` keeps complete pages for reuse by later requests with the same prefix.
     """
     if kv_budget_bytes is not None and num_pages is not None:
         raise RequestStateError("give kv_budget_bytes or num_pages, not both")
@@ -62,7 +64,9 @@ def build_pool(
         return HybridKVPool(layout, num_pages={}, page_size={})
     if num_pages is not None:
         pages = check_int(num_pages, "num_pages", minimum=2)
-        return HybridKVPool(layout, num_pages=pages, page_size=page_size)
+        return HybridKVPool(
+            layout, num_pages=pages, page_size=page_size, prefix_caching=prefix_caching
+        )
     if kv_budget_bytes is None:
         budget = HybridKVPool.required_bytes(
             layout,
@@ -80,6 +84,7 @@ def build_pool(
         concurrency=max_running,
         page_size=page_size,
         prefill_chunk=prefill_chunk,
+        prefix_caching=prefix_caching,
     )
 
 
@@ -98,6 +103,7 @@ def build_engine(
     pool: KVPool | None = None,
     decode_path: str = "auto",
     state_budget_bytes: int | None = None,
+    prefix_caching: bool = True,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -114,8 +120,14 @@ def build_engine(
     one state per running request beside it (``engine.memory_report()`` shows both), which
     ``state_budget_bytes`` caps at admission. Building the engine wraps the attention
     modules it serves on the fast path in place; ``engine.close()`` puts them back.
+
+    ``prefix_caching`` (on by default) keeps the complete pages of finished and running
+    requests, sliding-window ones included, so a request whose prompt starts with a cached
+    prefix prefills only the rest; models with STATE layers prefill every prompt whole.
+    ``prefix_caching=False`` turns it off.
     """
     layout = layout_from_model(model)
+    use_prefix = bool(prefix_caching) and not layout.state_layer_ids
     if pool is None:
         pool = build_pool(
             layout,
@@ -125,6 +137,7 @@ def build_engine(
             max_running=max_running,
             max_context=max_context,
             prefill_chunk=prefill_chunk,
+            prefix_caching=use_prefix,
         )
     elif kv_budget_bytes is not None or num_pages is not None:
         raise RequestStateError("give a pool or kv_budget_bytes / num_pages, not both")
@@ -140,4 +153,5 @@ def build_engine(
         record_pages=record_pages,
         decode_path=decode_path,
         state_budget_bytes=state_budget_bytes,
+        prefix_caching=None if prefix_caching else False,
     )

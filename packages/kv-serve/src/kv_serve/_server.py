@@ -173,6 +173,7 @@ class KVServer:
         page_size: int = 16,
         prefill_chunk: int = 512,
         seed: int = 0,
+        prefix_caching: bool = True,
         make_engine: Callable[[], DecodeEngine] | None = None,
     ) -> None:
         self.model_name = model_name
@@ -192,6 +193,7 @@ class KVServer:
                     prefill_chunk=prefill_chunk,
                     seed=seed,
                     record_pages=False,
+                    prefix_caching=prefix_caching,
                 )
 
         self.worker = EngineWorker(make_engine, max_queued=max_queued)
@@ -634,6 +636,10 @@ class KVServer:
             "# HELP kv_serve_state_bytes Bytes of recurrent state the running requests hold.",
             "# TYPE kv_serve_state_bytes gauge",
             f"kv_serve_state_bytes {snap.state_bytes}",
+            "# HELP kv_serve_prefix_cache_hit_tokens_total Prompt tokens reused from the prefix "
+            "cache instead of prefilled.",
+            "# TYPE kv_serve_prefix_cache_hit_tokens_total counter",
+            f"kv_serve_prefix_cache_hit_tokens_total {snap.prefix_hit_tokens}",
             "# HELP kv_serve_engine_steps_total Engine steps.",
             "# TYPE kv_serve_engine_steps_total counter",
             f"kv_serve_engine_steps_total {snap.steps}",

@@ -118,6 +118,7 @@ class WorkerSnapshot:
     preemptions: int = 0
     errors: int = 0
     state_bytes: int = 0
+    prefix_hit_tokens: int = 0
 
 
 @dataclass
@@ -356,6 +357,7 @@ class EngineWorker:
             preemptions=stats.preemptions,
             errors=stats.errors,
             state_bytes=engine.state_bytes_in_use(),
+            prefix_hit_tokens=stats.prefix_hit_tokens,
         )
         with self._lock:
             self._engine_queued = engine.num_queued

@@ -2,10 +2,12 @@
 
 Tiny random-weight models of real hybrid architectures, built from mlx-lm's own ``Model``
 classes with small configurations; nothing is downloaded. The member tests, the cross-package
-tests, the demo and the benchmarks build their models here.
+tests, the demo and the benchmarks build their models here. ``ReferenceKVPool`` is the one
+plain-Python ``KVPool`` the packages' tests share.
 """
 
 from ._mlx_lm_zoo import ZOO, ZOO_UNBUILDABLE, ZooEntry, build_zoo_model, zoo_config
+from ._reference_pool import ReferenceKVPool
 from ._tiny_model_dir import save_tiny_model_dir
 from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
 from ._tiny_tokenizer import TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, build_tiny_tokenizer
@@ -16,6 +18,7 @@ __all__ = [
     "TINY_SPECIAL_TOKENS",
     "ZOO",
     "ZOO_UNBUILDABLE",
+    "ReferenceKVPool",
     "ZooEntry",
     "build_tiny_model",
     "build_tiny_tokenizer",

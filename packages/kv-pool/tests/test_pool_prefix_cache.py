@@ -1,0 +1,195 @@
+"""Prefix caching in the pool against a plain-Python model of the cache.
+
+Every token's K/V written into the pool is a function of the whole prefix up to it, so a page
+shared with the wrong request, or a block reused after its content changed, reads back wrong.
+With a pool too large to evict, the hit length of every new request is exactly what the model
+of the hash chain and the window rule says; with a small pool, hits are never longer than
+that and always read back right. The allocator's eviction order is checked on its own.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import mlx.core as mx
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kv_pool import HybridKVPool, PageAllocator
+from kv_protocol import CacheLayout, CacheStateError, KVLifetime, LayerKind, LayerSpec
+
+WINDOW = 5
+PAGE = {"sliding-w5": 2, "full": 4}
+STEP = 4  # a reusable prefix ends on a page boundary of both sub-pools
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 10, []]
+
+
+def layout() -> CacheLayout:
+    return CacheLayout(
+        [
+            LayerSpec(layer_id=0, kind=LayerKind.SLIDING, window=WINDOW, n_kv_heads=1, head_dim=1),
+            LayerSpec(layer_id=1, kind=LayerKind.FULL, n_kv_heads=1, head_dim=1),
+        ]
+    )
+
+
+def content(tokens: list[int], position: int) -> float:
+    """The K/V of ``position``: a function of every token up to it."""
+    return float(zlib.crc32(bytes(str(tokens[: position + 1]), "ascii")) % 100_003)
+
+
+def expected_hit(tokens: list[int], committed: set[tuple[str, tuple[int, ...]]]) -> int:
+    """The model: longest page-aligned p < len(tokens) whose needed blocks were committed."""
+    best = 0
+    for p in range(STEP, len(tokens), STEP):
+        ok = True
+        for name, size in PAGE.items():
+            window = WINDOW if name.startswith("sliding") else None
+            first = KVLifetime(window).first_live_page(p, size)
+            for j in range(first, p // size):
+                if (name, tuple(tokens[: (j + 1) * size])) not in committed:
+                    ok = False
+        if ok:
+            best = p
+    return best
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    num_pages = 200
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = HybridKVPool(
+            layout(), num_pages=self.num_pages, page_size=PAGE, prefix_caching=True
+        )
+        self.active: dict[int, list[int]] = {}
+        self.committed: set[tuple[str, tuple[int, ...]]] = set()
+        self.next_id = 0
+
+    def _write(self, rid: int, start: int, stop: int) -> None:
+        tokens = self.active[rid]
+        values = mx.array([content(tokens, p) for p in range(start, stop)])[:, None, None]
+        for layer in (0, 1):
+            self.pool.set_kv(layer, self.pool.token_slots(rid, layer, start, stop), values, values)
+        self.pool.commit_tokens(rid, tokens[start:stop])
+        for name, size in PAGE.items():
+            for j in range(stop // size):
+                self.committed.add((name, tuple(tokens[: (j + 1) * size])))
+
+    @rule(
+        choice=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.lists(st.integers(0, 20), min_size=1, max_size=6),
+    )
+    def start(self, choice: int, suffix: list[int]) -> None:
+        tokens = PREFIXES[choice] + suffix
+        rid = self.next_id
+        self.next_id += 1
+        hit = self.pool.match_prefix(tokens)
+        self.check_hit(tokens, hit)
+        try:
+            self.pool.add_request(rid)
+            if hit:
+                self.pool.reuse_prefix(rid, tokens, hit)
+            self.pool.reserve(rid, len(tokens) - hit)
+        except MemoryError:
+            if self.pool.has_request(rid):
+                self.pool.free_request(rid)
+            return
+        self.active[rid] = tokens
+        assert self.pool.seq_len(rid) == len(tokens)
+        self._write(rid, hit, len(tokens))
+
+    def check_hit(self, tokens: list[int], hit: int) -> None:
+        assert hit % STEP == 0 and 0 <= hit < len(tokens)
+        assert hit == expected_hit(tokens, self.committed)
+
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data(), token=st.integers(0, 20))
+    def decode(self, data: st.DataObject, token: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.active)))
+        try:
+            self.pool.reserve(rid, 1)
+        except MemoryError:
+            return
+        self.active[rid].append(token)
+        n = len(self.active[rid])
+        self._write(rid, n - 1, n)
+
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.active)))
+        self.pool.free_request(rid)
+        del self.active[rid]
+
+    @invariant()
+    def every_request_reads_its_own_prefix(self) -> None:
+        for rid, tokens in self.active.items():
+            n = len(tokens)
+            for layer, window in ((0, WINDOW), (1, None)):
+                start = KVLifetime(window).first_visible(n)
+                k, v = self.pool.get_kv(layer, self.pool.token_slots(rid, layer, start, n))
+                want = [content(tokens, p) for p in range(start, n)]
+                assert k[:, 0, 0].tolist() == want and v[:, 0, 0].tolist() == want
+
+    @invariant()
+    def hits_never_exceed_lookups(self) -> None:
+        stats = self.pool.prefix_cache_stats()
+        assert stats.hit_tokens <= stats.query_tokens
+
+
+class PrefixCacheUnderPressure(PrefixCacheMachine):
+    num_pages = 12
+
+    def check_hit(self, tokens: list[int], hit: int) -> None:
+        # Evictions may have dropped blocks: never more than the model allows.
+        assert hit % STEP == 0 and 0 <= hit < len(tokens)
+        assert hit <= expected_hit(tokens, self.committed)
+
+
+PrefixCacheMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None
+)
+PrefixCacheUnderPressure.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None
+)
+test_hits_match_the_model_without_evictions = PrefixCacheMachine.TestCase
+test_hits_stay_right_under_eviction = PrefixCacheUnderPressure.TestCase
+
+
+def test_cached_pages_are_evicted_least_recently_released_first() -> None:
+    allocator = PageAllocator(5, name="a")
+    pages = allocator.alloc(4)
+    for page, block in zip(pages, "wxyz", strict=True):
+        assert allocator.register_hash(page, block)
+    allocator.free([pages[2]])
+    allocator.free([pages[0]])
+    allocator.free([pages[3]])
+    assert allocator.num_cached == 3 and allocator.num_free == 3
+    # Reusing a cached block takes it out of the eviction order.
+    allocator.reuse([pages[0]])
+    assert allocator.refcount(pages[0]) == 1 and allocator.num_cached == 2
+    got = allocator.alloc(1)
+    assert got == [pages[2]] and allocator.cached_page("y") is None  # released first
+    assert allocator.cached_page("z") == pages[3] and allocator.evictions_total == 1
+    assert not allocator.register_hash(pages[1], "w")  # one page per block
+    with pytest.raises(MemoryError):
+        allocator.alloc(2)
+    assert allocator.drop_cached() == 1 and allocator.cached_page("z") is None
+
+
+def test_reuse_refuses_a_prefix_the_cache_no_longer_serves() -> None:
+    pool = HybridKVPool(layout(), num_pages=64, page_size=PAGE, prefix_caching=True)
+    tokens = list(range(1, 14))
+    pool.add_request(0)
+    pool.reserve(0, len(tokens))
+    pool.commit_tokens(0, tokens)
+    pool.free_request(0)
+    assert pool.match_prefix(tokens) == 12
+    pool.add_request(1)
+    assert pool.drop_cached_prefixes() > 0
+    with pytest.raises(CacheStateError, match="serves 0"):
+        pool.reuse_prefix(1, tokens, 12)
+    assert pool.seq_len(1) == 0 and pool.memory_report().bytes_used == 0
