@@ -1,0 +1,285 @@
+"""Benchmark: prefix caching, the engine with and without it against mlx-lm, in one process.
+
+Two workloads, greedy, on a gpt-oss-like (alternating sliding-window / full layers, sinks) and
+a Gemma-3-like (five sliding layers per full one) tiny model with random fp32 weights:
+
+1. ``shared``: 32 requests sharing a 2048-token system prompt, each with its own 64-token
+   question, all submitted at once;
+2. ``chat``: 8 conversations of 8 turns; each turn's prompt is the previous prompt, its answer
+   and a new 32-token message, the 8 conversations' turn ``t`` submitted together.
+
+Each system runs the workload alone, in alternating order over ``--rounds``: the engine with
+prefix caching, without it, and mlx-lm's ``BatchGenerator`` with its ``LRUPromptCache`` used
+the way ``mlx_lm.server`` uses it (nearest cached prefix fetched before insert, caches stored
+when a request finishes). Reported: time to first token (p50, from submission), total time,
+the engine's reused prompt tokens, and whether the greedy tokens agree.
+
+    uv run python -m tools.bench_prefix            # both workloads, both models (minutes)
+    uv run python -m tools.bench_prefix --quick    # small sizes, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kv_serve import active_blas, build_engine
+from kv_testing import build_tiny_model
+from tools.cli_args import ArgumentParser, int_in_range, positive_int
+
+VOCAB = 256
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of the two workloads."""
+
+    system: int = 2048
+    questions: int = 32
+    question: int = 64
+    conversations: int = 8
+    turns: int = 8
+    message: int = 32
+
+
+@dataclass
+class Run:
+    """What one system did on one workload."""
+
+    name: str
+    seconds: float
+    ttft: list[float]
+    tokens: list[list[int]]
+    hit_tokens: int = 0
+
+    @property
+    def ttft_p50_ms(self) -> float:
+        """Median time to first token in milliseconds."""
+        return 1000 * statistics.median(self.ttft)
+
+
+def build_models() -> dict[str, Any]:
+    """The gpt-oss-like and the Gemma-3-like model (window 128)."""
+    common: dict[str, Any] = {
+        "hidden_size": 128,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+    }
+    return {
+        "gpt-oss-like": build_tiny_model(
+            "gpt_oss",
+            window=128,
+            num_layers=8,
+            vocab_size=VOCAB,
+            head_dim=64,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            **common,
+        ),
+        "gemma3-like": build_tiny_model(
+            "gemma3_text",
+            window=128,
+            num_layers=6,
+            vocab_size=VOCAB,
+            head_dim=64,
+            intermediate_size=128,
+            **common,
+        ),
+    }
+
+
+def shared_prompts(shape: Shape, seed: int) -> list[list[int]]:
+    """``questions`` prompts: one system prompt, then each request's own question."""
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(shape.system)]
+    return [
+        system + [rng.randrange(VOCAB) for _ in range(shape.question)]
+        for _ in range(shape.questions)
+    ]
+
+
+def engine_run(model: Any, batches: list[list[list[int]]], max_tokens: int, *, cached: bool) -> Run:
+    """The engine on ``batches``: each submitted together and run to the end before the next."""
+    longest = max(len(p) for batch in batches for p in batch) + max_tokens
+    engine = build_engine(
+        model, max_running=16, max_context=longest, prefill_chunk=512, prefix_caching=cached
+    )
+    ttft: list[float] = []
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    with engine:
+        for batch in batches:
+            submitted = time.perf_counter()
+            ids = [engine.submit(p, max_tokens) for p in batch]
+            first: dict[int, float] = {}
+            while engine.has_work:
+                for rid in engine.step():
+                    first.setdefault(rid, time.perf_counter() - submitted)
+            ttft += [first[i] for i in ids]
+            tokens += [list(engine.output(i).tokens) for i in ids]
+        hits = engine.stats.prefix_hit_tokens
+    name = "engine, prefix caching" if cached else "engine, no prefix caching"
+    return Run(name, time.perf_counter() - start, ttft, tokens, hits)
+
+
+class MlxLmRunner:
+    """mlx-lm's BatchGenerator fed through its LRUPromptCache, as its server does."""
+
+    def __init__(self, model: Any) -> None:
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self.model = model
+        self.cache = LRUPromptCache(max_size=64)
+
+    def run(self, batch: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
+        """One batch submitted at once: each request's TTFT and tokens."""
+        from mlx_lm.generate import BatchGenerator
+
+        gen = BatchGenerator(
+            self.model, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512
+        )
+        submitted = time.perf_counter()
+        uids = []
+        for prompt in batch:
+            cache, rest = self.cache.fetch_nearest_cache("model", prompt)
+            (uid,) = gen.insert([rest], [max_tokens], caches=[cache] if cache is not None else None)
+            uids.append(uid)
+        index = {uid: i for i, uid in enumerate(uids)}
+        first: dict[int, float] = {}
+        tokens: list[list[int]] = [[] for _ in batch]
+        remaining = set(uids)
+        while remaining:
+            _, responses = gen.next()
+            for r in responses:
+                first.setdefault(r.uid, time.perf_counter() - submitted)
+                tokens[index[r.uid]].append(r.token)
+                if r.finish_reason is not None:
+                    remaining.discard(r.uid)
+                    if r.prompt_cache is not None and r.all_tokens is not None:
+                        self.cache.insert_cache("model", list(r.all_tokens), r.prompt_cache)
+        gen.close()
+        return [first[u] for u in uids], tokens
+
+
+def mlx_lm_run(model: Any, batches: list[list[list[int]]], max_tokens: int) -> Run:
+    """mlx-lm on ``batches`` with one prompt cache across them."""
+    runner = MlxLmRunner(model)
+    ttft: list[float] = []
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for batch in batches:
+        times, out = runner.run(batch, max_tokens)
+        ttft += times
+        tokens += out
+    return Run("mlx-lm BatchGenerator + LRUPromptCache", time.perf_counter() - start, ttft, tokens)
+
+
+def chat_batches(model: Any, shape: Shape, seed: int, answer: int) -> list[list[list[int]]]:
+    """The chat workload's turns; each answer (``answer`` tokens) comes from the engine.
+
+    Greedy, so every system generates the same answer to the same prompt.
+    """
+    rng = random.Random(seed)
+    convs = [
+        [rng.randrange(VOCAB) for _ in range(shape.message)] for _ in range(shape.conversations)
+    ]
+    batches: list[list[list[int]]] = []
+    with build_engine(model, max_running=16, max_context=4096, prefix_caching=True) as engine:
+        for _ in range(shape.turns):
+            batches.append([list(c) for c in convs])
+            ids = [engine.submit(c, answer) for c in convs]
+            engine.run()
+            convs = [
+                c
+                + list(engine.output(i).tokens)
+                + [rng.randrange(VOCAB) for _ in range(shape.message)]
+                for c, i in zip(convs, ids, strict=True)
+            ]
+    return batches
+
+
+def compare(model: Any, batches: list[list[list[int]]], max_tokens: int, rounds: int) -> list[Run]:
+    """Every system on the workload, ``rounds`` times in alternating order; best total each."""
+    systems = ["cached", "uncached", "mlx-lm"]
+    best: dict[str, Run] = {}
+    for r in range(rounds):
+        order = systems if r % 2 == 0 else list(reversed(systems))
+        for system in order:
+            if system == "mlx-lm":
+                run = mlx_lm_run(model, batches, max_tokens)
+            else:
+                run = engine_run(model, batches, max_tokens, cached=system == "cached")
+            if system not in best or run.seconds < best[system].seconds:
+                best[system] = run
+    return [best[s] for s in systems]
+
+
+def report(title: str, runs: list[Run]) -> None:
+    """Print one workload's table."""
+    base = runs[0].tokens
+    print(f"\n{title}")
+    print(f"{'system':42s} {'TTFT p50':>10s} {'total':>9s} {'reused':>8s} {'tokens':>7s}")
+    for run in runs:
+        same = "same" if run.tokens == base else "DIFFER"
+        print(
+            f"{run.name:42s} {run.ttft_p50_ms:8.1f}ms {run.seconds:8.2f}s "
+            f"{run.hit_tokens:8d} {same:>7s}"
+        )
+    cached, uncached = runs[0], runs[1]
+    print(
+        f"TTFT p50: {uncached.ttft_p50_ms / cached.ttft_p50_ms:.1f}x lower with prefix caching "
+        f"than without; {runs[2].ttft_p50_ms / cached.ttft_p50_ms:.1f}x lower than mlx-lm"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    parser = ArgumentParser(prog="python -m tools.bench_prefix", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes (under a minute)")
+    parser.add_argument(
+        "--workload", choices=("shared", "chat", "both"), default="both", help="(both)"
+    )
+    parser.add_argument(
+        "--model",
+        choices=("gpt-oss-like", "gemma3-like", "both"),
+        default="both",
+        help="(both)",
+    )
+    parser.add_argument("--rounds", type=int_in_range(1, 10), default=2, help="(2)")
+    parser.add_argument("--max-tokens", type=positive_int(256), default=8, help="per request (8)")
+    parser.add_argument("--seed", type=int_in_range(0, 2**31), default=0, help="(0)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print its tables."""
+    args = build_parser().parse_args(argv)
+    shape = (
+        Shape(system=256, questions=8, question=32, conversations=2, turns=3, message=16)
+        if args.quick
+        else Shape()
+    )
+    print(f"BLAS: {active_blas().describe()}; {shape}")
+    models = build_models()
+    names = list(models) if args.model == "both" else [args.model]
+    for name in names:
+        model = models[name]
+        if args.workload in ("shared", "both"):
+            batches = [shared_prompts(shape, args.seed)]
+            title = f"{name}: {shape.questions} requests, {shape.system}-token shared prefix"
+            report(title, compare(model, batches, args.max_tokens, args.rounds))
+        if args.workload in ("chat", "both"):
+            batches = chat_batches(model, shape, args.seed, args.max_tokens)
+            title = f"{name}: {shape.conversations} conversations x {shape.turns} turns"
+            report(title, compare(model, batches, args.max_tokens, args.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
