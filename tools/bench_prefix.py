@@ -227,9 +227,10 @@ def report(title: str, runs: list[Run]) -> None:
     print(f"{'system':42s} {'TTFT p50':>10s} {'total':>9s} {'reused':>8s} {'tokens':>7s}")
     for run in runs:
         same = "same" if run.tokens == base else "DIFFER"
+        # mlx-lm does not report what its prompt cache reused.
+        reused = "n/a" if run.name.startswith("mlx-lm") else str(run.hit_tokens)
         print(
-            f"{run.name:42s} {run.ttft_p50_ms:8.1f}ms {run.seconds:8.2f}s "
-            f"{run.hit_tokens:8d} {same:>7s}"
+            f"{run.name:42s} {run.ttft_p50_ms:8.1f}ms {run.seconds:8.2f}s {reused:>8s} {same:>7s}"
         )
     cached, uncached = runs[0], runs[1]
     print(
