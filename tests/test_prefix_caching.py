@@ -88,3 +88,19 @@ def test_opt_out_and_state_models_prefill_whole_prompts() -> None:
     state_model = build_zoo_model("lfm2")
     with build_engine(state_model, page_size=4, max_context=96) as engine:
         assert not engine.prefix_caching
+
+
+def test_memory_report_and_metrics_show_the_cache() -> None:
+    model = build_tiny_model("gpt_oss", window=8)
+    batch = prompts(24, 3)
+    with build_engine(model, page_size=4, max_context=96) as engine:
+        for p in batch:
+            engine.submit(p, MAX_TOKENS)
+            engine.run()
+        report = engine.memory_report()
+        cache = report.prefix_cache
+        assert cache is not None
+        assert cache.hit_tokens == engine.stats.prefix_hit_tokens == 2 * 24
+        assert cache.queries == 3 and 0 < cache.hit_rate < 1
+        # Nothing runs: every page of the finished requests is cached, none is in use.
+        assert cache.cached_pages > 0 and report.pool_bytes_used == 0

@@ -399,6 +399,9 @@ class EngineReport:
     decode_step_p50_ms: float
     mean_decode_batch: float
     decode_seconds: float
+    decode_device_seconds: float
+    prefill_seconds: float
+    prefill_device_seconds: float
 
 
 def _engine_run(
@@ -428,6 +431,9 @@ def _engine_run(
         decode_step_p50_ms=1000 * statistics.median(stats.decode_step_seconds or [0.0]),
         mean_decode_batch=stats.decode_batch_size_total / max(stats.decode_steps, 1),
         decode_seconds=stats.decode_seconds,
+        decode_device_seconds=stats.decode_device_seconds,
+        prefill_seconds=stats.prefill_seconds,
+        prefill_device_seconds=stats.prefill_device_seconds,
     )
     return result, report
 
@@ -529,6 +535,18 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     print(
         f"engine decode step: p50 {report.decode_step_p50_ms:.2f} ms, "
         f"mean batch {report.mean_decode_batch:.1f}"
+    )
+
+    def split(total: float, device: float) -> str:
+        host = max(0.0, total - device)
+        share = 100 * host / total if total else 0.0
+        return f"{total:.2f} s = host {host:.2f} s ({share:.0f}%) + device {device:.2f} s"
+
+    decode = split(report.decode_seconds, report.decode_device_seconds)
+    prefill = split(report.prefill_seconds, report.prefill_device_seconds)
+    print(
+        "engine time, host (Python, scheduling, page tables, graph building) and device "
+        f"(waiting for MLX's evaluation): decode {decode}; prefill {prefill}"
     )
     print(f"greedy token agreement with mlx-lm: {agree}/{total}")
     kv_read = decode_kv_bytes_read(layout_from_model(model), requests)

@@ -155,3 +155,17 @@ def test_engine_memory_does_not_grow_across_rounds() -> None:
     assert len(e.stats.queue_length) == 16 and e.stats.steps > 16 * 8
     # Seven rounds of 12 requests each kept nothing per request or per step.
     assert last - first < 64 * 1024, (first, last)
+
+
+def test_step_time_splits_into_host_and_device() -> None:
+    e = engine(max_running=2)
+    for p in PROMPTS:
+        e.submit(p, MAX_TOKENS)
+    e.run()
+    stats = e.stats
+    assert 0 < stats.decode_device_seconds <= stats.decode_seconds
+    assert 0 < stats.prefill_device_seconds <= stats.prefill_seconds
+    assert stats.decode_host_seconds == pytest.approx(
+        stats.decode_seconds - stats.decode_device_seconds
+    )
+    assert stats.prefill_host_seconds > 0

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kv_batching import EngineStats, RequestStatus, Scheduler
 from kv_batching._requests import EngineRequest
 from kv_protocol import CacheLayout, LayerKind, LayerSpec
-from kv_testing import ReferenceKVPool
+from kv_testing import ReferenceBookkeeping, ReferenceKVPool
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -189,38 +189,8 @@ def test_state_budget_limits_admission() -> None:
     assert scheduler.may_admit()
 
 
-class LengthsOnly:
-    """A pool reduced to the tensor-free bookkeeping a scheduler needs."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.lengths: dict[int, int] = {}
-
-    @property
-    def layout(self) -> CacheLayout:
-        return layout()
-
-    def add_request(self, request_id: int) -> None:
-        self.lengths[request_id] = 0
-
-    def free_request(self, request_id: int) -> None:
-        del self.lengths[request_id]
-
-    def has_request(self, request_id: int) -> bool:
-        return request_id in self.lengths
-
-    def seq_len(self, request_id: int) -> int:
-        return self.lengths[request_id]
-
-    def trim_request(self, request_id: int, n_tokens: int) -> None:
-        self.lengths[request_id] -= n_tokens
-
-    def can_reserve(self, demands: dict[int, int]) -> bool:
-        return sum(self.lengths.values()) + sum(demands.values()) <= self.capacity
-
-
 def test_the_scheduler_needs_only_tensor_free_bookkeeping() -> None:
-    book = LengthsOnly(capacity=10)
+    book = ReferenceBookkeeping(layout(), capacity=10)
     scheduler = Scheduler(book, EngineStats(), max_running=4)
     for rid in range(3):
         scheduler.enqueue(request(rid, 4))

@@ -14,6 +14,7 @@ from kv_protocol import (
     LayerKind,
     LayerSpec,
 )
+from kv_testing import ReferenceBookkeeping
 
 
 def members(protocol: type) -> set[str]:
@@ -40,37 +41,10 @@ def test_the_parts_make_the_pool() -> None:
     assert not members(KVRequestBookkeeping) & members(KVBufferStorage)
 
 
-class LengthsOnly:
-    """A scheduler's view of a pool: lengths and room, no tensors."""
-
-    def __init__(self) -> None:
-        self.lengths: dict[int, int] = {}
-
-    @property
-    def layout(self) -> CacheLayout:
-        return CacheLayout([LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=1, head_dim=2)])
-
-    def add_request(self, request_id: int) -> None:
-        self.lengths[request_id] = 0
-
-    def free_request(self, request_id: int) -> None:
-        del self.lengths[request_id]
-
-    def has_request(self, request_id: int) -> bool:
-        return request_id in self.lengths
-
-    def seq_len(self, request_id: int) -> int:
-        return self.lengths[request_id]
-
-    def trim_request(self, request_id: int, n_tokens: int) -> None:
-        self.lengths[request_id] -= n_tokens
-
-    def can_reserve(self, demands: dict[int, int]) -> bool:
-        return True
-
-
 def test_a_tensor_free_book_is_bookkeeping_but_not_a_pool() -> None:
-    book = LengthsOnly()
+    book = ReferenceBookkeeping(
+        CacheLayout([LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=1, head_dim=2)])
+    )
     assert isinstance(book, KVRequestBookkeeping)
     assert not isinstance(book, KVPageAddressing) and not isinstance(book, KVPool)
     assert not isinstance(book, KVBufferStorage)

@@ -406,12 +406,14 @@ class DecodeEngine:
     def memory_report(self) -> EngineMemoryReport:
         """The pool's bytes and the recurrent states' bytes the engine holds now."""
         total, used = pool_bytes(self.pool)
+        prefix_stats = getattr(self.pool, "prefix_cache_stats", None)
         return EngineMemoryReport(
             pool_bytes_total=total,
             pool_bytes_used=used,
             state_bytes_in_use=self.state_bytes_in_use(),
             state_bytes_per_request=self.state_bytes_per_request,
             state_budget_bytes=self.state_budget_bytes,
+            prefix_cache=prefix_stats() if callable(prefix_stats) else None,
         )
 
     # ------------------------------------------------------------------ driving
@@ -502,10 +504,13 @@ class DecodeEngine:
                 [r.states or [] for r in batch],
             )
             sampled = self.sampler.sample(out.logits, [r.sampling_row() for r in batch])
+            tic = time.perf_counter()
             # One evaluation for the tokens and the new states together.
             mx.eval(sampled, out.state_arrays())
+            chosen = cast(list[int], sampled.tolist())
+            self.stats.decode_device_seconds += time.perf_counter() - tic
             out.split_states()
-            return cast(list[int], sampled.tolist())
+            return chosen
         except BaseException:
             self.sampler.restore(saved)
             self.scheduler.trim_back(batch, lengths)
@@ -573,6 +578,7 @@ class DecodeEngine:
                 )
             self.pool.reserve(request.rid, n)
             logits = self.runner.prefill(tokens[begin : begin + n], request.caches)
+            tic = time.perf_counter()
             if begin + n < len(tokens) or request.generated:
                 mx.eval(logits)
             else:
@@ -580,6 +586,7 @@ class DecodeEngine:
                 first = cast(list[int], sampled.tolist())[0]
             if request.states:
                 mx.eval([getattr(c, "cache", []) for c in request.states])
+            self.stats.prefill_device_seconds += time.perf_counter() - tic
         except BaseException:
             self.sampler.restore(saved)
             # The caches' offsets may have moved past `begin`: rebuild them next time; the

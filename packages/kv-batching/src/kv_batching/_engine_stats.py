@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kv_protocol import check_int
 
@@ -34,6 +35,11 @@ class EngineStats:
     decode_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    #: Of ``prefill_seconds`` / ``decode_seconds``: time waiting for MLX to evaluate the graph
+    #: (the device's compute and the sync); the rest is host work (Python, scheduling, page
+    #: tables, building the graph).
+    prefill_device_seconds: float = 0.0
+    decode_device_seconds: float = 0.0
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0
@@ -92,6 +98,16 @@ class EngineStats:
         self.max_decode_step_seconds = max(self.max_decode_step_seconds, seconds)
 
     @property
+    def decode_host_seconds(self) -> float:
+        """Decode time not spent waiting for MLX's evaluation."""
+        return max(0.0, self.decode_seconds - self.decode_device_seconds)
+
+    @property
+    def prefill_host_seconds(self) -> float:
+        """Prefill time not spent waiting for MLX's evaluation."""
+        return max(0.0, self.prefill_seconds - self.prefill_device_seconds)
+
+    @property
     def mean_decode_batch_size(self) -> float:
         """Requests per batched decode, over every decode (exact, not windowed)."""
         return self.decode_batch_size_total / self.decode_steps if self.decode_steps else 0.0
@@ -131,6 +147,8 @@ class EngineMemoryReport:
     state_bytes_in_use: int
     state_bytes_per_request: int | None
     state_budget_bytes: int | None
+    #: The pool's ``prefix_cache_stats()`` (hits, cached pages, evictions), if it has one.
+    prefix_cache: Any | None = None
 
     @property
     def bytes_in_use(self) -> int:

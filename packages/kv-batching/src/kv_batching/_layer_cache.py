@@ -47,15 +47,8 @@ def decode_mask(
     return layer.make_mask(N, window_size=window_size, return_array=return_array)
 
 
-class BatchedLayerCache:
-    """What the model container hands layer ``layer_id`` during one batched decode step.
-
-    It stores nothing: ``state == ()``, ``offset = max(seq_lens)`` (so containers that read
-    an offset see a sane scalar) and ``make_mask`` answers the same keep-mask as
-    :class:`PoolDecodeCache` (the wrapper ignores it and applies each request's own length
-    and window; a universal layer that shares the container's mask needs it). A patched
-    attention module recognises it and takes the batched path with its :class:`LayerStep`.
-    """
+class _LayerStepCache:
+    """What both decode caches share: the layer's step view, no data of their own, a mask."""
 
     __slots__ = ("layer",)
 
@@ -68,11 +61,6 @@ class BatchedLayerCache:
         return self.layer.layer_id
 
     @property
-    def offset(self) -> int:
-        """The largest number of cached tokens in the batch (a scalar, for containers)."""
-        return self.layer.context.max_len - 1
-
-    @property
     def state(self) -> tuple[()]:
         """Nothing: the K/V live in the pool."""
         return ()
@@ -83,16 +71,8 @@ class BatchedLayerCache:
         """The keep-mask of this layer's keys for the one decode query (see :func:`decode_mask`)."""
         return self.layer.make_mask(N, window_size=window_size, return_array=return_array)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Always raises: a layer on the fast path runs through its attention wrapper."""
-        raise CacheStateError(
-            f"layer {self.layer_id} was planned for the patched fast path, but its attention "
-            "module is not wrapped any more (was the model unpatched after the engine was "
-            "built?); build the engine again, or with decode_path='universal'"
-        )
-
     def is_trimmable(self) -> bool:
-        """False: there is nothing to trim."""
+        """False: the pool, not this per-step view, owns the tokens."""
         return False
 
     def trim(self, n: int) -> int:
@@ -101,8 +81,34 @@ class BatchedLayerCache:
 
     @property
     def nbytes(self) -> int:
-        """0: the shim holds no arrays."""
+        """0: the view holds no arrays of its own."""
         return 0
+
+
+class BatchedLayerCache(_LayerStepCache):
+    """What the model container hands layer ``layer_id`` during one batched decode step.
+
+    It stores nothing: ``state == ()``, ``offset = max(seq_lens)`` (so containers that read
+    an offset see a sane scalar) and ``make_mask`` answers the same keep-mask as
+    :class:`PoolDecodeCache` (the wrapper ignores it and applies each request's own length
+    and window; a universal layer that shares the container's mask needs it). A patched
+    attention module recognises it and takes the batched path with its :class:`LayerStep`.
+    """
+
+    __slots__ = ()
+
+    @property
+    def offset(self) -> int:
+        """The largest number of cached tokens in the batch (a scalar, for containers)."""
+        return self.layer.context.max_len - 1
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Always raises: a layer on the fast path runs through its attention wrapper."""
+        raise CacheStateError(
+            f"layer {self.layer_id} was planned for the patched fast path, but its attention "
+            "module is not wrapped any more (was the model unpatched after the engine was "
+            "built?); build the engine again, or with decode_path='universal'"
+        )
 
     def empty(self) -> bool:
         """True: the shim never holds data."""
@@ -115,7 +121,7 @@ class BatchedLayerCache:
         )
 
 
-class PoolDecodeCache:
+class PoolDecodeCache(_LayerStepCache):
     """The universal path's cache of layer ``layer_id`` for one batched decode step.
 
     Handed to the unmodified attention module: ``offset`` is the ``(B,)`` int32 array of
@@ -126,31 +132,12 @@ class PoolDecodeCache:
     the matching ``(B, 1, 1, width)`` keep-mask, ``None`` when no row is padded.
     """
 
-    __slots__ = ("layer",)
-
-    def __init__(self, layer: LayerStep) -> None:
-        self.layer = layer
-
-    @property
-    def layer_id(self) -> int:
-        """The model layer this cache serves."""
-        return self.layer.layer_id
+    __slots__ = ()
 
     @property
     def offset(self) -> mx.array:
         """Per-row positions of the decoded tokens (int32 ``(B,)``)."""
         return self.layer.context.offsets
-
-    @property
-    def state(self) -> tuple[()]:
-        """Nothing: the K/V live in the pool."""
-        return ()
-
-    def make_mask(
-        self, N: int, *, return_array: bool = False, window_size: int | None = None
-    ) -> MaskSpec:
-        """The keep-mask of this layer's keys for the one decode query (see :func:`decode_mask`)."""
-        return self.layer.make_mask(N, window_size=window_size, return_array=return_array)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write the step's K/V into the pool; return each row's visible K/V, right-padded."""
@@ -179,19 +166,6 @@ class PoolDecodeCache:
         k = gathered_k.reshape(heads, batch, width, -1).transpose(1, 0, 2, 3)
         v = gathered_v.reshape(heads, batch, width, -1).transpose(1, 0, 2, 3)
         return k, v
-
-    def is_trimmable(self) -> bool:
-        """False: the pool, not this per-step view, owns the tokens."""
-        return False
-
-    def trim(self, n: int) -> int:
-        """Trims nothing and returns 0."""
-        return 0
-
-    @property
-    def nbytes(self) -> int:
-        """0: the view holds no arrays of its own."""
-        return 0
 
     def empty(self) -> bool:
         """False: the layer has cached tokens in the pool."""

@@ -640,6 +640,13 @@ class KVServer:
             "cache instead of prefilled.",
             "# TYPE kv_serve_prefix_cache_hit_tokens_total counter",
             f"kv_serve_prefix_cache_hit_tokens_total {snap.prefix_hit_tokens}",
+            "# HELP kv_serve_prefix_cache_pages Pages no request holds that keep a prompt "
+            "prefix for reuse (evictable).",
+            "# TYPE kv_serve_prefix_cache_pages gauge",
+            f"kv_serve_prefix_cache_pages {snap.prefix_cached_pages}",
+            "# HELP kv_serve_prefix_cache_evictions_total Cached prefix pages evicted.",
+            "# TYPE kv_serve_prefix_cache_evictions_total counter",
+            f"kv_serve_prefix_cache_evictions_total {snap.prefix_evictions}",
             "# HELP kv_serve_engine_steps_total Engine steps.",
             "# TYPE kv_serve_engine_steps_total counter",
             f"kv_serve_engine_steps_total {snap.steps}",

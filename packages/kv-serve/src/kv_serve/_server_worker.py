@@ -119,6 +119,8 @@ class WorkerSnapshot:
     errors: int = 0
     state_bytes: int = 0
     prefix_hit_tokens: int = 0
+    prefix_cached_pages: int = 0
+    prefix_evictions: int = 0
 
 
 @dataclass
@@ -343,6 +345,8 @@ class EngineWorker:
     def _publish(self, engine: DecodeEngine) -> None:
         used, total = _pages(engine)
         stats = engine.stats
+        prefix = getattr(engine.pool, "prefix_cache_stats", None)
+        cache = prefix() if callable(prefix) else None
         snap = WorkerSnapshot(
             alive=True,
             running=engine.num_running,
@@ -358,6 +362,8 @@ class EngineWorker:
             errors=stats.errors,
             state_bytes=engine.state_bytes_in_use(),
             prefix_hit_tokens=stats.prefix_hit_tokens,
+            prefix_cached_pages=int(getattr(cache, "cached_pages", 0)),
+            prefix_evictions=int(getattr(cache, "evictions", 0)),
         )
         with self._lock:
             self._engine_queued = engine.num_queued

@@ -7,7 +7,7 @@ plain-Python ``KVPool`` the packages' tests share.
 """
 
 from ._mlx_lm_zoo import ZOO, ZOO_UNBUILDABLE, ZooEntry, build_zoo_model, zoo_config
-from ._reference_pool import ReferenceKVPool
+from ._reference_pool import ReferenceBookkeeping, ReferenceKVPool
 from ._tiny_model_dir import save_tiny_model_dir
 from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
 from ._tiny_tokenizer import TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, build_tiny_tokenizer
@@ -18,6 +18,7 @@ __all__ = [
     "TINY_SPECIAL_TOKENS",
     "ZOO",
     "ZOO_UNBUILDABLE",
+    "ReferenceBookkeeping",
     "ReferenceKVPool",
     "ZooEntry",
     "build_tiny_model",

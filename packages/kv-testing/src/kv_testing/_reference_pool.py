@@ -25,7 +25,7 @@ from kv_protocol import (
     UnknownRequestError,
 )
 
-__all__ = ["ReferenceKVPool"]
+__all__ = ["ReferenceBookkeeping", "ReferenceKVPool"]
 
 
 class _SubPool:
@@ -312,3 +312,47 @@ class ReferenceKVPool:
             self._keys[layer_id][:, slots, :].transpose(1, 0, 2),
             self._values[layer_id][:, slots, :].transpose(1, 0, 2),
         )
+
+
+class ReferenceBookkeeping:
+    """A pool reduced to the tensor-free bookkeeping a scheduler needs.
+
+    Lengths per request and one token ``capacity`` shared by all of them (``None``: no
+    limit); it satisfies ``kv_protocol.KVRequestBookkeeping`` and nothing more.
+    """
+
+    def __init__(self, layout: CacheLayout, capacity: int | None = None) -> None:
+        self._layout = layout
+        self.capacity = capacity
+        self.lengths: dict[int, int] = {}
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The layout the book was made for."""
+        return self._layout
+
+    def add_request(self, request_id: int) -> None:
+        """Register a new request holding no tokens."""
+        self.lengths[request_id] = 0
+
+    def free_request(self, request_id: int) -> None:
+        """Forget the request."""
+        del self.lengths[request_id]
+
+    def has_request(self, request_id: int) -> bool:
+        """True while the request is registered."""
+        return request_id in self.lengths
+
+    def seq_len(self, request_id: int) -> int:
+        """Tokens the request holds."""
+        return self.lengths[request_id]
+
+    def trim_request(self, request_id: int, n_tokens: int) -> None:
+        """Give back the request's last ``n_tokens``."""
+        self.lengths[request_id] -= n_tokens
+
+    def can_reserve(self, demands: dict[int, int]) -> bool:
+        """True if the demands fit in the capacity beside what is held."""
+        if self.capacity is None:
+            return True
+        return sum(self.lengths.values()) + sum(demands.values()) <= self.capacity
