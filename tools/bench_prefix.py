@@ -16,6 +16,7 @@ the engine's reused prompt tokens, and whether the greedy tokens agree.
 
     uv run python -m tools.bench_prefix            # both workloads, both models (minutes)
     uv run python -m tools.bench_prefix --quick    # small sizes, under a minute
+    uv run python -m tools.bench_prefix --quick --model gemma3-270m   # the trained model
 """
 
 from __future__ import annotations
@@ -248,9 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model",
-        choices=("gpt-oss-like", "gemma3-like", "both"),
+        choices=("gpt-oss-like", "gemma3-like", "both", "gemma3-270m"),
         default="both",
-        help="(both)",
+        help="the two tiny models (both), or the trained Gemma 3 270M (token ids drawn at "
+        "random below 256, as for the tiny ones)",
     )
     parser.add_argument("--rounds", type=int_in_range(1, 10), default=2, help="(2)")
     parser.add_argument("--max-tokens", type=positive_int(256), default=8, help="per request (8)")
@@ -267,7 +269,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         else Shape()
     )
     print(f"BLAS: {active_blas().describe()}; {shape}")
-    models = build_models()
+    if args.model == "gemma3-270m":
+        from kv_serve import load_model
+
+        models = {"gemma3-270m": load_model("gemma3-270m")[0]}
+    else:
+        models = build_models()
     names = list(models) if args.model == "both" else [args.model]
     for name in names:
         model = models[name]

@@ -322,7 +322,8 @@ def _gather(pool: HybridKVPool, layer: int, rid: int) -> tuple[np.ndarray, np.nd
 def test_round_trip_through_page_tables(chunks: list[int], sizes: tuple[int, int, int]) -> None:
     names = list(HybridKVPool.sub_pool_groups(MIXED))
     page_size = dict(zip(names, sizes, strict=True))
-    pool = HybridKVPool(MIXED, num_pages=64, page_size=page_size)
+    # Room for the largest draw: 2 requests of up to 1 + 5 * 7 tokens at one token a page.
+    pool = HybridKVPool(MIXED, num_pages=80, page_size=page_size)
     rng = np.random.default_rng(len(chunks) * 31 + sum(sizes))
     dense = {}
     for rid in (0, 1):
