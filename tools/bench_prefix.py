@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kv_serve import active_blas, build_engine
@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int_in_range(1, 10), default=2, help="(2)")
     parser.add_argument("--max-tokens", type=positive_int(256), default=8, help="per request (8)")
     parser.add_argument("--seed", type=int_in_range(0, 2**31), default=0, help="(0)")
+    parser.add_argument(
+        "--system", type=positive_int(8192), default=None, help="shared prompt tokens (2048)"
+    )
+    parser.add_argument(
+        "--questions", type=positive_int(256), default=None, help="shared-prompt requests (32)"
+    )
     return parser
 
 
@@ -268,6 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.quick
         else Shape()
     )
+    if args.system is not None:
+        shape = replace(shape, system=args.system)
+    if args.questions is not None:
+        shape = replace(shape, questions=args.questions)
     print(f"BLAS: {active_blas().describe()}; {shape}")
     if args.model == "gemma3-270m":
         from kv_serve import load_model
