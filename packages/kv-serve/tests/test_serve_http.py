@@ -522,12 +522,6 @@ def test_a_prompt_that_can_never_fit_the_pool_is_refused_at_once(
     assert running.server.worker.snapshot().active == 0
 
 
-async def _first_data(response: httpx.Response) -> None:
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            return
-
-
 def test_full_queue_is_429_and_an_engine_failure_is_500_for_that_request_only(
     small: tuple[RunningServer, Poison],
 ) -> None:
@@ -535,8 +529,28 @@ def test_full_queue_is_429_and_an_engine_failure_is_500_for_that_request_only(
     long_ids = encode(PROMPT)
     expected = offline(long_ids, 150)
 
+    async def refuse(body: dict[str, Any]) -> httpx.Response:
+        # Its own client (own connection pool): the refusal shares nothing client-side with
+        # the requests still open. It needs no engine work, so a hang is a server bug: show
+        # every thread's stack and whether the server still answers a fresh connection.
+        async with httpx.AsyncClient(base_url=running.url, timeout=30) as own:
+            try:
+                return await own.post("/v1/completions", json=body)
+            except httpx.TimeoutException:
+                faulthandler.dump_traceback(all_threads=True)
+                try:
+                    health = httpx.get(running.url + "/health", timeout=5).status_code
+                except httpx.HTTPError as probe:
+                    health = repr(probe)
+                raise AssertionError(
+                    f"the refusal got no answer in 30 s; /health on a new connection: {health}"
+                ) from None
+
     async def scenario() -> None:
-        async with httpx.AsyncClient(base_url=running.url, timeout=60) as http:
+        async with (
+            httpx.AsyncClient(base_url=running.url, timeout=60) as http,
+            httpx.AsyncClient(base_url=running.url, timeout=60) as second,
+        ):
             body = {**GOOD, "prompt": PROMPT, "max_tokens": 150, "stream": True}
             body["return_token_ids"] = True
             # The engine stalls after the first token until the queue checks are done, so
@@ -552,18 +566,12 @@ def test_full_queue_is_429_and_an_engine_failure_is_500_for_that_request_only(
                         tokens += choice.get("token_ids") or []
                         break
                 # One request runs (max_running=1); one more may wait (max_queued=1).
-                waiting = asyncio.ensure_future(http.post("/v1/completions", json=GOOD))
+                waiting = asyncio.ensure_future(second.post("/v1/completions", json=GOOD))
                 deadline = time.monotonic() + 10
                 while running.server.worker.waiting < 1:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.005)
-                try:
-                    refused = await http.post("/v1/completions", json=GOOD, timeout=30)
-                except httpx.TimeoutException:
-                    # The refusal needs no engine work: a hang here is a bug; show every
-                    # thread's stack (pytest reports the captured stderr).
-                    faulthandler.dump_traceback(all_threads=True)
-                    raise
+                refused = await refuse(GOOD)
                 assert_error(refused, 429)
                 assert refused.headers["Retry-After"] == "1"
                 assert refused.json()["error"]["type"] == "rate_limit_error"
