@@ -538,12 +538,15 @@ def test_full_queue_is_429_and_an_engine_failure_is_500_for_that_request_only(
                 return await own.post("/v1/completions", json=body)
             except httpx.TimeoutException:
                 faulthandler.dump_traceback(all_threads=True)
+                health: int | str
                 try:
                     health = httpx.get(running.url + "/health", timeout=5).status_code
                 except httpx.HTTPError as probe:
                     health = repr(probe)
+                worker = running.server.worker
                 raise AssertionError(
-                    f"the refusal got no answer in 30 s; /health on a new connection: {health}"
+                    f"the refusal got no answer in 30 s; /health on a new connection: {health}; "
+                    f"waiting {worker.waiting}, {worker.snapshot()}"
                 ) from None
 
     async def scenario() -> None:

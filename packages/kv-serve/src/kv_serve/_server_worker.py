@@ -290,27 +290,30 @@ class EngineWorker:
 
     def _apply(self, engine: DecodeEngine, command: Any) -> None:
         if isinstance(command, _Submit):
-            with self._lock:
-                self._pending_submits -= 1
             ticket, params = command.ticket, command.params
-            if ticket.closed:
-                return
+            rid: int | None = None
             try:
-                rid = engine.submit(
-                    command.prompt,
-                    params.max_tokens,
-                    temperature=params.temperature,
-                    top_p=params.top_p,
-                    stop_tokens=params.stop_tokens,
-                    seed=params.seed,
-                )
+                if not ticket.closed:
+                    rid = engine.submit(
+                        command.prompt,
+                        params.max_tokens,
+                        temperature=params.temperature,
+                        top_p=params.top_p,
+                        stop_tokens=params.stop_tokens,
+                        seed=params.seed,
+                    )
             except Exception as error:
                 ticket.put(Event(finish_reason="error", error=error))
-                return
-            ticket.request_id = rid
-            self._active[rid] = ticket
-            with self._lock:
-                self._engine_queued = engine.num_queued
+            finally:
+                # In transit until the engine holds it, then queued there: counted in one
+                # place or the other at every moment, or a concurrent submit could pass the
+                # queue bound while this one is in between.
+                with self._lock:
+                    self._pending_submits -= 1
+                    self._engine_queued = engine.num_queued
+            if rid is not None:
+                ticket.request_id = rid
+                self._active[rid] = ticket
         elif isinstance(command, _Abort):
             target = command.ticket.request_id
             if target is not None and target in self._active:
@@ -333,6 +336,10 @@ class EngineWorker:
                 engine.release(rid)
                 ticket.put(Event(finish_reason="error", error=error))
             return
+        # The step may have admitted queued requests: say so before any client hears of its
+        # tokens, or a client could see a token while its request still counts as waiting.
+        with self._lock:
+            self._engine_queued = engine.num_queued
         for rid, tokens in produced.items():
             listener = self._active.get(rid)
             if listener is not None and tokens:

@@ -1,0 +1,142 @@
+"""The engine thread's queue bound: a request handed over is counted at every moment.
+
+A submit is first "in transit" (in the worker's inbox), then queued in the engine. If it is
+counted in neither for an instant, a concurrent submit passes the bound and the server
+queues one request more than ``max_queued`` (an HTTP client then waits for an answer that
+should have been a 429). The engine's own ``submit`` is held on the engine thread here, so
+the instant lasts as long as the test needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kv_batching import DecodeEngine
+from kv_serve import build_engine
+from kv_serve._server_worker import (
+    EngineWorker,
+    Event,
+    QueueFullError,
+    SamplingParams,
+    Ticket,
+)
+from kv_testing import build_tiny_model
+
+
+class HeldSubmit:
+    """Wrap an engine's ``submit`` so that the engine thread stops inside it on demand."""
+
+    def __init__(self) -> None:
+        self.hold = threading.Event()
+        self.inside = threading.Event()
+        self.release = threading.Event()
+
+    def wrap(self, engine: DecodeEngine) -> DecodeEngine:
+        submit = engine.submit
+
+        def held(*args: Any, **kwargs: Any) -> int:
+            if self.hold.is_set():
+                self.inside.set()
+                assert self.release.wait(30), "the test never released the submit"
+            return submit(*args, **kwargs)
+
+        engine.submit = held  # type: ignore[method-assign]
+        return engine
+
+
+@pytest.fixture
+def worker_and_hold() -> Iterator[tuple[EngineWorker, HeldSubmit]]:
+    hold = HeldSubmit()
+    model = build_tiny_model("gemma3_text", window=8, num_layers=4, vocab_size=64)
+
+    def make_engine() -> DecodeEngine:
+        return hold.wrap(build_engine(model, max_running=1, max_context=64, page_size=4))
+
+    worker = EngineWorker(make_engine, max_queued=1)
+    worker.start(timeout=120)
+    try:
+        yield worker, hold
+    finally:
+        hold.release.set()
+        worker.stop()
+
+
+def test_a_submit_the_engine_is_taking_still_counts_against_the_queue(
+    worker_and_hold: tuple[EngineWorker, HeldSubmit],
+) -> None:
+    worker, hold = worker_and_hold
+    loop = asyncio.new_event_loop()
+    try:
+        params = SamplingParams(max_tokens=2)
+        hold.hold.set()
+        worker.submit(Ticket(loop), [1, 2, 3], params)
+        assert hold.inside.wait(30)
+        # The engine thread is inside engine.submit: the request is neither in transit nor
+        # queued in the engine yet, and must still be counted.
+        assert worker.waiting == 1
+        with pytest.raises(QueueFullError, match="waiting queue is full"):
+            worker.submit(Ticket(loop), [4, 5], params)
+        hold.hold.clear()
+        hold.release.set()
+    finally:
+        loop.close()
+
+
+def test_a_refused_engine_submit_frees_its_place_in_the_queue(
+    worker_and_hold: tuple[EngineWorker, HeldSubmit],
+) -> None:
+    worker, _ = worker_and_hold
+    loop = asyncio.new_event_loop()
+    try:
+        ticket = Ticket(loop)
+        # Token id past the vocabulary: the engine refuses it on its thread.
+        worker.submit(ticket, [10_000], SamplingParams(max_tokens=2))
+        for _ in range(3000):
+            if worker.waiting == 0 and not ticket.events.empty():
+                break
+            loop.run_until_complete(asyncio.sleep(0.01))
+        assert worker.waiting == 0
+        event = ticket.events.get_nowait()
+        assert event.finish_reason == "error" and event.error is not None
+        # The place is free again: another request is accepted.
+        worker.submit(Ticket(loop), [1, 2], SamplingParams(max_tokens=2))
+    finally:
+        loop.close()
+
+
+class WatchingTicket(Ticket):
+    """A ticket that records the worker's waiting count when each event is handed to it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, worker: EngineWorker) -> None:
+        super().__init__(loop)
+        self.worker = worker
+        self.waiting_at_events: list[int] = []
+
+    def put(self, event: Event) -> None:
+        """Record the count (on the engine thread, as the event is delivered), then deliver."""
+        self.waiting_at_events.append(self.worker.waiting)
+        super().put(event)
+
+
+def test_a_request_whose_token_a_client_sees_no_longer_counts_as_waiting(
+    worker_and_hold: tuple[EngineWorker, HeldSubmit],
+) -> None:
+    worker, _ = worker_and_hold
+    loop = asyncio.new_event_loop()
+    try:
+        ticket = WatchingTicket(loop, worker)
+        worker.submit(ticket, [1, 2, 3], SamplingParams(max_tokens=3))
+        for _ in range(3000):
+            if len(ticket.waiting_at_events) >= 4:  # three tokens and the end
+                break
+            loop.run_until_complete(asyncio.sleep(0.01))
+        # It was admitted in the step that produced its first token: when that token (and
+        # every later event) reaches the client, the queue bound has its place back.
+        assert ticket.waiting_at_events == [0, 0, 0, 0]
+    finally:
+        loop.close()
