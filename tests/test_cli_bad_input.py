@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import bench_engine, bench_kernels, bench_pool, cli_args, kv
+from tools import bench_engine, bench_kernels, bench_latency, bench_pool, cli_args, kv
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds a refused command may take: an interpreter start and the imports, not a model run.
@@ -151,6 +151,12 @@ OTHER_BENCH_CASES = [
     ("tools.bench_kernels", ["--attn-heads", "8,3,64"], "not a multiple of kv_heads 3"),
     ("tools.bench_kernels", ["--attn-batch", "0"], "--attn-batch"),
     ("tools.bench_kernels", ["--min-time", "nan"], "--min-time"),
+    ("tools.bench_latency", ["--streams", "0"], "--streams"),
+    ("tools.bench_latency", ["--stall", "0"], "--stall"),
+    ("tools.bench_latency", ["--stall", "nan"], "--stall"),
+    ("tools.bench_latency", ["--long-min", "900", "--long-max", "800"], "need --long-min <="),
+    ("kv_serve._cli", ["serve", "--model", "x", "--prefill-stall", "0"], "or 'off', got '0'"),
+    ("kv_serve._cli", ["serve", "--model", "x", "--prefill-stall", "soon"], "--prefill-stall"),
 ]
 
 
@@ -193,6 +199,7 @@ def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
         ("tools.kv bench", bench_engine.build_parser()),
         ("tools.bench_pool", bench_pool.build_parser()),
         ("tools.bench_kernels", bench_kernels.build_parser()),
+        ("tools.bench_latency", bench_latency.build_parser()),
     ]
     return found
 

@@ -29,6 +29,7 @@ from ._patching import (
     unpatch_model_attention,
     wrap_attention_layer,
 )
+from ._prefill_budget import PrefillBudget
 from ._requests import RequestOutput, RequestStatus
 from ._sampling import Sampler, SamplingRow, sample_top_p, token_key
 from ._scheduler import Scheduler
@@ -77,6 +78,7 @@ __all__ = [
     "StateSnapshot",
     "NormMode",
     "PoolAddressing",
+    "PrefillBudget",
     "PoolDecodeCache",
     "batched_layer_caches",
     "check_batched_decode",

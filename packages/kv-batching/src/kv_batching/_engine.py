@@ -42,6 +42,7 @@ from ._engine_stats import (
 from ._model_forward import last_position_forward, vocabulary_size
 from ._model_runner import ModelRunner
 from ._patching import unpatch_model_attention
+from ._prefill_budget import PrefillBudget
 from ._requests import EngineRequest, RequestOutput, RequestStatus, RequestTable
 from ._sampling import Sampler
 from ._scheduler import Scheduler
@@ -121,6 +122,14 @@ class DecodeEngine:
     Building **modifies the model** (the fast layers' attention modules are wrapped);
     :meth:`close` (or leaving a ``with`` block) puts the originals back.
 
+    Prefill budget per step (``prefill_stall``): ``None`` prefills up to ``prefill_chunk``
+    tokens a step. A positive number bounds how long a step's prefill may keep the running
+    requests waiting, as a multiple of the step's decode: the budget is that many decode
+    times over the measured seconds per prompt token (see :class:`PrefillBudget`), at least
+    a small chunk so a prompt always progresses, the whole ``prefill_chunk`` when nothing
+    decodes. So a 4k-token prompt arriving mid-stream is spread over many steps instead of
+    stalling every stream for its whole prefill.
+
     With ``prefill_last_logits`` (the default) prefill chunks project only their last
     position onto the vocabulary when :func:`last_position_forward` proves that exact for
     this model; otherwise the model runs whole.
@@ -149,11 +158,12 @@ class DecodeEngine:
         make_state_caches: StateCacheFactory | None = None,
         state_budget_bytes: int | None = None,
         prefix_caching: bool | None = None,
+        prefill_stall: float | None = None,
     ) -> None:
         max_running = check_int(max_running, "max_running", minimum=1)
         if state_budget_bytes is not None:
             state_budget_bytes = check_int(state_budget_bytes, "state_budget_bytes", minimum=1)
-        prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
+        prefill_budget = PrefillBudget(prefill_chunk, prefill_stall=prefill_stall)
         seed = check_int(seed, "seed", minimum=0, maximum=2**64 - 1)
         model_layout = layout_from_model(model)
         _check_layouts(model_layout, pool.layout)
@@ -195,7 +205,8 @@ class DecodeEngine:
         self.pool = pool
         self.kernels = kernels
         self.make_prefill_cache = make_prefill_cache
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_budget.prefill_chunk
+        self.prefill_budget = prefill_budget
         self.record_pages = record_pages
         self.vocab_size = vocab_size
         self.stats = EngineStats(window=stats_window)
@@ -429,10 +440,11 @@ class DecodeEngine:
         start = time.perf_counter()
         middle = start
         try:
-            if self.scheduler.running:
+            decoded = bool(self.scheduler.running)
+            if decoded:
                 self._decode(produced)
             middle = time.perf_counter()
-            self._prefill(produced)
+            self._prefill(produced, middle - start if decoded else None)
         except BaseException:
             self._undelivered = produced
             raise
@@ -561,6 +573,7 @@ class DecodeEngine:
     ) -> None:
         """Prefill ``tokens[prefilled : prefilled + n]``: all of it, or nothing and a raise."""
         begin = request.prefilled
+        started = time.perf_counter()
         saved = self.sampler.save()
         first: int | None = None
         snapshot = StateSnapshot(request.states or [])
@@ -598,16 +611,17 @@ class DecodeEngine:
         self.scheduler.note_state_bytes(request)
         self._commit(request, tokens[begin : begin + n])
         request.prefilled = begin + n
-        self.stats.prefill_tokens += n
+        self.stats.record_prefill_chunk(n)
+        self.prefill_budget.note_prefill(n, time.perf_counter() - started)
         if request.prefilled < len(tokens):
             return
         self.scheduler.start_running(request)
         if first is not None:
             self._emit(request, first, produced)
 
-    def _prefill(self, produced: dict[int, list[int]]) -> None:
+    def _prefill(self, produced: dict[int, list[int]], decode_seconds: float | None) -> None:
         scheduler = self.scheduler
-        budget = self.prefill_chunk
+        budget = self.prefill_budget.tokens(decode_seconds)
         while budget > 0:
             request = scheduler.prefilling
             if request is None:

@@ -21,7 +21,8 @@ class EngineStats:
     """Counters, exact aggregates and bounded per-step series of a :class:`DecodeEngine`.
 
     Series have one entry per :meth:`DecodeEngine.step`; ``decode_step_seconds`` and
-    ``decode_batch_sizes`` have one entry per batched decode (the step's decode part only).
+    ``decode_batch_sizes`` have one entry per batched decode (the step's decode part only),
+    ``prefill_chunk_tokens`` one per prefill chunk.
     They are deques that keep the latest ``window`` entries (``None``: every entry, for
     short offline runs that plot them), so a long-running engine's statistics stay bounded.
     The counters and the aggregates (``max_queue_length``, ``max_running``,
@@ -54,6 +55,9 @@ class EngineStats:
     pages_used: deque[dict[str, int]] = field(default_factory=deque, repr=False)
     decode_step_seconds: deque[float] = field(default_factory=deque, repr=False)
     decode_batch_sizes: deque[int] = field(default_factory=deque, repr=False)
+    #: Prompt tokens of each prefill chunk (one entry per chunk).
+    prefill_chunk_tokens: deque[int] = field(default_factory=deque, repr=False)
+    prefill_chunks: int = 0
     max_queue_length: int = 0
     max_running: int = 0
     max_decode_batch_size: int = 0
@@ -70,6 +74,7 @@ class EngineStats:
         self.pages_used = deque(self.pages_used, maxlen=size)
         self.decode_step_seconds = deque(self.decode_step_seconds, maxlen=size)
         self.decode_batch_sizes = deque(self.decode_batch_sizes, maxlen=size)
+        self.prefill_chunk_tokens = deque(self.prefill_chunk_tokens, maxlen=size)
 
     def record_step(self, queue_length: int, running: int, pages: Mapping[str, int] | None) -> None:
         """Account one engine step: the queue length and running count after it, and pages."""
@@ -85,6 +90,12 @@ class EngineStats:
             for name, count in sample.items():
                 if count > peak.get(name, -1):
                     peak[name] = count
+
+    def record_prefill_chunk(self, tokens: int) -> None:
+        """Account one prefill chunk of ``tokens`` prompt tokens."""
+        self.prefill_chunks += 1
+        self.prefill_tokens += tokens
+        self.prefill_chunk_tokens.append(tokens)
 
     def record_decode(self, seconds: float, batch_size: int) -> None:
         """Account one batched decode of ``batch_size`` requests that took ``seconds``."""

@@ -139,6 +139,14 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--prefill-chunk", type=_positive_int, default=512, help="prompt tokens per step (512)"
     )
+    srv.add_argument(
+        "--prefill-stall",
+        type=_stall,
+        default=2.0,
+        help="while requests decode, a step prefills for at most this many times its decode "
+        "time, so a long prompt does not stall the streams; 'off' prefills --prefill-chunk "
+        "tokens a step whatever decodes (2.0)",
+    )
     srv.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (16)")
     srv.add_argument("--seed", type=_seed, default=0, help="sampling seed of the engine (0)")
     srv.add_argument(
@@ -162,6 +170,20 @@ def parser() -> argparse.ArgumentParser:
     )
     srv.set_defaults(handler=_serve)
     return top
+
+
+def _stall(text: str) -> float | None:
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of decode times or 'off', got {text!r}"
+        )
+    return value
 
 
 def _port(text: str) -> int:
@@ -247,6 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         seed=args.seed,
         prefix_caching=args.prefix_caching,
+        prefill_stall=args.prefill_stall,
     )
     progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
     server.serve(args.host, args.port, log_level=args.log_level)

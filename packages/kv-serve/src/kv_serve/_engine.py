@@ -104,6 +104,7 @@ def build_engine(
     decode_path: str = "auto",
     state_budget_bytes: int | None = None,
     prefix_caching: bool = True,
+    prefill_stall: float | None = None,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -125,6 +126,11 @@ def build_engine(
     requests, sliding-window ones included, so a request whose prompt starts with a cached
     prefix prefills only the rest; models with STATE layers prefill every prompt whole.
     ``prefix_caching=False`` turns it off.
+
+    ``prefill_stall`` bounds a step's prefill while requests decode, as a multiple of the
+    step's decode time (e.g. ``2.0``: a running request's next token waits at most about
+    three decode steps for a prompt being prefilled beside it); ``None`` prefills
+    ``prefill_chunk`` tokens a step whatever decodes.
     """
     layout = layout_from_model(model)
     use_prefix = bool(prefix_caching) and not layout.state_layer_ids
@@ -154,4 +160,5 @@ def build_engine(
         decode_path=decode_path,
         state_budget_bytes=state_budget_bytes,
         prefix_caching=None if prefix_caching else False,
+        prefill_stall=prefill_stall,
     )

@@ -158,6 +158,8 @@ class KVServer:
     the engine thread. Requests whose prompt plus ``max_tokens`` exceed ``max_context``, or
     that could never fit the pool even alone, are refused with 400 at once; at most
     ``max_queued`` requests wait for admission (429 with ``Retry-After`` beyond).
+    ``prefill_stall`` bounds how long a prompt's prefill may hold up the streams decoding
+    beside it (see :func:`kv_serve.build_engine`).
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class KVServer:
         prefill_chunk: int = 512,
         seed: int = 0,
         prefix_caching: bool = True,
+        prefill_stall: float | None = None,
         make_engine: Callable[[], DecodeEngine] | None = None,
     ) -> None:
         self.model_name = model_name
@@ -194,6 +197,7 @@ class KVServer:
                     seed=seed,
                     record_pages=False,
                     prefix_caching=prefix_caching,
+                    prefill_stall=prefill_stall,
                 )
 
         self.worker = EngineWorker(make_engine, max_queued=max_queued)
