@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -593,7 +593,10 @@ class DecodeEngine:
             logits = self.runner.prefill(tokens[begin : begin + n], request.caches)
             tic = time.perf_counter()
             if begin + n < len(tokens) or request.generated:
-                mx.eval(logits)
+                # No token is sampled from this chunk: evaluate what it wrote (the caches'
+                # state), not its logits, so the last layer's attention and MLP, which only
+                # the logits need, are never computed (mlx-lm's prefill does the same).
+                mx.eval(_written_state(request.caches))
             else:
                 sampled = self.sampler.sample(logits[:, -1, :], [request.sampling_row()])
                 first = cast(list[int], sampled.tolist())[0]
@@ -647,6 +650,22 @@ class DecodeEngine:
             except Exception as error:
                 scheduler.fail(request, error)
             budget -= n
+
+
+def _written_state(caches: Sequence[Any]) -> list[mx.array]:
+    """The arrays of the caches' ``state``: what evaluating a prefill chunk's writes needs."""
+    arrays: list[mx.array] = []
+
+    def collect(value: object) -> None:
+        if isinstance(value, mx.array):
+            arrays.append(value)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                collect(item)
+
+    for cache in caches:
+        collect(getattr(cache, "state", None))
+    return arrays
 
 
 def _host_tokens(tokens: object, what: str) -> object:
