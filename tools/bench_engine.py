@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from typing import Any, TypeVar
 
@@ -66,6 +66,8 @@ class RunResult:
     step_seconds: list[float]
     tokens: dict[int, list[int]]
     peak_memory_bytes: int = 0
+    #: Seconds from the start of the run (every request submitted then) to each first token.
+    first_token_seconds: list[float] = field(default_factory=list)
 
     @property
     def throughput(self) -> float:
@@ -74,38 +76,61 @@ class RunResult:
 
     def percentile(self, q: float) -> float:
         """Step time percentile in milliseconds."""
-        ordered = sorted(self.step_seconds)
-        index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
-        return 1000 * ordered[index]
+        return 1000 * _quantile(self.step_seconds, q)
+
+    def ttft(self, q: float) -> float:
+        """Time-to-first-token percentile in seconds."""
+        return _quantile(self.first_token_seconds, q)
 
 
-def build_model(*, num_layers: int, window: int, vocab: int) -> Any:
-    """A gpt-oss-like model whose cost is dominated by attention over long contexts."""
+def _quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values``; 0 for none."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def build_model(
+    *, num_layers: int, window: int, vocab: int, hidden: int = 64, experts: int = 2
+) -> Any:
+    """A gpt-oss-like model whose cost is dominated by attention over long contexts.
+
+    8 query / 2 KV heads of 64; MLP width ``hidden // 2``; ``experts // 2`` of ``experts``
+    routed per token (at least one).
+    """
     return build_tiny_model(
         "gpt_oss",
         window=window,
         num_layers=num_layers,
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=32,
+        hidden_size=hidden,
+        intermediate_size=max(1, hidden // 2),
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=64,
-        num_local_experts=2,
-        num_experts_per_tok=1,
+        num_local_experts=experts,
+        num_experts_per_tok=max(1, experts // 2),
     )
 
 
 def workload(
-    n: int, *, max_prompt: int, min_out: int, max_out: int, vocab: int, seed: int
+    n: int,
+    *,
+    max_prompt: int,
+    min_out: int,
+    max_out: int,
+    vocab: int,
+    seed: int,
+    min_prompt: int = 16,
 ) -> list[tuple[list[int], int]]:
-    """``n`` (prompt, max_tokens) pairs; prompt lengths log-uniform in 16..max_prompt.
+    """``n`` (prompt, max_tokens) pairs; prompt lengths log-uniform in min_prompt..max_prompt.
 
-    A ``max_prompt`` below 16 makes every prompt ``max_prompt`` tokens long.
+    A ``max_prompt`` below ``min_prompt`` makes every prompt ``max_prompt`` tokens long.
     """
     rng = random.Random(seed)
     out = []
-    shortest = min(16, max_prompt)
+    shortest = min(min_prompt, max_prompt)
     for _ in range(n):
         length = int(math.exp(rng.uniform(math.log(shortest), math.log(max_prompt))))
         out.append(([rng.randrange(vocab) for _ in range(length)], rng.randint(min_out, max_out)))
@@ -134,6 +159,7 @@ def run_mlx_lm(model: Any, requests: list[tuple[list[int], int]], running: int) 
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     remaining = set(uids)
     steps: list[float] = []
+    first: list[float] = []
     peak = 0
     start = time.perf_counter()
     while remaining:
@@ -141,6 +167,8 @@ def run_mlx_lm(model: Any, requests: list[tuple[list[int], int]], running: int) 
         _, responses = gen.next()
         steps.append(time.perf_counter() - tic)
         for r in responses:
+            if not tokens[index[r.uid]]:
+                first.append(time.perf_counter() - start)
             tokens[index[r.uid]].append(r.token)
             if r.finish_reason is not None:
                 remaining.discard(r.uid)
@@ -151,7 +179,9 @@ def run_mlx_lm(model: Any, requests: list[tuple[list[int], int]], running: int) 
     seconds = time.perf_counter() - start
     gen.close()
     generated = sum(len(t) for t in tokens.values())
-    return RunResult("mlx-lm BatchGenerator", seconds, generated, peak, steps, tokens)
+    return RunResult(
+        "mlx-lm BatchGenerator", seconds, generated, peak, steps, tokens, first_token_seconds=first
+    )
 
 
 def run_engine(
@@ -163,6 +193,7 @@ def run_engine(
     page_size: int,
     chunk: int,
     fused: str,
+    stall: float | None = None,
 ) -> tuple[RunResult, HybridKVPool, DecodeEngine]:
     """kv-batching's DecodeEngine on a HybridKVPool of ``budget_bytes``."""
     layout = layout_from_model(model)
@@ -176,21 +207,39 @@ def run_engine(
         prefill_chunk=chunk,
     )
     engine = build_engine(
-        model, pool=pool, fused_rope=fused, max_running=running, prefill_chunk=chunk
+        model,
+        pool=pool,
+        fused_rope=fused,
+        max_running=running,
+        prefill_chunk=chunk,
+        prefill_stall=stall,
     )
     ids = [engine.submit(p, m) for p, m in requests]
     steps: list[float] = []
+    first: list[float] = []
+    started: set[int] = set()
     start = time.perf_counter()
     while engine.has_work:
         tic = time.perf_counter()
-        engine.step()
+        produced = engine.step()
         steps.append(time.perf_counter() - tic)
+        for rid in produced.keys() - started:
+            started.add(rid)
+            first.append(time.perf_counter() - start)
     seconds = time.perf_counter() - start
     out = {i: list(engine.output(rid).tokens) for i, rid in enumerate(ids)}
     capacity = sum(s.num_pages * s.bytes_per_page for s in pool.memory_report().sub_pools)
     generated = sum(len(t) for t in out.values())
     return (
-        RunResult("kv-batching DecodeEngine", seconds, generated, capacity, steps, out),
+        RunResult(
+            "kv-batching DecodeEngine",
+            seconds,
+            generated,
+            capacity,
+            steps,
+            out,
+            first_token_seconds=first,
+        ),
         pool,
         engine,
     )
@@ -275,6 +324,42 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int(MAX_TOKENS),
         default=None,
         help=f"longest prompt, 1..{MAX_TOKENS} tokens (default 3800, quick 1024)",
+    )
+    parser.add_argument(
+        "--min-prompt",
+        type=positive_int(MAX_TOKENS),
+        default=16,
+        help="shortest prompt of the random workload (default 16)",
+    )
+    parser.add_argument(
+        "--min-out",
+        type=positive_int(MAX_TOKENS),
+        default=None,
+        help="fewest output tokens of a request (default 16, quick 8)",
+    )
+    parser.add_argument(
+        "--max-out",
+        type=positive_int(MAX_TOKENS),
+        default=None,
+        help="most output tokens of a request (default 192, quick 48)",
+    )
+    parser.add_argument(
+        "--hidden",
+        type=positive_int(4096),
+        default=64,
+        help="hidden size of the random-weight model (default 64)",
+    )
+    parser.add_argument(
+        "--experts",
+        type=positive_int(256),
+        default=2,
+        help="experts of the random-weight model, half of them routed per token (default 2)",
+    )
+    parser.add_argument(
+        "--stall",
+        type=finite_float(0.0, 1000.0, min_inclusive=False),
+        default=None,
+        help="the engine's prefill_stall (default: none, --chunk tokens a step)",
     )
     parser.add_argument(
         "--running",
@@ -382,6 +467,8 @@ def _workload_shape(args: argparse.Namespace) -> tuple[int, int, int, int]:
     n = args.requests or (16 if args.quick else 48)
     max_prompt = args.max_prompt or (1024 if args.quick else 3800)
     min_out, max_out = (8, 48) if args.quick else (16, 192)
+    min_out = args.min_out or min_out
+    max_out = max(min_out, args.max_out or max_out)
     return n, max_prompt, min_out, max_out
 
 
@@ -415,6 +502,7 @@ def _engine_run(
         page_size=args.page_size,
         chunk=args.chunk,
         fused=args.fused_rope,
+        stall=args.stall,
     )
     stats = engine.stats
     peak_used = stats.peak_pages_used
@@ -448,6 +536,7 @@ def _combine(runs: list[RunResult]) -> RunResult:
         peak_kv_bytes=max(r.peak_kv_bytes for r in runs),
         peak_memory_bytes=max(r.peak_memory_bytes for r in runs),
         step_seconds=[t for r in runs for t in r.step_seconds],
+        first_token_seconds=[t for r in runs for t in r.first_token_seconds],
     )
 
 
@@ -467,14 +556,28 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
         )
     else:
         vocab = 512
-        model = build_model(num_layers=args.layers, window=args.window, vocab=vocab)
+        model = build_model(
+            num_layers=args.layers,
+            window=args.window,
+            vocab=vocab,
+            hidden=args.hidden,
+            experts=args.experts,
+        )
         requests = workload(
-            n, max_prompt=max_prompt, min_out=min_out, max_out=max_out, vocab=vocab, seed=args.seed
+            n,
+            max_prompt=max_prompt,
+            min_out=min_out,
+            max_out=max_out,
+            vocab=vocab,
+            seed=args.seed,
+            min_prompt=args.min_prompt,
         )
         described = (
             f"gpt_oss-like model, {args.layers} layers (alternating window {args.window} / "
-            "full), 8 q / 2 kv heads x 64, fp32"
+            f"full), hidden {args.hidden}, {args.experts} experts, 8 q / 2 kv heads x 64, fp32"
         )
+    if args.stall is not None:
+        described += f"; engine prefill_stall={args.stall:g}"
     shape = (
         f"{n} requests, prompts {min(len(p) for p, _ in requests)}.."
         f"{max(len(p) for p, _ in requests)} tokens, outputs {min_out}..{max_out}, "
@@ -512,13 +615,14 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     mib = 2**20
     print(
         f"\n{'':26s} {'tok/s':>9s} {'peak KV MiB':>11s} {'peak mem MiB':>12s} {'p50 ms':>8s} "
-        f"{'p99 ms':>8s} {'steps':>6s}"
+        f"{'p99 ms':>8s} {'steps':>6s} {'TTFT p50 s':>10s} {'TTFT p99 s':>10s}"
     )
     for r in (base, mine):
         print(
             f"{r.name:26s} {r.throughput:9.1f} {r.peak_kv_bytes / mib:11.2f} "
             f"{r.peak_memory_bytes / mib:12.2f} {r.percentile(0.5):8.2f} "
-            f"{r.percentile(0.99):8.2f} {len(r.step_seconds) // args.rounds:6d}"
+            f"{r.percentile(0.99):8.2f} {len(r.step_seconds) // args.rounds:6d} "
+            f"{r.ttft(0.5):10.2f} {r.ttft(0.99):10.2f}"
         )
     print(
         f"\nratios (engine / mlx-lm), mean of {args.rounds} alternating rounds: throughput "
@@ -570,19 +674,22 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
                     f"Workload: {shape}; {described}; mean of {args.rounds} alternating rounds",
                     "",
                     "| system | tok/s | peak KV MiB | peak memory above weights MiB | "
-                    "p50 step ms | p99 step ms |",
-                    "|---|---|---|---|---|---|",
+                    "p50 step ms | p99 step ms | TTFT p50 s | TTFT p99 s |",
+                    "|---|---|---|---|---|---|---|---|",
                     *(
                         f"| {r.name} | {r.throughput:.1f} | {r.peak_kv_bytes / mib:.2f} | "
                         f"{r.peak_memory_bytes / mib:.1f} | "
-                        f"{r.percentile(0.5):.1f} | {r.percentile(0.99):.1f} |"
+                        f"{r.percentile(0.5):.1f} | {r.percentile(0.99):.1f} | "
+                        f"{r.ttft(0.5):.2f} | {r.ttft(0.99):.2f} |"
                         for r in (base, mine)
                     ),
                     f"| **ratio** | **{mine.throughput / base.throughput:.2f}x** | "
                     f"**{mine.peak_kv_bytes / base.peak_kv_bytes:.2f}x** | "
                     f"**{mine.peak_memory_bytes / max(base.peak_memory_bytes, 1):.2f}x** | "
                     f"{mine.percentile(0.5) / base.percentile(0.5):.2f}x | "
-                    f"{mine.percentile(0.99) / base.percentile(0.99):.2f}x |",
+                    f"{mine.percentile(0.99) / base.percentile(0.99):.2f}x | "
+                    f"{mine.ttft(0.5) / max(base.ttft(0.5), 1e-9):.2f}x | "
+                    f"{mine.ttft(0.99) / max(base.ttft(0.99), 1e-9):.2f}x |",
                     "",
                     f"Greedy tokens identical to mlx-lm: {agree}/{total}. Engine peak KV is its "
                     f"whole pool (pages in use peaked at {report.peak_pages_bytes / mib:.2f} "
