@@ -76,14 +76,14 @@ class RunResult:
 
     def percentile(self, q: float) -> float:
         """Step time percentile in milliseconds."""
-        return 1000 * _quantile(self.step_seconds, q)
+        return 1000 * quantile(self.step_seconds, q)
 
     def ttft(self, q: float) -> float:
         """Time-to-first-token percentile in seconds."""
-        return _quantile(self.first_token_seconds, q)
+        return quantile(self.first_token_seconds, q)
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (nearest rank) of ``values``; 0 for none."""
     ordered = sorted(values)
     if not ordered:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import random
 import statistics
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 
 from kv_protocol import KVCacheError
 from kv_serve import active_blas, build_engine
-from tools.bench_engine import build_model, machine_description
+from tools.bench_engine import build_model, machine_description, quantile
 from tools.cli_args import (
     MAX_LAYERS,
     MAX_REQUESTS,
@@ -194,12 +193,6 @@ def run_engine(
     return LatencyRun(name, seconds, times, submitted, tokens)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values``."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python -m tools.bench_latency``, each checked while parsing."""
     parser = ArgumentParser(
@@ -334,11 +327,11 @@ def _run(args: argparse.Namespace) -> None:
         wall = statistics.mean(run.seconds for run in runs[key])
         same = sum(run.tokens[i] == base[i] for run in runs[key] for i in range(len(work.requests)))
         total = len(runs[key]) * len(work.requests)
-        p50 = percentile(gaps, 0.5)
+        p50 = quantile(gaps, 0.5)
         print(
-            f"| {runs[key][0].name} | {1000 * p50:.1f} | {1000 * percentile(gaps, 0.9):.1f} | "
-            f"{1000 * percentile(gaps, 0.99):.1f} | {1000 * max(gaps):.1f} | "
-            f"{percentile(gaps, 0.99) / p50:.2f}x | {statistics.median(ttft):.2f} | "
+            f"| {runs[key][0].name} | {1000 * p50:.1f} | {1000 * quantile(gaps, 0.9):.1f} | "
+            f"{1000 * quantile(gaps, 0.99):.1f} | {1000 * max(gaps):.1f} | "
+            f"{quantile(gaps, 0.99) / p50:.2f}x | {statistics.median(ttft):.2f} | "
             f"{wall:.1f} | {same}/{total} |"
         )
 
