@@ -5,10 +5,10 @@ prompts of ``--long-min``..``--long-max`` tokens arrive, one each time the first
 produced another ``--every`` tokens. Reported per system: the gaps between consecutive tokens
 of the streams (p50, p90, p99, max and p99 / p50), the long prompts' time to first token,
 the wall time, and whether every request's greedy tokens equal mlx-lm's. Systems, in one
-process on the same model and BLAS: mlx-lm's ``BatchGenerator`` (a new prompt's prefill runs
-inside one ``next()``: every stream waits for all of it), the engine prefilling
-``--chunk`` tokens a step, and the engine with ``prefill_stall`` (a step's prefill bounded to
-that many times its decode). Rounds alternate the order.
+process on the same model and BLAS: mlx-lm's ``BatchGenerator`` (each ``next()`` decodes, then
+prefills up to ``--chunk`` tokens of each of up to 8 prompts), the engine prefilling ``--chunk``
+tokens a step, and the engine once per ``--stall`` value as its ``prefill_stall`` (a step's
+prefill bounded to that many times its decode). Rounds alternate the order.
 
     uv run python -m tools.bench_latency
     uv run python -m tools.bench_latency --quick
@@ -17,6 +17,7 @@ that many times its decode). Rounds alternate the order.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import random
 import statistics
@@ -255,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stall",
         type=finite_float(0.0, 1000.0, min_inclusive=False),
-        default=2.0,
-        help="the engine's prefill_stall (2.0)",
+        nargs="+",
+        default=[2.0, 4.0],
+        help="the engine's prefill_stall, one engine run per value (2 4)",
     )
     parser.add_argument("--rounds", type=positive_int(16), default=1, help="rounds (1)")
     parser.add_argument("--seed", type=random_seed, default=0, help="workload seed (0)")
@@ -301,14 +303,15 @@ def _run(args: argparse.Namespace) -> None:
     systems: dict[str, Any] = {
         "mlx-lm": lambda: run_mlx_lm(model, work, args.running, args.chunk),
         "chunks": lambda: run_engine(model, work, args.running, args.chunk, None, args.page_size),
-        "stall": lambda: run_engine(
-            model, work, args.running, args.chunk, args.stall, args.page_size
-        ),
     }
+    for stall in args.stall:
+        systems[f"stall {stall}"] = functools.partial(
+            run_engine, model, work, args.running, args.chunk, stall, args.page_size
+        )
     # Warm every path on a throwaway workload of one stream and no arrival.
     warm = Workload(streams=work.streams[:1], arrivals=[], arrive_at=[])
     run_mlx_lm(model, warm, args.running, args.chunk)
-    run_engine(model, warm, args.running, args.chunk, args.stall, args.page_size)
+    run_engine(model, warm, args.running, args.chunk, args.stall[0], args.page_size)
     runs: dict[str, list[LatencyRun]] = {key: [] for key in systems}
     order = list(systems)
     for round_index in range(args.rounds):

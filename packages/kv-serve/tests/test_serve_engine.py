@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kv_pool import HybridKVPool
 from kv_protocol import KVCacheError, LayoutError, RequestStateError, layout_from_model
 from kv_serve import TextStream, build_engine, build_pool
-from kv_serve._cli import main
+from kv_serve._cli import main, parser
 from kv_testing import build_tiny_model
 
 VOCAB = 64
@@ -118,3 +118,12 @@ def test_cli_bad_models_are_one_error_line(kind: str, tmp_path: Any, capsys: Any
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:"), err
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [([], 3.0), (["--prefill-stall", "1.5"], 1.5), (["--prefill-stall", "off"], None)],
+)
+def test_serve_parses_the_prefill_stall(args: list[str], expected: float | None) -> None:
+    parsed = parser().parse_args(["serve", "--model", "m", *args])
+    assert parsed.prefill_stall == expected

@@ -142,10 +142,10 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--prefill-stall",
         type=_stall,
-        default=2.0,
+        default=3.0,
         help="while requests decode, a step prefills for at most this many times its decode "
         "time, so a long prompt does not stall the streams; 'off' prefills --prefill-chunk "
-        "tokens a step whatever decodes (2.0)",
+        "tokens a step whatever decodes (3)",
     )
     srv.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (16)")
     srv.add_argument("--seed", type=_seed, default=0, help="sampling seed of the engine (0)")
