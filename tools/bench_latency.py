@@ -116,10 +116,11 @@ def run_mlx_lm(model: Any, work: Workload, running: int, chunk: int) -> LatencyR
     submitted: dict[int, float] = {}
     start = time.perf_counter()
 
-    def insert(i: int, prompt: list[int], max_tokens: int) -> None:
+    def insert(i: int, prompt: list[int], max_tokens: int) -> int:
         (uid,) = gen.insert([prompt], [max_tokens])
         index[uid] = i
         submitted[i] = time.perf_counter() - start
+        return int(uid)
 
     for i, (prompt, max_tokens) in enumerate(work.streams):
         insert(i, prompt, max_tokens)
@@ -128,8 +129,7 @@ def run_mlx_lm(model: Any, work: Workload, running: int, chunk: int) -> LatencyR
     while remaining:
         while arrived < len(work.arrivals) and len(tokens[0]) >= work.arrive_at[arrived]:
             prompt, max_tokens = work.arrivals[arrived]
-            insert(len(work.streams) + arrived, prompt, max_tokens)
-            remaining.add(next(u for u, j in index.items() if j == len(work.streams) + arrived))
+            remaining.add(insert(len(work.streams) + arrived, prompt, max_tokens))
             arrived += 1
         _, responses = gen.next()
         now = time.perf_counter() - start

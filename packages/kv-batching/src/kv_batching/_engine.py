@@ -205,7 +205,6 @@ class DecodeEngine:
         self.pool = pool
         self.kernels = kernels
         self.make_prefill_cache = make_prefill_cache
-        self.prefill_chunk = prefill_budget.prefill_chunk
         self.prefill_budget = prefill_budget
         self.record_pages = record_pages
         self.vocab_size = vocab_size
@@ -254,6 +253,11 @@ class DecodeEngine:
                 )
             return None
         return cast(KVPrefixCache, pool)
+
+    @property
+    def prefill_chunk(self) -> int:
+        """The most prompt tokens one step prefills (the prefill budget's ceiling)."""
+        return self.prefill_budget.prefill_chunk
 
     @property
     def prefix_caching(self) -> bool:

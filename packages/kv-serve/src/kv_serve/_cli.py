@@ -176,14 +176,11 @@ def _stall(text: str) -> float | None:
     if text.strip().lower() in ("off", "none"):
         return None
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
+        return _number(0.0, math.inf, low_open=True)(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"expected a positive number of decode times or 'off', got {text!r}"
-        )
-    return value
+        ) from None
 
 
 def _port(text: str) -> int:
