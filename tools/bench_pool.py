@@ -46,7 +46,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kv_pool import HybridKVPool, PageAllocator
-from kv_protocol import CacheLayout, LayerKind, LayerSpec, layout_from_model
+from kv_protocol import CacheLayout, KVBuffer, LayerKind, LayerSpec, layout_from_model
 from tools.cli_args import MAX_PAGE_SIZE, MAX_REQUESTS, MAX_TOKENS, ArgumentParser, positive_int
 from tools.model_configs import REAL_MODEL_CONFIGS, lazy_model_from_config
 
@@ -353,18 +353,25 @@ def in_place() -> None:
     pool.add_request(0)
     slots = pool.reserve(0, 1)["full"]
     kv = mx.ones((1, 8, 64))
-    mx.eval(pool.get_key_buffer(0), pool.get_value_buffer(0), slots, kv)
-    size = pool.get_key_buffer(0).nbytes
+
+    def buffer(get: Callable[[int], KVBuffer]) -> mx.array:
+        plain = get(0)
+        assert isinstance(plain, mx.array)  # this pool is not quantized
+        return plain
+
+    keys, values = buffer(pool.get_key_buffer), buffer(pool.get_value_buffer)
+    mx.eval(keys, values, slots, kv)
+    size = keys.nbytes
 
     def write() -> None:
         pool.set_kv(0, slots, kv, kv)
         mx.eval(pool.get_key_buffer(0), pool.get_value_buffer(0))
 
     def copy() -> None:
-        mx.eval(pool.get_key_buffer(0) + 0, pool.get_value_buffer(0) + 0)
+        mx.eval(buffer(pool.get_key_buffer) + 0, buffer(pool.get_value_buffer) + 0)
 
     def write_with_pending_reader() -> None:
-        pending = pool.get_key_buffer(0)[:, :16] * 2
+        pending = buffer(pool.get_key_buffer)[:, :16] * 2
         write()
         mx.eval(pending)
 

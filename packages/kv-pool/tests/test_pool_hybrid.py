@@ -15,6 +15,7 @@ from kv_pool import HybridKVPool, LayerDoneCounter, PageAllocator
 from kv_protocol import (
     CacheLayout,
     CacheStateError,
+    KVBuffer,
     KVCacheError,
     KVPool,
     LayerKind,
@@ -28,6 +29,12 @@ from kv_protocol import (
     UnknownRequestError,
 )
 from kv_protocol import PageAllocator as PageAllocatorProtocol
+
+
+def plain(buffer: KVBuffer) -> mx.array:
+    """A layer buffer of an unquantized pool, as the plain array it is."""
+    assert isinstance(buffer, mx.array)
+    return buffer
 
 
 def tl(a: mx.array) -> Any:
@@ -308,7 +315,7 @@ def _gather(pool: HybridKVPool, layer: int, rid: int) -> tuple[np.ndarray, np.nd
     size = pool.page_size(layer)
     table = pool.batch_page_table([rid], pool.sub_pool_of(layer))
     out = []
-    for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+    for buf in (plain(pool.get_key_buffer(layer)), plain(pool.get_value_buffer(layer))):
         h, slots, d = buf.shape
         pages = buf.reshape(h, slots // size, size, d)[:, table[0]]  # (H, P, size, D)
         out.append(np.array(pages.reshape(h, -1, d).transpose(1, 0, 2)))  # (P*size, H, D)
@@ -380,7 +387,7 @@ def test_set_kv_and_replace_buffers_check_shapes() -> None:
         with pytest.raises(ShapeMismatchError, match=message):
             pool.set_kv(1, s, k, v)
         np.testing.assert_array_equal(np.array(pool.get_key_buffer(1)), before)
-    buf = pool.get_key_buffer(1)
+    buf = plain(pool.get_key_buffer(1))
     with pytest.raises(ShapeMismatchError, match="replace_buffers"):
         pool.replace_buffers(1, buf[:, :4], buf)
     with pytest.raises(ShapeMismatchError):

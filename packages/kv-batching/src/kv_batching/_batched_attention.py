@@ -80,8 +80,11 @@ class BatchedAttention(nn.Module):
 
         rope_kernel = kernels.rope
         config = spec.rope_config
+        k_buffer = pool.get_key_buffer(pool_layer) if layer.fused_rope else None
+        v_buffer = pool.get_value_buffer(pool_layer) if layer.fused_rope else None
         if (
-            layer.fused_rope
+            isinstance(k_buffer, mx.array)  # a quantized layer's pages: only set_kv writes
+            and isinstance(v_buffer, mx.array)
             and rope_kernel is not None
             and config is not None
             and rope_kernel.supports(config)
@@ -92,8 +95,8 @@ class BatchedAttention(nn.Module):
                 v,
                 ctx.offsets,
                 layer.new_token_slots,
-                pool.get_key_buffer(pool_layer),
-                pool.get_value_buffer(pool_layer),
+                k_buffer,
+                v_buffer,
                 rope=config,
             )
             pool.replace_buffers(pool_layer, k_pool, v_pool)

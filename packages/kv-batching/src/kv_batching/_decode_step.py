@@ -39,7 +39,9 @@ class LayerAddress:
     """Where one attention layer's K/V live in a pool; fixed for the life of the pool.
 
     ``full_pool_index`` is the layer's dense index among FULL layers (the only way the fused
-    RoPE + scatter kernel is addressed), ``None`` on a sliding layer.
+    RoPE + scatter kernel is addressed), ``None`` on a sliding layer. ``quantized`` says the
+    layer's pages are stored quantized (only the pool's ``set_kv`` writes them, so the fused
+    RoPE + scatter kernel, which writes plain pages, is not used for the layer).
     """
 
     layer_id: int
@@ -47,6 +49,7 @@ class LayerAddress:
     page_size: int
     window: int | None
     full_pool_index: int | None
+    quantized: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class PoolAddressing:
                 page_size=int(pool.page_size(layer_id)),
                 window=layout.spec(layer_id).window,
                 full_pool_index=full_index.get(layer_id),
+                quantized=pool.kv_quantization(layer_id) is not None,
             )
             if name not in names:
                 names.append(name)
@@ -194,7 +198,7 @@ class DecodeStep:
                 window=address.window,
                 new_token_slots=sub.new_token_slots,
                 page_table=sub.page_table,
-                fused_rope=fused and layer_id in full_map,
+                fused_rope=fused and layer_id in full_map and not address.quantized,
             )
         setter(self, "layers", MappingProxyType(layers))
         setter(self, "_gather_by_key", {})

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kv_protocol import CacheStateError, MaskSpec, ShapeMismatchError
+from kv_protocol import CacheStateError, MaskSpec, ShapeMismatchError, gather_slots
 
 from ._decode_step import DecodeStep, LayerStep
 
@@ -160,8 +160,8 @@ class PoolDecodeCache(_LayerStepCache):
         slots = layer.visible_slots()
         width = slots.shape[1]
         flat = slots.reshape(-1)
-        gathered_k = pool.get_key_buffer(pool_layer)[:, flat]
-        gathered_v = pool.get_value_buffer(pool_layer)[:, flat]
+        gathered_k = gather_slots(pool.get_key_buffer(pool_layer), flat)
+        gathered_v = gather_slots(pool.get_value_buffer(pool_layer), flat)
         heads = gathered_k.shape[0]
         k = gathered_k.reshape(heads, batch, width, -1).transpose(1, 0, 2, 3)
         v = gathered_v.reshape(heads, batch, width, -1).transpose(1, 0, 2, 3)

@@ -5,6 +5,7 @@ A prefill chunk goes through one request's caches; a batched decode step through
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ from ._model_forward import LastPositionForward
 from ._state_cache import StackedStateCache, install_stacked_states
 
 __all__ = ["DecodeOutput", "ModelRunner"]
+
+logger = logging.getLogger("kv_batching")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -76,6 +79,14 @@ class ModelRunner:
         self.nesting = nesting if nesting is not None else CacheNesting.from_model(model)
         self.prefill_forward = prefill_forward
         self.addressing = PoolAddressing.from_pool(pool)
+        quantized = [a.layer_id for a in self.addressing.layers.values() if a.quantized]
+        if kernels.rope is not None and quantized:
+            logger.info(
+                "fused RoPE + scatter kernel %r not used for layers %s: their pages are "
+                "quantized, which only the pool's set_kv writes",
+                kernels.rope.name,
+                quantized,
+            )
 
     def prefill(self, tokens: Sequence[int], caches: list[Any]) -> mx.array:
         """Logits (lazy) of one request's ``tokens`` run through its per-layer ``caches``.

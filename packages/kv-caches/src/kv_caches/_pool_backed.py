@@ -12,6 +12,7 @@ from kv_protocol import (
     LayerKind,
     LayerKindError,
     MaskSpec,
+    QuantizedKV,
     ShapeMismatchError,
     UnknownRequestError,
 )
@@ -157,12 +158,18 @@ class PoolBackedKVCache:
         )
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        """The layer's pool buffers: evaluating them completes this cache's pending writes."""
-        return (
+    def state(self) -> tuple[mx.array, ...]:
+        """The layer's pool buffers: evaluating them completes this cache's pending writes.
+
+        K then V; a quantized layer's buffers give their data, scales and biases each.
+        """
+        arrays: list[mx.array] = []
+        for buffer in (
             self._pool.get_key_buffer(self._layer_id),
             self._pool.get_value_buffer(self._layer_id),
-        )
+        ):
+            arrays.extend(buffer.arrays if isinstance(buffer, QuantizedKV) else (buffer,))
+        return tuple(arrays)
 
     @state.setter
     def state(self, value: Any) -> None:

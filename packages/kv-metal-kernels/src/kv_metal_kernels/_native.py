@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
 
-from kv_protocol import KernelUnavailableError, RopeConfig, UnknownBackendError
+from kv_protocol import (
+    KernelUnavailableError,
+    KVBuffer,
+    QuantizedKV,
+    RopeConfig,
+    UnknownBackendError,
+)
 
 from ._memo import IdentityMemo
+from ._paged_reference import ReferencePagedAttention
 from ._scatter import ScatterPlan, memoized_plan_scatter, scatter_token_rows
 from ._sources import (
     CUDA_PAGED_SOURCE,
@@ -40,6 +48,8 @@ __all__ = [
 
 #: The native backends this package implements.
 NATIVE_BACKENDS = ("metal", "cuda")
+
+logger = logging.getLogger("kv_metal_kernels")
 
 _Kernel = Callable[..., list[mx.array]]
 _KERNELS: dict[tuple[str, str], _Kernel] = {}
@@ -193,6 +203,10 @@ class NativePagedAttention:
     the pool, ``seq_lens`` in ``1 .. max_pages * page_size``, once per array object, on
     every call with ``validate=True``): the kernel reads the page table directly, so an
     unchecked id would read outside the pool.
+
+    Quantized pools (:class:`kv_protocol.QuantizedKV`) are attended by
+    :class:`ReferencePagedAttention` (gather the stored pages, dequantize, SDPA), said once
+    in the ``kv_metal_kernels`` log: the JIT kernels read plain pages only.
     """
 
     def __init__(self, backend: str, *, validate: bool = False) -> None:
@@ -200,6 +214,7 @@ class NativePagedAttention:
         self._backend = backend
         self._validate = validate
         self._index_check = PagedIndexCheck()
+        self._quantized_fallback: ReferencePagedAttention | None = None
 
     @property
     def name(self) -> str:
@@ -209,8 +224,8 @@ class NativePagedAttention:
     def __call__(
         self,
         q: mx.array,
-        k_pool: mx.array,
-        v_pool: mx.array,
+        k_pool: KVBuffer,
+        v_pool: KVBuffer,
         page_table: mx.array,
         seq_lens: mx.array,
         *,
@@ -220,6 +235,25 @@ class NativePagedAttention:
         sinks: mx.array | None = None,
     ) -> mx.array:
         """Attention output ``(B, Hq, 1, D)``; see :class:`kv_protocol.PagedDecodeAttention`."""
+        if isinstance(k_pool, QuantizedKV) or isinstance(v_pool, QuantizedKV):
+            if self._quantized_fallback is None:
+                self._quantized_fallback = ReferencePagedAttention(validate=self._validate)
+                logger.info(
+                    "%s paged attention reads plain pages only; quantized pages are attended "
+                    "by the reference (gather, dequantize, SDPA)",
+                    self._backend,
+                )
+            return self._quantized_fallback(
+                q,
+                k_pool,
+                v_pool,
+                page_table,
+                seq_lens,
+                page_size=page_size,
+                scale=scale,
+                window=window,
+                sinks=sinks,
+            )
         page_size, scale, window = check_paged_attention_args(
             q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window, sinks
         )

@@ -8,7 +8,7 @@ from typing import cast
 
 import mlx.core as mx
 
-from kv_protocol import KVLifetime, ShapeMismatchError, check_int
+from kv_protocol import KVBuffer, KVLifetime, QuantizedKV, ShapeMismatchError, check_int
 
 from ._memo import IdentityMemo
 from ._validate import PagedIndexCheck, check_paged_attention_args
@@ -23,8 +23,13 @@ def window_page_count(window: int, page_size: int) -> int:
     return span
 
 
-def _gather_pages(pool: mx.array, pages: mx.array, page_size: int) -> mx.array:
-    """``(H, num_slots, D)`` pool and ``(B, n)`` page ids -> ``(B, H, n * page_size, D)``."""
+def _gather_pages(pool: KVBuffer, pages: mx.array, page_size: int) -> mx.array:
+    """``(H, num_slots, D)`` pool and ``(B, n)`` page ids -> ``(B, H, n * page_size, D)``.
+
+    A quantized pool is gathered in its stored form and the gathered pages dequantized.
+    """
+    if isinstance(pool, QuantizedKV):
+        return pool.map(lambda a: _gather_pages(a, pages, page_size)).dequantize()
     h, num_slots, d = pool.shape
     b, n = pages.shape
     paged = pool.reshape(h, num_slots // page_size, page_size, d)
@@ -34,8 +39,8 @@ def _gather_pages(pool: mx.array, pages: mx.array, page_size: int) -> mx.array:
 
 def _attend(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: KVBuffer,
+    v_pool: KVBuffer,
     page_table: mx.array,
     seq_lens: mx.array,
     *,
@@ -103,6 +108,9 @@ class ReferencePagedAttention:
     fused min/max reduction read back to the host, kept per ``page_table`` / ``seq_lens``
     array object like the plan (so once per decode step and sub-pool);
     ``validate=True`` repeats it on every call.
+
+    Quantized pools (:class:`kv_protocol.QuantizedKV`) are gathered in their stored form
+    (packed data, scales, biases) and dequantized after the gather, then attended the same way.
     """
 
     def __init__(self, *, buckets: int = 4, validate: bool = False) -> None:
@@ -119,8 +127,8 @@ class ReferencePagedAttention:
     def __call__(
         self,
         q: mx.array,
-        k_pool: mx.array,
-        v_pool: mx.array,
+        k_pool: KVBuffer,
+        v_pool: KVBuffer,
         page_table: mx.array,
         seq_lens: mx.array,
         *,

@@ -14,12 +14,15 @@ from typing import cast
 import mlx.core as mx
 
 from kv_protocol import (
+    KVBuffer,
+    QuantizedKV,
     RequestStateError,
     RopeConfig,
     ShapeMismatchError,
     as_int,
     check_int,
     check_number,
+    check_quantized_shape,
 )
 
 from ._memo import IdentityMemo
@@ -136,8 +139,8 @@ def check_rope_scatter_values(positions: mx.array) -> None:
 
 def check_paged_attention_args(
     q: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: KVBuffer,
+    v_pool: KVBuffer,
     page_table: mx.array,
     seq_lens: mx.array,
     page_size: int,
@@ -156,7 +159,10 @@ def check_paged_attention_args(
         ("page_table", page_table),
         ("seq_lens", seq_lens),
     ):
-        _require_array(name, x)
+        if isinstance(x, QuantizedKV):
+            check_quantized_shape(x, name)
+        else:
+            _require_array(name, x)
     if q.ndim != 4 or q.shape[2] != 1:
         raise ShapeMismatchError(
             f"q must be (batch, q_heads, 1, head_dim) for decode, got shape {tuple(q.shape)}"

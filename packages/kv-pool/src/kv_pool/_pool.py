@@ -18,6 +18,8 @@ import mlx.core as mx
 from kv_protocol import (
     CacheLayout,
     CacheStateError,
+    KVBuffer,
+    KVQuantization,
     LayerKind,
     LayerKindError,
     LayerTransferCounter,
@@ -34,6 +36,7 @@ from ._allocator import PageAllocator
 from ._page_tables import ForkPlan, ReservePlan, SubPoolPages, block_hashes
 from ._report import PoolMemoryReport, SubPoolReport
 from ._sizing import (
+    QuantizationArg,
     SubPoolSpec,
     budget_page_counts,
     pages_per_request,
@@ -94,6 +97,13 @@ class HybridKVPool:
 
     ``num_pages`` and ``page_size`` are an int for every sub-pool or a mapping from sub-pool
     name to int. Page counts include the null page.
+
+    ``kv_quantization`` stores pages in ``mx.quantize``'s affine 8- or 4-bit form: one
+    :class:`kv_protocol.KVQuantization` for every sub-pool, or a mapping from sub-pool name
+    or layer kind (``"full"``, ``"sliding"``) to one (or ``None``: that sub-pool unquantized).
+    ``set_kv`` quantizes the written tokens; ``get_kv`` returns them dequantized in the
+    model's dtype; the buffers of a quantized layer are :class:`kv_protocol.QuantizedKV`.
+    Sizing and the memory report count the bytes the pages really store.
     """
 
     def __init__(
@@ -104,12 +114,15 @@ class HybridKVPool:
         page_size: int | Mapping[str, int] = 16,
         prefix_caching: bool = False,
         prefix_salt: bytes = b"",
+        kv_quantization: QuantizationArg = None,
     ) -> None:
         if not isinstance(layout, CacheLayout):
             raise LayoutError(f"HybridKVPool needs a CacheLayout, got {layout!r}")
         # A layout of STATE layers only (a pure recurrent model) has no sub-pool: requests
         # are still tracked, and every reservation succeeds without pages.
-        specs = sub_pool_specs(layout, num_pages=num_pages, page_size=page_size)
+        specs = sub_pool_specs(
+            layout, num_pages=num_pages, page_size=page_size, kv_quantization=kv_quantization
+        )
         self._layout = layout
         self._specs = specs
         self._pages = [
@@ -166,6 +179,7 @@ class HybridKVPool:
         concurrency: int,
         page_size: int | Mapping[str, int] = 16,
         prefill_chunk: int = 1,
+        kv_quantization: QuantizationArg = None,
     ) -> int:
         """Bytes a pool needs so ``concurrency`` requests of ``max_context`` tokens all fit."""
         return required_bytes(
@@ -174,6 +188,7 @@ class HybridKVPool:
             concurrency=concurrency,
             page_size=page_size,
             prefill_chunk=prefill_chunk,
+            kv_quantization=kv_quantization,
         )
 
     @classmethod
@@ -188,6 +203,7 @@ class HybridKVPool:
         prefill_chunk: int = 1,
         prefix_caching: bool = False,
         prefix_salt: bytes = b"",
+        kv_quantization: QuantizationArg = None,
     ) -> HybridKVPool:
         """A pool whose buffers fit in ``budget_bytes``, split for a stated workload.
 
@@ -195,7 +211,9 @@ class HybridKVPool:
         ``max_context`` tokens need in it at their peak (see :meth:`pages_per_request`), plus
         its null page. With exactly :meth:`required_bytes` the workload fits; with more, every
         sub-pool grows in the same proportion. A budget too small for two pages (null page
-        plus one) in some sub-pool raises ``PoolExhaustedError``.
+        plus one) in some sub-pool raises ``PoolExhaustedError``. Quantized sub-pools
+        (``kv_quantization``, as for the constructor) are counted at their stored bytes, so
+        the same budget holds about 1.9x (8-bit) or 3.5x (4-bit, groups of 64) the tokens.
         """
         counts, sizes = budget_page_counts(
             layout,
@@ -204,6 +222,7 @@ class HybridKVPool:
             concurrency=concurrency,
             page_size=page_size,
             prefill_chunk=prefill_chunk,
+            kv_quantization=kv_quantization,
         )
         return cls(
             layout,
@@ -211,6 +230,7 @@ class HybridKVPool:
             page_size=sizes,
             prefix_caching=prefix_caching,
             prefix_salt=prefix_salt,
+            kv_quantization=kv_quantization,
         )
 
     # ------------------------------------------------------------------ static facts
@@ -725,30 +745,38 @@ class HybridKVPool:
         """The registered layer transfer counter, if any."""
         return self._storage.layer_transfer_counter
 
-    def get_key_buffer(self, layer_id: int, *, wait: bool = True) -> mx.array:
+    def get_key_buffer(self, layer_id: int, *, wait: bool = True) -> KVBuffer:
         """The layer's key buffer ``(n_kv_heads, num_slots, head_dim)``.
 
-        Waits for the layer's transfer when a counter is registered, unless ``wait=False``
-        (for the loader itself).
+        A :class:`kv_protocol.QuantizedKV` of that logical shape when the layer's sub-pool is
+        quantized. Waits for the layer's transfer when a counter is registered, unless
+        ``wait=False`` (for the loader itself).
         """
         return self._storage.get_key_buffer(layer_id, wait=wait)
 
-    def get_value_buffer(self, layer_id: int, *, wait: bool = True) -> mx.array:
+    def get_value_buffer(self, layer_id: int, *, wait: bool = True) -> KVBuffer:
         """The layer's value buffer (same shape and waiting rule as ``get_key_buffer``)."""
         return self._storage.get_value_buffer(layer_id, wait=wait)
 
-    def get_full_kv_buffers(self, layer_id: int) -> tuple[mx.array, mx.array]:
+    def kv_quantization(self, layer_id: int) -> KVQuantization | None:
+        """How the layer's pages are quantized, or ``None`` (the layout's error for a bad id)."""
+        return self._storage.spec_of(layer_id).quantization
+
+    def get_full_kv_buffers(self, layer_id: int) -> tuple[KVBuffer, KVBuffer]:
         """Key and value buffers of a FULL layer; the layout's exact error for any other id."""
         self._layout.full_pool_index(layer_id)
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
-    def get_sliding_kv_buffers(self, layer_id: int) -> tuple[mx.array, mx.array]:
+    def get_sliding_kv_buffers(self, layer_id: int) -> tuple[KVBuffer, KVBuffer]:
         """Key and value buffers of a SLIDING layer; the layout's exact error for any other id."""
         self._layout.sliding_pool_index(layer_id)
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def replace_buffers(self, layer_id: int, keys: mx.array, values: mx.array) -> None:
-        """Rebind the layer's buffers to arrays a kernel produced (same shape and dtype)."""
+        """Rebind the layer's buffers to arrays a kernel produced (same shape and dtype).
+
+        Plain buffers only: a quantized layer's pages are written by :meth:`set_kv`.
+        """
         self._storage.replace_buffers(layer_id, keys, values)
 
     def set_kv(
@@ -801,6 +829,7 @@ class HybridKVPool:
                 pages_used=pages.allocator.num_used,
                 pages_free=pages.allocator.num_free,
                 bytes_per_page=spec.bytes_per_page,
+                kv_bits=None if spec.quantization is None else spec.quantization.bits,
             )
             for spec, pages in zip(self._specs, self._pages, strict=True)
         ]

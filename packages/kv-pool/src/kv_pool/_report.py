@@ -9,7 +9,11 @@ __all__ = ["PoolMemoryReport", "SubPoolReport"]
 
 @dataclass(frozen=True, kw_only=True)
 class SubPoolReport:
-    """Pages and bytes of one sub-pool. Byte counts cover K and V of every layer it stores."""
+    """Pages and bytes of one sub-pool. Byte counts cover K and V of every layer it stores.
+
+    ``kv_bits`` is the width of its quantized pages (``None``: the model's dtype); bytes are
+    what the pages store, quantized data with its scales and biases.
+    """
 
     name: str
     kind: str
@@ -20,6 +24,7 @@ class SubPoolReport:
     pages_used: int
     pages_free: int
     bytes_per_page: int
+    kv_bits: int | None = None
 
     @property
     def bytes_total(self) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -11,15 +11,22 @@ from kv_protocol import (
     CacheLayout,
     KVGeometry,
     KVLifetime,
+    KVQuantization,
     LayerKind,
     LayerSpec,
     LayoutError,
     PoolExhaustedError,
     check_int,
+    check_quantization_keys,
+    kv_quantization_for,
 )
+
+#: A pool's ``kv_quantization`` argument: one for all sub-pools, or by sub-pool name / kind.
+QuantizationArg = KVQuantization | Mapping[str, KVQuantization | None] | None
 
 __all__ = [
     "MAX_SLOTS_PER_LAYER",
+    "QuantizationArg",
     "SubPoolGroup",
     "SubPoolSpec",
     "budget_page_counts",
@@ -27,6 +34,7 @@ __all__ = [
     "pages_per_request",
     "per_sub_pool",
     "required_bytes",
+    "stored_bytes_per_token",
     "sub_pool_groups",
     "sub_pool_specs",
 ]
@@ -37,7 +45,10 @@ MAX_SLOTS_PER_LAYER = 2**31 - 1
 
 @dataclass(frozen=True, kw_only=True)
 class SubPoolSpec:
-    """One sub-pool: a lifetime kind, a window, one KV geometry, its layers and its paging."""
+    """One sub-pool: a lifetime kind, a window, one KV geometry, its layers and its paging.
+
+    ``quantization`` is how its pages store K/V (``None``: in the geometry's dtype).
+    """
 
     name: str
     kind: LayerKind
@@ -46,6 +57,7 @@ class SubPoolSpec:
     layer_ids: tuple[int, ...]
     page_size: int
     num_pages: int
+    quantization: KVQuantization | None = None
 
     @property
     def lifetime(self) -> KVLifetime:
@@ -53,9 +65,14 @@ class SubPoolSpec:
         return KVLifetime(self.window)
 
     @property
+    def bytes_per_token(self) -> int:
+        """Stored K+V bytes of one token over every layer (quantized data, scales, biases)."""
+        return stored_bytes_per_token(self.geometry, self.quantization) * len(self.layer_ids)
+
+    @property
     def bytes_per_page(self) -> int:
-        """K+V bytes of one page over every layer of the sub-pool."""
-        return self.page_size * self.geometry.bytes_per_token * len(self.layer_ids)
+        """Stored K+V bytes of one page over every layer of the sub-pool."""
+        return self.page_size * self.bytes_per_token
 
     @property
     def num_slots(self) -> int:
@@ -65,30 +82,45 @@ class SubPoolSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class SubPoolGroup:
-    """The layers one sub-pool stores, before it is paged: kind, window, geometry, layer ids."""
+    """The layers one sub-pool stores, before it is paged: kind, window, geometry, layer ids.
+
+    ``quantization`` is how its pages will store K/V (``None``: in the geometry's dtype).
+    """
 
     name: str
     kind: LayerKind
     window: int | None
     geometry: KVGeometry
     layer_ids: tuple[int, ...]
+    quantization: KVQuantization | None = None
 
     @property
     def bytes_per_token(self) -> int:
-        """K+V bytes of one token over every layer of the group."""
-        return self.geometry.bytes_per_token * len(self.layer_ids)
+        """Stored K+V bytes of one token over every layer of the group."""
+        return stored_bytes_per_token(self.geometry, self.quantization) * len(self.layer_ids)
+
+
+def stored_bytes_per_token(geometry: KVGeometry, quantization: KVQuantization | None) -> int:
+    """Bytes one token of one layer occupies in a page: plain, or quantized with its scales."""
+    if quantization is None:
+        return geometry.bytes_per_token
+    return quantization.bytes_per_token(geometry)
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def sub_pool_groups(layout: CacheLayout) -> tuple[SubPoolGroup, ...]:
+def sub_pool_groups(
+    layout: CacheLayout, kv_quantization: QuantizationArg = None
+) -> tuple[SubPoolGroup, ...]:
     """FULL and SLIDING layers grouped by (kind, window, geometry), ordered by first layer id.
 
     Named ``"full"`` and ``"sliding-w<W>"``, with a ``-<heads>x<head_dim>`` suffix (``v<dim>``
     for a narrower V, and a dtype suffix if dtypes differ) when the layers have several
-    geometries. STATE layers store nothing in a pool.
+    geometries. STATE layers store nothing in a pool. ``kv_quantization`` (one
+    :class:`~kv_protocol.KVQuantization` for all, or a mapping by sub-pool name or layer kind)
+    sets each group's page format; a head width its groups do not tile is a ``LayoutError``.
     """
     keyed: dict[tuple[LayerKind, int | None, int, int, int, str], list[LayerSpec]] = {}
     for spec in layout.specs:
@@ -119,7 +151,16 @@ def sub_pool_groups(layout: CacheLayout) -> tuple[SubPoolGroup, ...]:
                 layer_ids=tuple(s.layer_id for s in specs),
             )
         )
-    return tuple(groups)
+    check_quantization_keys(kv_quantization, [g.name for g in groups])
+    quantized = []
+    for group in groups:
+        quant = kv_quantization_for(kv_quantization, sub_pool=group.name, kind=group.kind)
+        if quant is not None:
+            g = group.geometry
+            quant.check_dim(g.head_dim, f"sub-pool {group.name!r} keys")
+            quant.check_dim(g.value_dim, f"sub-pool {group.name!r} values")
+        quantized.append(replace(group, quantization=quant))
+    return tuple(quantized)
 
 
 def per_sub_pool(
@@ -158,9 +199,10 @@ def sub_pool_specs(
     *,
     num_pages: int | Mapping[str, int],
     page_size: int | Mapping[str, int],
+    kv_quantization: QuantizationArg = None,
 ) -> tuple[SubPoolSpec, ...]:
     """The paged spec of every sub-pool of ``layout`` (counts include the null page)."""
-    groups = sub_pool_groups(layout)
+    groups = sub_pool_groups(layout, kv_quantization)
     names = [g.name for g in groups]
     sizes = per_sub_pool(page_size, names, "page_size", 1)
     counts = per_sub_pool(num_pages, names, "num_pages", 2)
@@ -175,6 +217,7 @@ def sub_pool_specs(
             layer_ids=group.layer_ids,
             page_size=size,
             num_pages=count,
+            quantization=group.quantization,
         )
         for group, size, count in zip(groups, sizes, counts, strict=True)
     )
@@ -208,10 +251,11 @@ def required_bytes(
     concurrency: int,
     page_size: int | Mapping[str, int] = 16,
     prefill_chunk: int = 1,
+    kv_quantization: QuantizationArg = None,
 ) -> int:
     """Bytes a pool needs so ``concurrency`` requests of ``max_context`` tokens all fit."""
     check_int(concurrency, "concurrency", minimum=1)
-    groups = sub_pool_groups(layout)
+    groups = sub_pool_groups(layout, kv_quantization)
     sizes = per_sub_pool(page_size, [g.name for g in groups], "page_size", 1)
     pages = pages_per_request(
         layout, max_context=max_context, page_size=page_size, prefill_chunk=prefill_chunk
@@ -230,16 +274,19 @@ def budget_page_counts(
     concurrency: int,
     page_size: int | Mapping[str, int] = 16,
     prefill_chunk: int = 1,
+    kv_quantization: QuantizationArg = None,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """``(num_pages, page_size)`` per sub-pool for buffers that fit in ``budget_bytes``.
 
     Each sub-pool gets budget in proportion to what ``concurrency`` requests of
-    ``max_context`` tokens need in it at their peak, plus its null page. A budget too small
-    for two pages (null page plus one) in some sub-pool raises ``PoolExhaustedError``.
+    ``max_context`` tokens need in it at their peak, plus its null page, counted in the bytes
+    its pages really store (quantized data, scales and biases for a quantized sub-pool). A
+    budget too small for two pages (null page plus one) in some sub-pool raises
+    ``PoolExhaustedError``.
     """
     check_int(budget_bytes, "budget_bytes", minimum=1)
     check_int(concurrency, "concurrency", minimum=1)
-    groups = sub_pool_groups(layout)
+    groups = sub_pool_groups(layout, kv_quantization)
     if not groups:  # nothing to page: the budget buys nothing and is not needed
         return {}, {}
     names = [g.name for g in groups]

@@ -15,15 +15,18 @@ import mlx.core as mx
 from kv_protocol import (
     CacheLayout,
     CacheStateError,
+    KVBuffer,
     LayerTransferCounter,
+    QuantizedKV,
     RequestStateError,
     ShapeMismatchError,
+    gather_slots,
 )
 
 from ._allocator import PageAllocator
 from ._sizing import SubPoolSpec
 
-__all__ = ["KVStorage", "int32_array"]
+__all__ = ["KVStorage", "buffer_arrays", "int32_array"]
 
 #: How many slot arrays the storage remembers (FIFO): a decode step issues one per sub-pool,
 #: a prefill chunk two per layer. A remembered array is trusted while its pages keep their
@@ -57,12 +60,41 @@ class _Issued:
         self.epoch = epoch
 
 
+def _zeros(spec: SubPoolSpec, shape: tuple[int, int, int]) -> KVBuffer:
+    """A zeroed (lazy) layer buffer of ``spec``: plain, or quantized when the sub-pool is."""
+    if spec.quantization is None:
+        return mx.zeros(shape, dtype=spec.geometry.dtype)
+    return spec.quantization.zeros(shape, spec.geometry.dtype)
+
+
+def buffer_arrays(buffer: KVBuffer) -> tuple[mx.array, ...]:
+    """The stored arrays of a layer buffer: itself, or a quantized one's data/scales/biases."""
+    return buffer.arrays if isinstance(buffer, QuantizedKV) else (buffer,)
+
+
+def _scatter(buffer: KVBuffer, slots: mx.array, rows: mx.array) -> None:
+    """Write token-major ``rows (T, H, D)`` at ``slots`` of a head-major buffer, in place."""
+    if isinstance(buffer, QuantizedKV):
+        stored = buffer.quantization.quantize(rows.transpose(1, 0, 2))
+        for dst, src in zip(buffer.arrays, stored.arrays, strict=True):
+            dst[:, slots] = src
+    else:
+        buffer[:, slots] = rows.transpose(1, 0, 2)
+
+
+def _read(buffer: KVBuffer, slots: mx.array) -> mx.array:
+    """Rows ``slots`` of a head-major buffer as token-major ``(T, H, D)`` values."""
+    return gather_slots(buffer, slots).transpose(1, 0, 2)
+
+
 class KVStorage:
     """K/V buffers of every attention layer, grouped by sub-pool, addressed by slot.
 
     Each layer's buffers are head-major, ``(n_kv_heads, num_pages * page_size, head_dim)``
     (V with its own width); slot ``page * page_size + i`` holds position ``i`` of a page and
-    page 0 is the null page. ``allocators[i]`` is sub-pool ``i``'s page allocator: its page
+    page 0 is the null page. A quantized sub-pool's buffers are :class:`kv_protocol.QuantizedKV`
+    of that logical shape (packed data, scales and biases, each slot-addressed the same way).
+    ``allocators[i]`` is sub-pool ``i``'s page allocator: its page
     generations end the trust of slot arrays whose pages lost an owner.
     """
 
@@ -75,8 +107,8 @@ class KVStorage:
         self._layout = layout
         self._specs = tuple(specs)
         self._allocators = tuple(allocators)
-        self.keys: list[list[mx.array]] = []
-        self.values: list[list[mx.array]] = []
+        self.keys: list[list[KVBuffer]] = []
+        self.values: list[list[KVBuffer]] = []
         # attention index -> (sub-pool index, layer index inside the sub-pool)
         self._by_attention: list[tuple[int, int]] = [(-1, -1)] * len(layout.attention_layer_ids)
         for index, spec in enumerate(self._specs):
@@ -84,8 +116,8 @@ class KVStorage:
             key_shape = (g.n_kv_heads, spec.num_slots, g.head_dim)
             value_shape = (g.n_kv_heads, spec.num_slots, g.value_dim)
             # mx.zeros is lazy: memory is committed when a buffer is first evaluated.
-            self.keys.append([mx.zeros(key_shape, dtype=g.dtype) for _ in spec.layer_ids])
-            self.values.append([mx.zeros(value_shape, dtype=g.dtype) for _ in spec.layer_ids])
+            self.keys.append([_zeros(spec, key_shape) for _ in spec.layer_ids])
+            self.values.append([_zeros(spec, value_shape) for _ in spec.layer_ids])
             for local, layer_id in enumerate(spec.layer_ids):
                 self._by_attention[layout.attention_index(layer_id)] = (index, local)
         self._counter: LayerTransferCounter | None = None
@@ -124,14 +156,14 @@ class KVStorage:
 
     # ------------------------------------------------------------------ buffers
 
-    def get_key_buffer(self, layer_id: int, *, wait: bool = True) -> mx.array:
+    def get_key_buffer(self, layer_id: int, *, wait: bool = True) -> KVBuffer:
         """The layer's key buffer; waits for its transfer unless ``wait=False``."""
         index, local = self.entry(layer_id)
         if wait:
             self._wait(layer_id)
         return self.keys[index][local]
 
-    def get_value_buffer(self, layer_id: int, *, wait: bool = True) -> mx.array:
+    def get_value_buffer(self, layer_id: int, *, wait: bool = True) -> KVBuffer:
         """The layer's value buffer (same waiting rule as :meth:`get_key_buffer`)."""
         index, local = self.entry(layer_id)
         if wait:
@@ -141,6 +173,13 @@ class KVStorage:
     def replace_buffers(self, layer_id: int, keys: mx.array, values: mx.array) -> None:
         """Rebind the layer's buffers to arrays a kernel produced (same shape and dtype)."""
         index, local = self.entry(layer_id)
+        spec = self._specs[index]
+        if spec.quantization is not None:
+            raise CacheStateError(
+                f"replace_buffers({layer_id}): sub-pool {spec.name!r} stores "
+                f"{spec.quantization.bits}-bit quantized pages, which only set_kv writes; a "
+                "kernel cannot hand back plain buffers for it"
+            )
         for name, new, old in (
             ("keys", keys, self.keys[index][local]),
             ("values", values, self.values[index][local]),
@@ -164,18 +203,19 @@ class KVStorage:
             return
         # Materialise the sources first: a write whose source is a lazy read of the same
         # buffer cannot be done in place and would copy the whole buffer.
-        sources = [
-            (
-                [mx.contiguous(k[:, src : src + n]) for k in self.keys[index]],
-                [mx.contiguous(v[:, src : src + n]) for v in self.values[index]],
-            )
-            for index, src, _, n in copies
+        # Quantized buffers copy their stored arrays as they are (no requantization).
+        targets = [
+            [a for buf in (*self.keys[index], *self.values[index]) for a in buffer_arrays(buf)]
+            for index, _, _, _ in copies
         ]
-        mx.eval(*[a for ks, vs in sources for a in (*ks, *vs)])
-        for (index, _, dst, n), (ks, vs) in zip(copies, sources, strict=True):
-            for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
-                self.keys[index][i][:, dst : dst + n] = k
-                self.values[index][i][:, dst : dst + n] = v
+        sources = [
+            [mx.contiguous(a[:, src : src + n]) for a in arrays]
+            for arrays, (_, src, _, n) in zip(targets, copies, strict=True)
+        ]
+        mx.eval(*[a for arrays in sources for a in arrays])
+        for arrays, parts, (_, _, dst, n) in zip(targets, sources, copies, strict=True):
+            for target, part in zip(arrays, parts, strict=True):
+                target[:, dst : dst + n] = part
 
     # ------------------------------------------------------------------ trusted slots
 
@@ -296,15 +336,16 @@ class KVStorage:
         self._trust_slots(layer_id, slots, write=True)
         if wait:
             self._wait(layer_id)
-        self.keys[index][local][:, slots] = keys.transpose(1, 0, 2)
-        self.values[index][local][:, slots] = values.transpose(1, 0, 2)
+        _scatter(self.keys[index][local], slots, keys)
+        _scatter(self.values[index][local], slots, values)
 
     def get_kv(self, layer_id: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """Read token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``."""
+        """Read token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``.
+
+        A quantized layer's tokens come back dequantized, in the model's dtype.
+        """
         index, local = self.entry(layer_id)
         self._check_slots(layer_id, slots)
         self._trust_slots(layer_id, slots, write=False)
         self._wait(layer_id)
-        k = self.keys[index][local][:, slots]
-        v = self.values[index][local][:, slots]
-        return k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        return _read(self.keys[index][local], slots), _read(self.values[index][local], slots)

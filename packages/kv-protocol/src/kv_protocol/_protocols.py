@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import mlx.core as mx
 
 from ._layout import CacheLayout
+from ._quantized_kv import KVBuffer, KVQuantization
 from ._rope import RopeConfig
 
 __all__ = [
@@ -255,16 +256,27 @@ class KVPageAddressing(KVRequestBookkeeping, Protocol):
 class KVBufferStorage(Protocol):
     """The tensors of a paged KV pool: each attention layer's K/V buffers, by slot."""
 
-    def get_key_buffer(self, layer_id: int) -> mx.array:
-        """The layer's key buffer ``(n_kv_heads, num_slots, head_dim)``."""
+    def get_key_buffer(self, layer_id: int) -> KVBuffer:
+        """The layer's key buffer ``(n_kv_heads, num_slots, head_dim)``.
+
+        A plain array, or a :class:`QuantizedKV` of that logical shape where the layer's
+        sub-pool stores quantized pages (read it with :func:`gather_slots`).
+        """
         ...
 
-    def get_value_buffer(self, layer_id: int) -> mx.array:
-        """The layer's value buffer ``(n_kv_heads, num_slots, head_dim)``."""
+    def get_value_buffer(self, layer_id: int) -> KVBuffer:
+        """The layer's value buffer ``(n_kv_heads, num_slots, head_dim)`` (as the keys)."""
+        ...
+
+    def kv_quantization(self, layer_id: int) -> KVQuantization | None:
+        """How the layer's pages are quantized, or ``None`` when they hold the model's dtype."""
         ...
 
     def replace_buffers(self, layer_id: int, keys: mx.array, values: mx.array) -> None:
-        """Rebind the layer's buffers to arrays a kernel produced (same shape and dtype)."""
+        """Rebind the layer's buffers to arrays a kernel produced (same shape and dtype).
+
+        Only for plain (unquantized) buffers.
+        """
         ...
 
     def set_kv(self, layer_id: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
@@ -359,8 +371,8 @@ class PagedDecodeAttention(Protocol):
     def __call__(
         self,
         q: mx.array,
-        k_pool: mx.array,
-        v_pool: mx.array,
+        k_pool: KVBuffer,
+        v_pool: KVBuffer,
         page_table: mx.array,
         seq_lens: mx.array,
         *,
@@ -371,9 +383,9 @@ class PagedDecodeAttention(Protocol):
     ) -> mx.array:
         """Attention output ``(B, Hq, 1, D)`` for q ``(B, Hq, 1, D)``.
 
-        ``k_pool``/``v_pool`` are ``(Hkv, num_slots, D)``; ``page_table (B, max_pages)``
-        maps each request's logical pages to physical ones; ``seq_lens (B,)`` int32 counts the
-        valid tokens of each request *including* the one being decoded (its K/V is already in
+        ``k_pool``/``v_pool`` are ``(Hkv, num_slots, D)``, plain or :class:`QuantizedKV`;
+        ``page_table (B, max_pages)`` maps each request's logical pages to physical ones;
+        ``seq_lens (B,)`` int32 counts the valid tokens of each request *including* the one being decoded (its K/V is already in
         the pool). With ``window``, request ``b`` sees only positions
         ``seq_lens[b] - window .. seq_lens[b] - 1``. ``sinks (Hq,)`` adds one learned logit
         per head to the softmax denominator.

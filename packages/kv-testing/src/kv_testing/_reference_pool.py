@@ -18,6 +18,7 @@ from kv_protocol import (
     CacheLayout,
     CacheStateError,
     KVLifetime,
+    KVQuantization,
     LayerKind,
     LayerKindError,
     PoolExhaustedError,
@@ -283,6 +284,11 @@ class ReferenceKVPool:
     def get_value_buffer(self, layer_id: int) -> mx.array:
         """The layer's value buffer."""
         return self._values[layer_id]
+
+    def kv_quantization(self, layer_id: int) -> KVQuantization | None:
+        """``None``: this pool stores plain pages (the layout's error for a bad id)."""
+        self.layout.attention_index(layer_id)
+        return None
 
     def replace_buffers(self, layer_id: int, keys: mx.array, values: mx.array) -> None:
         """Rebind the layer's buffers."""
