@@ -386,8 +386,9 @@ class PagedDecodeAttention(Protocol):
         ``k_pool``/``v_pool`` are ``(Hkv, num_slots, D)``, plain or :class:`QuantizedKV`;
         ``page_table (B, max_pages)`` maps each request's logical pages to physical ones;
         ``seq_lens (B,)`` int32 counts the valid tokens of each request *including* the one
-        being decoded (its K/V is already in the pool). With ``window``, request ``b`` sees only positions
-        ``seq_lens[b] - window .. seq_lens[b] - 1``. ``sinks (Hq,)`` adds one learned logit
+        being decoded (its K/V is already in the pool). With ``window``, request ``b`` sees
+        only positions ``seq_lens[b] - window .. seq_lens[b] - 1``. ``sinks (Hq,)`` adds one
+        learned logit
         per head to the softmax denominator.
         """
         ...
