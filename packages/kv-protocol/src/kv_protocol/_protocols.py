@@ -388,8 +388,7 @@ class PagedDecodeAttention(Protocol):
         ``seq_lens (B,)`` int32 counts the valid tokens of each request *including* the one
         being decoded (its K/V is already in the pool). With ``window``, request ``b`` sees
         only positions ``seq_lens[b] - window .. seq_lens[b] - 1``. ``sinks (Hq,)`` adds one
-        learned logit
-        per head to the softmax denominator.
+        learned logit per head to the softmax denominator.
         """
         ...
 
