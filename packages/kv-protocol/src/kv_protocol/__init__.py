@@ -52,12 +52,14 @@ from ._protocols import (
 from ._quantized_kv import (
     KV_QUANT_BITS,
     KV_QUANT_GROUP_SIZES,
+    KV_QUANT_LAYERS,
     KVBuffer,
     KVQuantization,
     QuantizedKV,
     check_quantization_keys,
     check_quantized_shape,
     gather_slots,
+    kv_quantization_choice,
     kv_quantization_for,
 )
 from ._rope import RopeConfig, rope_config_from_module
@@ -70,6 +72,7 @@ __all__ = [
     "AttentionHeads",
     "KV_QUANT_BITS",
     "KV_QUANT_GROUP_SIZES",
+    "KV_QUANT_LAYERS",
     "CacheLayout",
     "CacheStateError",
     "DecodeKVCache",
@@ -120,6 +123,7 @@ __all__ = [
     "flatten_caches",
     "gather_slots",
     "is_int",
+    "kv_quantization_choice",
     "kv_quantization_for",
     "language_model_container",
     "layout_from_model",

@@ -22,12 +22,14 @@ from ._validate import is_int
 __all__ = [
     "KV_QUANT_BITS",
     "KV_QUANT_GROUP_SIZES",
+    "KV_QUANT_LAYERS",
     "KVBuffer",
     "KVQuantization",
     "QuantizedKV",
     "check_quantization_keys",
     "check_quantized_shape",
     "gather_slots",
+    "kv_quantization_choice",
     "kv_quantization_for",
 ]
 
@@ -194,6 +196,29 @@ def kv_quantization_for(
                 )
             return value
     return None
+
+
+#: Which layer kinds ``kv_quantization_choice`` quantizes.
+KV_QUANT_LAYERS = ("all", "full", "sliding")
+
+
+def kv_quantization_choice(
+    bits: int | None, group_size: int = 64, layers: str = "all"
+) -> KVQuantization | dict[str, KVQuantization | None] | None:
+    """A pool's ``kv_quantization`` from the flat choice a command line or server offers.
+
+    ``bits`` ``None`` quantizes nothing; else ``layers`` says which kinds: ``"all"``,
+    ``"full"`` (sliding layers keep the model's dtype) or ``"sliding"``.
+    """
+    if layers not in KV_QUANT_LAYERS:
+        raise LayoutError(f"kv quantized layers must be one of {KV_QUANT_LAYERS}, got {layers!r}")
+    if bits is None:
+        return None
+    quantization = KVQuantization(bits=bits, group_size=group_size)
+    if layers == "all":
+        return quantization
+    other = "sliding" if layers == "full" else "full"
+    return {layers: quantization, other: None}
 
 
 def check_quantization_keys(

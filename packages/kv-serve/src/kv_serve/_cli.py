@@ -7,7 +7,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from kv_protocol import KVCacheError
+from kv_protocol import KV_QUANT_BITS, KV_QUANT_GROUP_SIZES, KV_QUANT_LAYERS, KVCacheError
 
 __all__ = ["main", "parser"]
 
@@ -94,6 +94,7 @@ def parser() -> argparse.ArgumentParser:
         help="weights of a converted GGUF model (float32: exact, and fastest on CPU)",
     )
     gen.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
+    add_kv_quantization_arguments(gen)
     gen.set_defaults(handler=_generate)
     srv = commands.add_parser(
         "serve",
@@ -162,6 +163,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_false",
         help="prefill every prompt whole instead of reusing cached pages of a shared prefix",
     )
+    add_kv_quantization_arguments(srv)
     srv.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -170,6 +172,31 @@ def parser() -> argparse.ArgumentParser:
     )
     srv.set_defaults(handler=_serve)
     return top
+
+
+def add_kv_quantization_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--kv-bits``, ``--kv-group-size`` and ``--kv-quantize``: quantized KV pages."""
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_QUANT_BITS,
+        default=None,
+        help="store KV pages quantized to this many bits (sliding-window layers too; "
+        "default: the model's dtype)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_QUANT_GROUP_SIZES,
+        default=64,
+        help="values per quantization group along head_dim (64)",
+    )
+    parser.add_argument(
+        "--kv-quantize",
+        choices=KV_QUANT_LAYERS,
+        default="all",
+        help="which layer kinds --kv-bits quantizes (all)",
+    )
 
 
 def _stall(text: str) -> float | None:
@@ -222,6 +249,9 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         chat=args.chat,
         stats=stats,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        kv_quantize=args.kv_quantize,
     ):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -267,6 +297,9 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         prefix_caching=args.prefix_caching,
         prefill_stall=args.prefill_stall,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        kv_quantize=args.kv_quantize,
     )
     progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
     server.serve(args.host, args.port, log_level=args.log_level)

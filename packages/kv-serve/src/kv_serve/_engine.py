@@ -17,6 +17,7 @@ from kv_protocol import (
     attention_module,
     check_int,
     find_layers,
+    kv_quantization_choice,
     layout_from_model,
 )
 
@@ -47,15 +48,22 @@ def build_pool(
     max_context: int = 4096,
     prefill_chunk: int = 512,
     prefix_caching: bool = False,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    kv_quantize: str = "all",
 ) -> HybridKVPool:
     """A pool from a byte budget, from a page count, or sized for ``max_running`` x context.
 
     Without ``kv_budget_bytes`` and ``num_pages`` the pool holds exactly what ``max_running``
     requests of ``max_context`` tokens need at their peak (``HybridKVPool.required_bytes``).
     ``prefix_caching`` keeps complete pages for reuse by later requests with the same prefix.
+    ``kv_bits`` (8 or 4) stores pages quantized in groups of ``kv_group_size`` along
+    ``head_dim``, for the layer kinds ``kv_quantize`` names (``all``, ``full``,
+    ``sliding``); a budget then holds about 1.9x (8-bit) or 3.5x (4-bit) the tokens.
     """
     if kv_budget_bytes is not None and num_pages is not None:
         raise RequestStateError("give kv_budget_bytes or num_pages, not both")
+    quantization = kv_quantization_choice(kv_bits, kv_group_size, kv_quantize)
     page_size = check_int(page_size, "page_size", minimum=1)
     max_running = check_int(max_running, "max_running", minimum=1)
     max_context = check_int(max_context, "max_context", minimum=1)
@@ -65,7 +73,11 @@ def build_pool(
     if num_pages is not None:
         pages = check_int(num_pages, "num_pages", minimum=2)
         return HybridKVPool(
-            layout, num_pages=pages, page_size=page_size, prefix_caching=prefix_caching
+            layout,
+            num_pages=pages,
+            page_size=page_size,
+            prefix_caching=prefix_caching,
+            kv_quantization=quantization,
         )
     if kv_budget_bytes is None:
         budget = HybridKVPool.required_bytes(
@@ -74,6 +86,7 @@ def build_pool(
             concurrency=max_running,
             page_size=page_size,
             prefill_chunk=prefill_chunk,
+            kv_quantization=quantization,
         )
     else:
         budget = check_int(kv_budget_bytes, "kv_budget_bytes", minimum=1)
@@ -85,6 +98,7 @@ def build_pool(
         page_size=page_size,
         prefill_chunk=prefill_chunk,
         prefix_caching=prefix_caching,
+        kv_quantization=quantization,
     )
 
 
@@ -105,6 +119,9 @@ def build_engine(
     state_budget_bytes: int | None = None,
     prefix_caching: bool = True,
     prefill_stall: float | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    kv_quantize: str = "all",
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -131,6 +148,11 @@ def build_engine(
     step's decode time (e.g. ``2.0``: a running request's next token waits at most about
     three decode steps for a prompt being prefilled beside it); ``None`` prefills
     ``prefill_chunk`` tokens a step whatever decodes.
+
+    ``kv_bits`` (8 or 4; ``None``: the model's dtype) stores the pool's pages quantized in
+    groups of ``kv_group_size`` (32, 64 or 128) along ``head_dim``, sliding-window layers
+    included, for the layer kinds ``kv_quantize`` names (``all``, ``full`` or ``sliding``).
+    Decode and prefill read them dequantized; the fused RoPE kernel is not used on them.
     """
     layout = layout_from_model(model)
     use_prefix = bool(prefix_caching) and not layout.state_layer_ids
@@ -144,9 +166,14 @@ def build_engine(
             max_context=max_context,
             prefill_chunk=prefill_chunk,
             prefix_caching=use_prefix,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            kv_quantize=kv_quantize,
         )
     elif kv_budget_bytes is not None or num_pages is not None:
         raise RequestStateError("give a pool or kv_budget_bytes / num_pages, not both")
+    elif kv_bits is not None:
+        raise RequestStateError("give a pool or kv_bits, not both (build the pool quantized)")
     kernels = build_kernels(model, layout, fused_rope=fused_rope)
     return DecodeEngine(
         model,

@@ -83,12 +83,17 @@ def generate(
     chat: bool = False,
     prefill_chunk: int = 512,
     stats: GenerationStats | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    kv_quantize: str = "all",
 ) -> Iterator[str]:
     """Stream the completion of ``prompt`` as text pieces.
 
     The prompt is encoded (through the chat template with ``chat``), served by an engine from
     :func:`kv_serve.build_engine` sized for this one request, and stops at the tokenizer's
     end-of-sequence ids or after ``max_tokens``. ``stats``, when given, is filled in.
+    ``kv_bits`` / ``kv_group_size`` / ``kv_quantize`` quantize the pool's pages (see
+    :func:`kv_serve.build_engine`).
     """
     max_tokens = check_int(max_tokens, "max_tokens", minimum=1)
     ids = encode_prompt(tokenizer, prompt, chat=chat)
@@ -101,6 +106,9 @@ def generate(
         prefill_chunk=prefill_chunk,
         seed=seed,
         record_pages=False,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        kv_quantize=kv_quantize,
     )
     stops = {t for t in stop_token_ids(tokenizer) if t < engine.vocab_size}
     rid = engine.submit(ids, max_tokens, temperature=temperature, top_p=top_p, stop_tokens=stops)

@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from kv_batching import DecodeEngine
 from kv_pool import HybridKVPool
-from kv_protocol import RequestStateError, check_int
+from kv_protocol import RequestStateError, check_int, kv_quantization_choice
 
 from ._engine import build_engine
 from ._load import stop_token_ids
@@ -159,7 +159,8 @@ class KVServer:
     that could never fit the pool even alone, are refused with 400 at once; at most
     ``max_queued`` requests wait for admission (429 with ``Retry-After`` beyond).
     ``prefill_stall`` bounds how long a prompt's prefill may hold up the streams decoding
-    beside it (see :func:`kv_serve.build_engine`).
+    beside it, and ``kv_bits`` / ``kv_group_size`` / ``kv_quantize`` store the pool's pages
+    quantized (see :func:`kv_serve.build_engine`).
     """
 
     def __init__(
@@ -177,8 +178,13 @@ class KVServer:
         seed: int = 0,
         prefix_caching: bool = True,
         prefill_stall: float | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        kv_quantize: str = "all",
         make_engine: Callable[[], DecodeEngine] | None = None,
     ) -> None:
+        # Refuse a bad quantization here, not later on the engine thread.
+        kv_quantization_choice(kv_bits, kv_group_size, kv_quantize)
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_context = check_int(max_context, "max_context", minimum=1)
@@ -198,6 +204,9 @@ class KVServer:
                     record_pages=False,
                     prefix_caching=prefix_caching,
                     prefill_stall=prefill_stall,
+                    kv_bits=kv_bits,
+                    kv_group_size=kv_group_size,
+                    kv_quantize=kv_quantize,
                 )
 
         self.worker = EngineWorker(make_engine, max_queued=max_queued)
