@@ -11,7 +11,7 @@ window, page size, arrival order, decode path or prefix hit.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -57,7 +57,7 @@ def greedy(model: Any, prompt: Sequence[int], caches: list[Any], n: int = MAX_TO
         logits = model(mx.array([[out[-1]]]), cache=caches)
 
 
-def fake_quantized_caches(model: Any, quant: dict[str, KVQuantization | None]) -> list[Any]:
+def fake_quantized_caches(model: Any, quant: Mapping[str, KVQuantization | None]) -> list[Any]:
     """mlx-lm's own caches, storing what a quantized page gives back for each written K/V."""
     caches = make_prompt_cache(model)
     for c in caches:

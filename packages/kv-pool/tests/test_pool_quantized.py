@@ -127,10 +127,13 @@ def test_a_budget_holds_the_real_byte_ratio_more_tokens(
 ) -> None:
     lay = layout(mx.float16)
     budget = 4 * 2**20
-    sizing = {"max_context": 1024, "concurrency": 8, "page_size": 16}
-    plain = HybridKVPool.from_budget(lay, budget, **sizing)
     quant = KVQuantization(bits=bits, group_size=group)
-    packed = HybridKVPool.from_budget(lay, budget, kv_quantization=quant, **sizing)
+    plain, packed = (
+        HybridKVPool.from_budget(
+            lay, budget, max_context=1024, concurrency=8, page_size=16, kv_quantization=q
+        )
+        for q in (None, quant)
+    )
     for pool in (plain, packed):
         report = pool.memory_report()
         assert report.bytes_total <= budget
@@ -145,8 +148,13 @@ def test_a_budget_holds_the_real_byte_ratio_more_tokens(
         for name, pool in (("plain", plain), ("packed", packed))
     }
     assert tokens["packed"] / tokens["plain"] == pytest.approx(ratio, rel=0.02)
-    required = HybridKVPool.required_bytes(lay, kv_quantization=quant, **sizing)
-    assert required * ratio == pytest.approx(HybridKVPool.required_bytes(lay, **sizing), rel=0.02)
+    required = [
+        HybridKVPool.required_bytes(
+            lay, max_context=1024, concurrency=8, page_size=16, kv_quantization=q
+        )
+        for q in (None, quant)
+    ]
+    assert required[1] * ratio == pytest.approx(required[0], rel=0.02)
 
 
 def test_bad_quantization_arguments_are_refused_before_anything_is_built() -> None:
