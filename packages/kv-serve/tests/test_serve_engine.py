@@ -95,6 +95,9 @@ def test_text_stream_never_splits_a_character() -> None:
         ["generate", "--model", "m", "--prompt", "p", "--seed", str(2**64)],
         ["generate", "--model", "m", "--prompt", "p", "--dtype", "int8"],
         ["generate", "--prompt", "p"],
+        ["generate", "--model", "m", "--prompt", "p", "--kv-bits", "6"],
+        ["generate", "--model", "m", "--prompt", "p", "--kv-bits", "8", "--kv-group-size", "48"],
+        ["serve", "--model", "m", "--kv-bits", "4", "--kv-quantize", "state"],
         ["serve-nothing"],
     ],
 )
@@ -127,3 +130,44 @@ def test_cli_bad_models_are_one_error_line(kind: str, tmp_path: Any, capsys: Any
 def test_serve_parses_the_prefill_stall(args: list[str], expected: float | None) -> None:
     parsed = parser().parse_args(["serve", "--model", "m", *args])
     assert parsed.prefill_stall == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ([], (None, 64, "all")),
+        (["--kv-bits", "8"], (8, 64, "all")),
+        (["--kv-bits", "4", "--kv-group-size", "32", "--kv-quantize", "full"], (4, 32, "full")),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cli_parses_the_kv_quantization(
+    command: str, args: list[str], expected: tuple[int | None, int, str]
+) -> None:
+    extra = ["--prompt", "p"] if command == "generate" else []
+    parsed = parser().parse_args([command, "--model", "m", *extra, *args])
+    assert (parsed.kv_bits, parsed.kv_group_size, parsed.kv_quantize) == expected
+
+
+def test_build_engine_quantizes_the_pool_it_builds_and_reports_it() -> None:
+    model = build_tiny_model("gpt_oss", window=8, head_dim=32)
+    engine = build_engine(
+        model, max_running=4, max_context=64, kv_bits=8, kv_group_size=32, kv_quantize="full"
+    )
+    plain = build_engine(model, max_running=4, max_context=64)
+    assert isinstance(engine.pool, HybridKVPool) and isinstance(plain.pool, HybridKVPool)
+    quantized, unquantized = engine.pool.memory_report(), plain.pool.memory_report()
+    assert {s.kind: s.kv_bits for s in quantized.sub_pools} == {"sliding": None, "full": 8}
+    # The sliding sub-pool is plain in both; a full row of 32 fp32 values (128 bytes) is
+    # stored as 32 bytes of 8-bit data plus one fp32 scale and one bias (40 bytes).
+    assert quantized.sub_pools[0].bytes_per_page == unquantized.sub_pools[0].bytes_per_page
+    assert quantized.sub_pools[1].bytes_per_page * 128 == (
+        unquantized.sub_pools[1].bytes_per_page * 40
+    )
+    engine.close()
+    plain.close()
+    pool = HybridKVPool(layout_from_model(model), num_pages=8)
+    with pytest.raises(RequestStateError, match="give a pool or kv_bits"):
+        build_engine(model, pool=pool, kv_bits=8)
+    with pytest.raises(LayoutError, match="head_dim 32 is not a multiple of kv_group_size 64"):
+        build_engine(model, max_running=1, max_context=16, kv_bits=8)
