@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -27,21 +28,25 @@ def save_tiny_model_dir(
     num_layers: int = 4,
     seed: int = 0,
     chat_template: bool = True,
+    **overrides: Any,
 ) -> Path:
     """Write a tiny ``arch`` model (fp32, random weights from ``seed``) into ``path``.
 
     Its vocabulary is the tiny tokenizer's; ``eos_token_id`` lists the tokenizer's end ids.
-    Returns the directory.
+    ``overrides`` change the architecture's ``ModelArgs`` (``head_dim=64``, say). Returns the
+    directory.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(chat_template=chat_template)
     vocab = len(tokenizer)
     model = build_tiny_model(
-        arch, window=window, num_layers=num_layers, vocab_size=vocab, seed=seed
+        arch, window=window, num_layers=num_layers, vocab_size=vocab, seed=seed, **overrides
     )
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    config = tiny_model_config(arch, window=window, num_layers=num_layers, vocab_size=vocab)
+    config = tiny_model_config(
+        arch, window=window, num_layers=num_layers, vocab_size=vocab, **overrides
+    )
     config["eos_token_id"] = sorted(int(i) for i in tokenizer.eos_token_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer._tokenizer.save_pretrained(str(out))
