@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kv_metal_kernels._sources import CUDA_PAGED_SOURCE, CUDA_ROPE_SOURCE
+from kv_metal_kernels._sources import (
+    CUDA_PAGED_QUANTIZED_SOURCE,
+    CUDA_PAGED_SOURCE,
+    CUDA_ROPE_SOURCE,
+)
 
 NVCC = shutil.which("nvcc")
 
@@ -94,6 +98,28 @@ def test_cuda_kernel_bodies_compile(tmp_path: Path) -> None:
                 CUDA_PAGED_SOURCE,
             )
         )
+        for bits in (4, 8):
+            parts.append(
+                _wrap(
+                    f"paged_quantized_{i}_{bits}",
+                    [
+                        ("q", ctype, False),
+                        ("k_data", "uint32_t", True),
+                        ("k_scales", ctype, False),
+                        ("k_biases", ctype, False),
+                        ("v_data", "uint32_t", False),
+                        ("v_scales", ctype, False),
+                        ("v_biases", ctype, False),
+                        ("page_table", "int32_t", True),
+                        ("seq_lens", "int32_t", False),
+                        ("params", "float", False),
+                        ("meta", "int32_t", False),
+                    ],
+                    [("part_m", "float"), ("part_l", "float"), ("part_acc", "float")],
+                    [("T", ctype), ("D", 64 * (i + 1)), ("G", 2), ("BITS", bits), ("GS", 32)],
+                    CUDA_PAGED_QUANTIZED_SOURCE,
+                )
+            )
     parts.append("}\n")
     source = tmp_path / "kernels.cu"
     source.write_text("".join(parts))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,12 +23,13 @@ import pytest
 
 from kv_metal_kernels import ReferenceRopeScatter, merge_partials
 from kv_metal_kernels._sources import (
+    CUDA_PAGED_QUANTIZED_SOURCE,
     CUDA_PAGED_SOURCE,
     CUDA_ROPE_SOURCE,
     PAGED_SIMD_GROUPS,
     paged_group_size,
 )
-from kv_protocol import RopeConfig
+from kv_protocol import KVQuantization, RopeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_kernels_paged_attention import dense_oracle, make_batch
@@ -255,3 +257,142 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
     # Angles up to 1500 rad: float32 sin/cos implementations differ by ~1e-4.
     np.testing.assert_allclose(q_out, np.array(q_rot), atol=5e-4)
     np.testing.assert_allclose(k_out, np.array(k_rot), atol=5e-4)
+
+
+QUANTIZED_MAIN = r"""
+template <class T> std::vector<T> rd(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::vector<char> b((std::istreambuf_iterator<char>(f)), {});
+  std::vector<T> v(b.size() / sizeof(T));
+  std::memcpy(v.data(), b.data(), b.size());
+  return v;
+}
+template <class T> void wr(const std::string& p, const std::vector<T>& v) {
+  std::ofstream f(p, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+int main(int argc, char** argv) {
+  std::string dir = argv[1];
+  auto ii = rd<int32_t>(dir + "/ints.bin");
+  int B = ii[0], MAXP = ii[1], NS = ii[2];
+  auto q = rd<float>(dir + "/q.bin");
+  auto kd = rd<uint32_t>(dir + "/kd.bin");
+  auto ks = rd<float>(dir + "/ks.bin");
+  auto kb = rd<float>(dir + "/kb.bin");
+  auto vd = rd<uint32_t>(dir + "/vd.bin");
+  auto vs = rd<float>(dir + "/vs.bin");
+  auto vb = rd<float>(dir + "/vb.bin");
+  auto pt = rd<int32_t>(dir + "/pt.bin");
+  auto sl = rd<int32_t>(dir + "/sl.bin");
+  auto prm = rd<float>(dir + "/params.bin");
+  auto meta = rd<int32_t>(dir + "/meta.bin");
+  Shape kds{}; kds[0] = HKV_; kds[1] = NS; kds[2] = D_ * BITS_ / 32;
+  Shape ps{}; ps[0] = B; ps[1] = MAXP;
+  std::vector<float> part_m(B * S_ * HQ_, -999.f), part_l(B * S_ * HQ_, -999.f);
+  std::vector<float> part_acc(B * S_ * HQ_ * D_, -999.f);
+  blockDim = {32 * NSG_, 1, 1};
+  std::barrier<> bb(32 * NSG_);
+  block_bar = &bb;
+  for (int w = 0; w < NSG_; ++w) warp_bars.push_back(new std::barrier<>(32));
+  for (int b = 0; b < B * S_; ++b) {
+    for (int h = 0; h < HQ_ / G_; ++h) {
+      std::vector<std::thread> ts;
+      for (int t = 0; t < 32 * NSG_; ++t) {
+        ts.emplace_back([&, t, b, h] {
+          threadIdx = {t, 0, 0};
+          blockIdx = {0, h, b};
+          paged(q.data(), kd.data(), kds, ks.data(), kb.data(), vd.data(), vs.data(),
+                vb.data(), pt.data(), ps, sl.data(), prm.data(), meta.data(), part_m.data(),
+                part_l.data(), part_acc.data());
+        });
+      }
+      for (auto& th : ts) th.join();
+    }
+  }
+  wr(dir + "/part_m.bin", part_m);
+  wr(dir + "/part_l.bin", part_l);
+  wr(dir + "/part_acc.bin", part_acc);
+}
+"""
+
+QUANTIZED_CASES = [
+    # lens, hkv, ratio, d, page_size, window, sinks, bits, group size, splits
+    ([1, 37, 100, 5], 2, 2, 64, 16, None, True, 8, 64, 1),
+    ([70, 3, 129], 1, 4, 128, 4, 17, False, 4, 32, 3),
+    ([33, 2, 150], 2, 4, 64, 8, None, True, 4, 64, 2),
+]
+
+
+@pytest.mark.skipif(GXX is None, reason="g++ not installed")
+@pytest.mark.parametrize("case", QUANTIZED_CASES)
+def test_cuda_quantized_paged_kernel_under_cpu_emulation(case: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    """The kernel that unpacks quantized pages as it loads them == softmax over their values."""
+    lens, hkv, ratio, d, page_size, window, sinks, bits, group_size, splits = case
+    batch = make_batch(
+        np.random.default_rng(d + bits),
+        lens=lens,
+        hkv=hkv,
+        ratio=ratio,
+        d=d,
+        page_size=page_size,
+        window=window,
+        with_sinks=sinks,
+        dtype_name="float32",
+    )
+    quant = KVQuantization(bits=bits, group_size=group_size)
+    assert isinstance(batch.k_pool, mx.array) and isinstance(batch.v_pool, mx.array)
+    k, v = quant.quantize(batch.k_pool), quant.quantize(batch.v_pool)
+    hq = hkv * ratio
+    group = paged_group_size(hq, hkv, d)
+    capacity = batch.page_table.shape[1] * page_size
+    bound = capacity if window is None else min(window, capacity)
+    chunk = -(-bound // splits)
+    files = {
+        "ints": np.array([len(lens), batch.page_table.shape[1], batch.k_pool.shape[1]]),
+        "q": np.array(batch.q),
+        "kd": np.array(k.data),
+        "ks": np.array(k.scales),
+        "kb": np.array(k.biases),
+        "vd": np.array(v.data),
+        "vs": np.array(v.scales),
+        "vb": np.array(v.biases),
+        "pt": np.array(batch.page_table),
+        "sl": np.array(batch.seq_lens),
+        "params": np.array([batch.scale]),
+        "meta": np.array([hq, hkv, page_size, window or 0, splits, chunk]),
+    }
+    for name, arr in files.items():
+        dtype = {"u": np.uint32, "i": np.int32}.get(arr.dtype.kind, np.float32)
+        np.ascontiguousarray(arr, dtype=dtype).tofile(tmp_path / f"{name}.bin")
+    paged = _function(
+        "paged",
+        "const float* q, const uint32_t* k_data, Shape k_data_shape, const float* k_scales, "
+        "const float* k_biases, const uint32_t* v_data, const float* v_scales, "
+        "const float* v_biases, const int32_t* page_table, Shape page_table_shape, "
+        "const int32_t* seq_lens, const float* params, const int32_t* meta, float* part_m, "
+        "float* part_l, float* part_acc",
+        {"T": "float", "D": d, "G": group, "BITS": bits, "GS": group_size},
+        CUDA_PAGED_QUANTIZED_SOURCE,
+    )
+    consts = (
+        f"constexpr int HQ_ = {hq}, HKV_ = {hkv}, D_ = {d}, NSG_ = {PAGED_SIMD_GROUPS}, "
+        f"G_ = {group}, S_ = {splits}, BITS_ = {bits};\n"
+    )
+    source = tmp_path / "emu.cpp"
+    source.write_text(consts + HARNESS_HEAD + paged + QUANTIZED_MAIN)
+    assert GXX is not None
+    exe = tmp_path / "emu"
+    build = [GXX, "-std=c++20", "-O1", "-pthread", str(source), "-o", str(exe)]
+    proc = subprocess.run(build, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    subprocess.run([str(exe), str(tmp_path)], check=True, timeout=120)
+
+    b = len(lens)
+    part_m = np.fromfile(tmp_path / "part_m.bin", np.float32).reshape(b, splits, hq)
+    part_l = np.fromfile(tmp_path / "part_l.bin", np.float32).reshape(b, splits, hq)
+    part_acc = np.fromfile(tmp_path / "part_acc.bin", np.float32).reshape(b, splits, hq, d)
+    out = merge_partials(mx.array(part_m), mx.array(part_l), mx.array(part_acc), batch.sinks)
+    dense = replace(batch, k_pool=k.dequantize(), v_pool=v.dequantize())
+    np.testing.assert_allclose(
+        np.array(out)[:, :, None, :], dense_oracle(dense), atol=5e-5, rtol=5e-5
+    )

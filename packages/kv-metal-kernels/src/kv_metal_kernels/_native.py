@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from typing import Any, cast
@@ -14,15 +13,17 @@ from kv_protocol import (
     KVBuffer,
     QuantizedKV,
     RopeConfig,
+    ShapeMismatchError,
     UnknownBackendError,
 )
 
 from ._memo import IdentityMemo
-from ._paged_reference import ReferencePagedAttention
 from ._scatter import ScatterPlan, memoized_plan_scatter, scatter_token_rows
 from ._sources import (
+    CUDA_PAGED_QUANTIZED_SOURCE,
     CUDA_PAGED_SOURCE,
     CUDA_ROPE_SOURCE,
+    METAL_PAGED_QUANTIZED_SOURCE,
     METAL_PAGED_SOURCE,
     METAL_ROPE_SOURCE,
     PAGED_SIMD_GROUPS,
@@ -48,8 +49,6 @@ __all__ = [
 
 #: The native backends this package implements.
 NATIVE_BACKENDS = ("metal", "cuda")
-
-logger = logging.getLogger("kv_metal_kernels")
 
 _Kernel = Callable[..., list[mx.array]]
 _KERNELS: dict[tuple[str, str], _Kernel] = {}
@@ -100,19 +99,23 @@ def require_backend(backend: str) -> None:
 
 
 def _kernel(backend: str, kind: str) -> _Kernel:
-    """Build (once per process) the JIT kernel ``kind`` (``rope`` or ``paged``)."""
+    """Build (once per process) the JIT kernel ``rope``, ``paged`` or ``paged_quantized``."""
     key = (backend, kind)
     cached = _KERNELS.get(key)
     if cached is not None:
         return cached
+    outputs = ["part_m", "part_l", "part_acc"]
     if kind == "rope":
         inputs = ["q", "k", "positions", "params", "meta"]
         outputs = ["q_rot", "k_rot"]
         source = METAL_ROPE_SOURCE if backend == "metal" else CUDA_ROPE_SOURCE
-    else:
+    elif kind == "paged":
         inputs = ["q", "k_pool", "v_pool", "page_table", "seq_lens", "params", "meta"]
-        outputs = ["part_m", "part_l", "part_acc"]
         source = METAL_PAGED_SOURCE if backend == "metal" else CUDA_PAGED_SOURCE
+    else:
+        inputs = ["q", "k_data", "k_scales", "k_biases", "v_data", "v_scales", "v_biases"]
+        inputs += ["page_table", "seq_lens", "params", "meta"]
+        source = METAL_PAGED_QUANTIZED_SOURCE if backend == "metal" else CUDA_PAGED_QUANTIZED_SOURCE
     name = f"kv_{kind}"
     built: Any
     if backend == "metal":
@@ -204,9 +207,9 @@ class NativePagedAttention:
     every call with ``validate=True``): the kernel reads the page table directly, so an
     unchecked id would read outside the pool.
 
-    Quantized pools (:class:`kv_protocol.QuantizedKV`) are attended by
-    :class:`ReferencePagedAttention` (gather the stored pages, dequantize, SDPA), said once
-    in the ``kv_metal_kernels`` log: the JIT kernels read plain pages only.
+    Quantized pools (:class:`kv_protocol.QuantizedKV`, both K and V with one quantization)
+    are read by a second kernel of the same algorithm that unpacks each row's values and
+    applies its groups' scales and biases as it loads them, so no dequantized copy is made.
     """
 
     def __init__(self, backend: str, *, validate: bool = False) -> None:
@@ -214,7 +217,6 @@ class NativePagedAttention:
         self._backend = backend
         self._validate = validate
         self._index_check = PagedIndexCheck()
-        self._quantized_fallback: ReferencePagedAttention | None = None
 
     @property
     def name(self) -> str:
@@ -235,25 +237,6 @@ class NativePagedAttention:
         sinks: mx.array | None = None,
     ) -> mx.array:
         """Attention output ``(B, Hq, 1, D)``; see :class:`kv_protocol.PagedDecodeAttention`."""
-        if isinstance(k_pool, QuantizedKV) or isinstance(v_pool, QuantizedKV):
-            if self._quantized_fallback is None:
-                self._quantized_fallback = ReferencePagedAttention(validate=self._validate)
-                logger.info(
-                    "%s paged attention reads plain pages only; quantized pages are attended "
-                    "by the reference (gather, dequantize, SDPA)",
-                    self._backend,
-                )
-            return self._quantized_fallback(
-                q,
-                k_pool,
-                v_pool,
-                page_table,
-                seq_lens,
-                page_size=page_size,
-                scale=scale,
-                window=window,
-                sinks=sinks,
-            )
         page_size, scale, window = check_paged_attention_args(
             q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window, sinks
         )
@@ -264,6 +247,13 @@ class NativePagedAttention:
             page_table, seq_lens, page_size, k_pool.shape[1], every_call=self._validate
         )
         hkv = k_pool.shape[0]
+        if isinstance(k_pool, mx.array) and isinstance(v_pool, mx.array):
+            pools: list[mx.array] = [k_pool, v_pool]
+            template: list[tuple[str, int]] = []
+            kind = "paged"
+        else:
+            pools, template = _quantized_inputs(k_pool, v_pool)
+            kind = "paged_quantized"
         group = paged_group_size(hq, hkv, d)
         capacity = page_table.shape[1] * page_size
         bound = capacity if window is None else min(window, capacity)
@@ -274,9 +264,9 @@ class NativePagedAttention:
             dtype=mx.int32,
         )
         threads = 32 * PAGED_SIMD_GROUPS
-        part_m, part_l, part_acc = _kernel(self._backend, "paged")(
-            inputs=[q, k_pool, v_pool, page_table, seq_lens, params, meta],
-            template=[("T", q.dtype), ("D", d), ("G", group)],
+        part_m, part_l, part_acc = _kernel(self._backend, kind)(
+            inputs=[q, *pools, page_table, seq_lens, params, meta],
+            template=[("T", q.dtype), ("D", d), ("G", group), *template],
             grid=(threads, hq // group, b * splits),
             threadgroup=(threads, 1, 1),
             output_shapes=[(b, splits, hq), (b, splits, hq), (b, splits, hq, d)],
@@ -284,6 +274,20 @@ class NativePagedAttention:
             stream=mx.gpu,
         )
         return merge_partials(part_m, part_l, part_acc, sinks).astype(q.dtype)[:, :, None, :]
+
+
+def _quantized_inputs(
+    k_pool: KVBuffer, v_pool: KVBuffer
+) -> tuple[list[mx.array], list[tuple[str, int]]]:
+    """The quantized kernel's six pool inputs and its ``BITS`` / ``GS`` template values."""
+    if not (isinstance(k_pool, QuantizedKV) and isinstance(v_pool, QuantizedKV)):
+        raise ShapeMismatchError("k_pool and v_pool must both be quantized or both plain")
+    quant = k_pool.quantization
+    if v_pool.quantization != quant:
+        raise ShapeMismatchError(
+            f"k_pool and v_pool must share one quantization, got {quant} and {v_pool.quantization}"
+        )
+    return [*k_pool.arrays, *v_pool.arrays], [("BITS", quant.bits), ("GS", quant.group_size)]
 
 
 #: Blocks to aim for per paged-attention launch before splitting contexts further.

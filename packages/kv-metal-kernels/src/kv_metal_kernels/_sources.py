@@ -26,9 +26,11 @@ output)``; :func:`merge_partials` combines the splits and the sink logit with ML
 from __future__ import annotations
 
 __all__ = [
+    "CUDA_PAGED_QUANTIZED_SOURCE",
     "CUDA_PAGED_SOURCE",
     "paged_group_size",
     "CUDA_ROPE_SOURCE",
+    "METAL_PAGED_QUANTIZED_SOURCE",
     "METAL_PAGED_SOURCE",
     "METAL_ROPE_SOURCE",
     "PAGED_SIMD_GROUPS",
@@ -137,7 +139,7 @@ _PAGED_TEMPLATE = """
     const int h0 = group * G;
     const int kvh = h0 / (HQ / HKV);
     const int max_pages = page_table_shape[1];
-    const @I64@ num_slots = k_pool_shape[1];
+    const @I64@ num_slots = @SLOTS@;
     const int len = seq_lens[b];
     const int visible_start = WINDOW > 0 ? @MAX@(len - WINDOW, 0) : 0;
     const int start = visible_start + split * CHUNK;
@@ -168,14 +170,9 @@ _PAGED_TEMPLATE = """
         if (page < 0 || slot >= num_slots) {
             continue;
         }
-        const @I64@ base = (@I64@(kvh) * num_slots + slot) * D;
         float kx[EPT];
         float vx[EPT];
-        for (int e = 0; e < EPT; ++e) {
-            const int dd = lane + 32 * e;
-            kx[e] = dd < D ? static_cast<float>(k_pool[base + dd]) : 0.0f;
-            vx[e] = dd < D ? static_cast<float>(v_pool[base + dd]) : 0.0f;
-        }
+        @LOAD@
         for (int r = 0; r < G; ++r) {
             float dot = 0.0f;
             for (int e = 0; e < EPT; ++e) {
@@ -241,14 +238,45 @@ _PAGED_TEMPLATE = """
 """
 
 
+#: Plain pages: row ``slot`` of kv head ``kvh`` is ``D`` values of ``T``.
+_PLAIN_LOAD = """const @I64@ base = (@I64@(kvh) * num_slots + slot) * D;
+        for (int e = 0; e < EPT; ++e) {
+            const int dd = lane + 32 * e;
+            kx[e] = dd < D ? static_cast<float>(k_pool[base + dd]) : 0.0f;
+            vx[e] = dd < D ? static_cast<float>(v_pool[base + dd]) : 0.0f;
+        }"""
+
+#: Quantized pages (``mx.quantize``'s affine form): a row is ``D * BITS / 32`` packed words,
+#: value ``dd`` in bits ``(dd * BITS) % 32`` of word ``dd * BITS / 32`` (lowest bits first),
+#: and one scale and bias of ``T`` per ``GS`` values; dequantized as ``scale * q + bias``.
+_QUANTIZED_LOAD = """const @I64@ row = @I64@(kvh) * num_slots + slot;
+        const @I64@ words = row * (D * BITS / 32);
+        const @I64@ groups = row * (D / GS);
+        for (int e = 0; e < EPT; ++e) {
+            const int dd = lane + 32 * e;
+            if (dd < D) {
+                const int word = dd * BITS / 32;
+                const int shift = (dd * BITS) % 32;
+                const uint32_t mask = (1u << BITS) - 1u;
+                const @I64@ gi = groups + dd / GS;
+                const float kq = static_cast<float>((k_data[words + word] >> shift) & mask);
+                const float vq = static_cast<float>((v_data[words + word] >> shift) & mask);
+                kx[e] = static_cast<float>(k_scales[gi]) * kq + static_cast<float>(k_biases[gi]);
+                vx[e] = static_cast<float>(v_scales[gi]) * vq + static_cast<float>(v_biases[gi]);
+            } else {
+                kx[e] = 0.0f;
+                vx[e] = 0.0f;
+            }
+        }"""
+
+
 def _dialect(template: str, **parts: str) -> str:
     for key, value in parts.items():
         template = template.replace(f"@{key}@", value)
     return template
 
 
-METAL_PAGED_SOURCE = _dialect(
-    _PAGED_TEMPLATE,
+_METAL_PARTS = dict(
     NSG=str(PAGED_SIMD_GROUPS),
     SHARED="threadgroup",
     IDS="""const int group = threadgroup_position_in_grid.y;
@@ -264,8 +292,7 @@ METAL_PAGED_SOURCE = _dialect(
     BARRIER="threadgroup_barrier(metal::mem_flags::mem_threadgroup)",
 )
 
-CUDA_PAGED_SOURCE = _dialect(
-    _PAGED_TEMPLATE,
+_CUDA_PARTS = dict(
     NSG=str(PAGED_SIMD_GROUPS),
     SHARED="__shared__",
     IDS="""const int group = blockIdx.y;
@@ -282,3 +309,19 @@ CUDA_PAGED_SOURCE = _dialect(
             }""",
     BARRIER="__syncthreads()",
 )
+
+
+def _paged_source(parts: dict[str, str], *, quantized: bool) -> str:
+    """The paged attention body in one dialect, reading plain or quantized pages."""
+    load = _QUANTIZED_LOAD if quantized else _PLAIN_LOAD
+    slots = "k_data_shape[1]" if quantized else "k_pool_shape[1]"
+    template = _PAGED_TEMPLATE.replace("@LOAD@", load).replace("@SLOTS@", slots)
+    return _dialect(template, **parts)
+
+
+METAL_PAGED_SOURCE = _paged_source(_METAL_PARTS, quantized=False)
+CUDA_PAGED_SOURCE = _paged_source(_CUDA_PARTS, quantized=False)
+#: Inputs ``q, k_data, k_scales, k_biases, v_data, v_scales, v_biases, page_table, seq_lens,
+#: params, meta``; template ``T, D, G, BITS, GS``.
+METAL_PAGED_QUANTIZED_SOURCE = _paged_source(_METAL_PARTS, quantized=True)
+CUDA_PAGED_QUANTIZED_SOURCE = _paged_source(_CUDA_PARTS, quantized=True)

@@ -238,11 +238,23 @@ def check_quantization_keys(
 
 
 def check_quantized_shape(buffer: QuantizedKV, what: str) -> None:
-    """Refuse a quantized buffer whose three arrays do not share their leading axes."""
+    """Refuse a quantized buffer whose arrays do not fit together or its quantization.
+
+    The three arrays share their leading axes, the data is ``uint32`` and there is one scale
+    and bias per ``group_size`` values of a row.
+    """
     lead = buffer.data.shape[:-1]
     if buffer.scales.shape != buffer.biases.shape or buffer.scales.shape[:-1] != lead:
         raise ShapeMismatchError(
             f"{what}: quantized data {tuple(buffer.data.shape)}, scales "
             f"{tuple(buffer.scales.shape)} and biases {tuple(buffer.biases.shape)} must share "
             "their leading axes"
+        )
+    quant = buffer.quantization
+    width = buffer.shape[-1]
+    if buffer.data.dtype != mx.uint32 or buffer.scales.shape[-1] * quant.group_size != width:
+        raise ShapeMismatchError(
+            f"{what}: {quant.bits}-bit data of {width} values per row in groups of "
+            f"{quant.group_size} needs uint32 data and {width // quant.group_size} scales per "
+            f"row, got {buffer.data.dtype} data and {buffer.scales.shape[-1]} scales"
         )
