@@ -10,6 +10,7 @@ window, page size, arrival order, decode path or prefix hit.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -20,7 +21,9 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from kv_batching import DecodeEngine
-from kv_protocol import KVQuantization, QuantizedKV
+from kv_caches import PoolBackedKVCache
+from kv_pool import HybridKVPool
+from kv_protocol import KVQuantization, QuantizedKV, layout_from_model
 from kv_serve import build_engine
 from kv_testing import build_tiny_model
 
@@ -150,8 +153,10 @@ def test_hybrid_models_with_quantized_sliding_pages_match_mlx_lm(arch: str, bits
     ],
 )
 def test_decode_paths_fused_rope_and_per_kind_quantization(
-    arch: str, options: dict[str, Any]
+    arch: str, options: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="kv_batching")
+    fused = options.get("fused_rope") is not None
     model = tiny(arch)
     quant = KVQuantization(bits=4, group_size=64)
     kinds = options.pop("kv_quantize", "all")
@@ -170,6 +175,12 @@ def test_decode_paths_fused_rope_and_per_kind_quantization(
         kind = layout.spec(layer).kind.value
         quantized = kinds in ("all", kind)
         assert isinstance(engine.pool.get_key_buffer(layer), QuantizedKV) == quantized
+    said = [
+        r.getMessage() for r in caplog.records if "fused RoPE + scatter kernel" in r.getMessage()
+    ]
+    if fused:  # the kernel writes plain pages: it is not used on quantized layers, and says so
+        assert engine.kernels.rope is not None
+        assert len(said) == 1 and "their pages are quantized" in said[0]
     batch = prompts(3)
     got = engine_tokens(engine, batch)
     oracle = {k: quant if kinds in ("all", k) else None for k in ("full", "sliding")}
@@ -196,3 +207,21 @@ def test_prefix_caching_reuses_quantized_pages(arch: str) -> None:
     got = [out[i] for i in (first, *ids)]
     assert got == [greedy(model, p, fake_quantized_caches(model, oracle)) for p in batch]
     engine.close()
+
+
+def test_pool_backed_cache_on_quantized_pages_returns_the_dequantized_k_v() -> None:
+    """Prefill through the per-request cache: what mlx-lm's attention gets back is the pages'."""
+    model = tiny("gemma3_text")
+    layout = layout_from_model(model)
+    quant = KVQuantization(bits=4, group_size=32)
+    pool = HybridKVPool(layout, num_pages=64, page_size=4, kv_quantization=quant)
+    pool.add_request(0)
+    cache = PoolBackedKVCache(pool, 0, layout.full_layer_ids[0])
+    keys = mx.random.normal((1, 2, 7, 64))
+    values = mx.random.normal((1, 2, 7, 64))
+    out_k, out_v = cache.update_and_fetch(keys, values)
+    assert out_k.shape == keys.shape and out_k.dtype == keys.dtype
+    assert mx.array_equal(out_k, quant.quantize(keys).dequantize())
+    assert mx.array_equal(out_v, quant.quantize(values).dequantize())
+    assert not mx.array_equal(out_k, keys)
+    assert len(cache.state) == 6  # data, scales and biases of K and of V

@@ -218,6 +218,7 @@ class DecodeEngine:
             nesting=nesting,
             prefill_forward=self._prefill_forward,
         )
+        self.runner.say_unfused_layers()
         self.scheduler = Scheduler(
             pool, self.stats, max_running=max_running, state_budget_bytes=state_budget_bytes
         )

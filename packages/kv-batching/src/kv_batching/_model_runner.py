@@ -79,12 +79,15 @@ class ModelRunner:
         self.nesting = nesting if nesting is not None else CacheNesting.from_model(model)
         self.prefill_forward = prefill_forward
         self.addressing = PoolAddressing.from_pool(pool)
+
+    def say_unfused_layers(self) -> None:
+        """Log once which layers the fused RoPE kernel skips because their pages are quantized."""
         quantized = [a.layer_id for a in self.addressing.layers.values() if a.quantized]
-        if kernels.rope is not None and quantized:
+        if self.kernels.rope is not None and quantized:
             logger.info(
                 "fused RoPE + scatter kernel %r not used for layers %s: their pages are "
                 "quantized, which only the pool's set_kv writes",
-                kernels.rope.name,
+                self.kernels.rope.name,
                 quantized,
             )
 
