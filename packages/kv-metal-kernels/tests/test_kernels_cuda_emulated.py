@@ -70,7 +70,8 @@ inline float __shfl_xor_sync(unsigned, float v, int off) {
 #define __shared__ static
 """
 
-HARNESS_MAIN = r"""
+# After the kernel bodies: file I/O and the launch of the paged kernel's grid.
+HARNESS_SUPPORT = r"""
 template <class T> std::vector<T> rd(const std::string& p) {
   std::ifstream f(p, std::ios::binary);
   std::vector<char> b((std::istreambuf_iterator<char>(f)), {});
@@ -82,6 +83,31 @@ template <class T> void wr(const std::string& p, const std::vector<T>& v) {
   std::ofstream f(p, std::ios::binary);
   f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
 }
+// Every block of the paged kernel's grid, one after another; a block's threads in parallel.
+template <class Call> void launch_paged(int batch, Call call) {
+  blockDim = {32 * NSG_, 1, 1};
+  std::barrier<> bb(32 * NSG_);
+  block_bar = &bb;
+  for (int w = 0; w < NSG_; ++w) warp_bars.push_back(new std::barrier<>(32));
+  for (int b = 0; b < batch * S_; ++b) {
+    for (int h = 0; h < HQ_ / G_; ++h) {
+      std::vector<std::thread> ts;
+      for (int t = 0; t < 32 * NSG_; ++t) {
+        ts.emplace_back([&, t, b, h] {
+          threadIdx = {t, 0, 0};
+          blockIdx = {0, h, b};
+          call();
+        });
+      }
+      for (auto& th : ts) th.join();
+    }
+  }
+  for (auto* w : warp_bars) delete w;
+  warp_bars.clear();
+}
+"""
+
+HARNESS_MAIN = r"""
 int main(int argc, char** argv) {
   std::string dir = argv[1];
   auto ii = rd<int32_t>(dir + "/ints.bin");
@@ -97,24 +123,10 @@ int main(int argc, char** argv) {
   Shape ps{}; ps[0] = B; ps[1] = MAXP;
   std::vector<float> part_m(B * S_ * HQ_, -999.f), part_l(B * S_ * HQ_, -999.f);
   std::vector<float> part_acc(B * S_ * HQ_ * D_, -999.f);
-  blockDim = {32 * NSG_, 1, 1};
-  std::barrier<> bb(32 * NSG_);
-  block_bar = &bb;
-  for (int w = 0; w < NSG_; ++w) warp_bars.push_back(new std::barrier<>(32));
-  for (int b = 0; b < B * S_; ++b) {
-    for (int h = 0; h < HQ_ / G_; ++h) {
-      std::vector<std::thread> ts;
-      for (int t = 0; t < 32 * NSG_; ++t) {
-        ts.emplace_back([&, t, b, h] {
-          threadIdx = {t, 0, 0};
-          blockIdx = {0, h, b};
-          paged(q.data(), k.data(), ks, v.data(), pt.data(), ps, sl.data(), prm.data(),
-                meta.data(), part_m.data(), part_l.data(), part_acc.data());
-        });
-      }
-      for (auto& th : ts) th.join();
-    }
-  }
+  launch_paged(B, [&] {
+    paged(q.data(), k.data(), ks, v.data(), pt.data(), ps, sl.data(), prm.data(), meta.data(),
+          part_m.data(), part_l.data(), part_acc.data());
+  });
   wr(dir + "/part_m.bin", part_m);
   wr(dir + "/part_l.bin", part_l);
   wr(dir + "/part_acc.bin", part_acc);
@@ -223,7 +235,7 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
         f"G_ = {group}, S_ = {splits};\n"
     )
     source = tmp_path / "emu.cpp"
-    source.write_text(consts + HARNESS_HEAD + paged + rope_fn + HARNESS_MAIN)
+    source.write_text(consts + HARNESS_HEAD + paged + rope_fn + HARNESS_SUPPORT + HARNESS_MAIN)
     assert GXX is not None
     exe = tmp_path / "emu"
     build = [GXX, "-std=c++20", "-O1", "-pthread", str(source), "-o", str(exe)]
@@ -260,17 +272,6 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
 
 
 QUANTIZED_MAIN = r"""
-template <class T> std::vector<T> rd(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::vector<char> b((std::istreambuf_iterator<char>(f)), {});
-  std::vector<T> v(b.size() / sizeof(T));
-  std::memcpy(v.data(), b.data(), b.size());
-  return v;
-}
-template <class T> void wr(const std::string& p, const std::vector<T>& v) {
-  std::ofstream f(p, std::ios::binary);
-  f.write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
-}
 int main(int argc, char** argv) {
   std::string dir = argv[1];
   auto ii = rd<int32_t>(dir + "/ints.bin");
@@ -290,25 +291,11 @@ int main(int argc, char** argv) {
   Shape ps{}; ps[0] = B; ps[1] = MAXP;
   std::vector<float> part_m(B * S_ * HQ_, -999.f), part_l(B * S_ * HQ_, -999.f);
   std::vector<float> part_acc(B * S_ * HQ_ * D_, -999.f);
-  blockDim = {32 * NSG_, 1, 1};
-  std::barrier<> bb(32 * NSG_);
-  block_bar = &bb;
-  for (int w = 0; w < NSG_; ++w) warp_bars.push_back(new std::barrier<>(32));
-  for (int b = 0; b < B * S_; ++b) {
-    for (int h = 0; h < HQ_ / G_; ++h) {
-      std::vector<std::thread> ts;
-      for (int t = 0; t < 32 * NSG_; ++t) {
-        ts.emplace_back([&, t, b, h] {
-          threadIdx = {t, 0, 0};
-          blockIdx = {0, h, b};
-          paged(q.data(), kd.data(), kds, ks.data(), kb.data(), vd.data(), vs.data(),
-                vb.data(), pt.data(), ps, sl.data(), prm.data(), meta.data(), part_m.data(),
-                part_l.data(), part_acc.data());
-        });
-      }
-      for (auto& th : ts) th.join();
-    }
-  }
+  launch_paged(B, [&] {
+    paged(q.data(), kd.data(), kds, ks.data(), kb.data(), vd.data(), vs.data(), vb.data(),
+          pt.data(), ps, sl.data(), prm.data(), meta.data(), part_m.data(), part_l.data(),
+          part_acc.data());
+  });
   wr(dir + "/part_m.bin", part_m);
   wr(dir + "/part_l.bin", part_l);
   wr(dir + "/part_acc.bin", part_acc);
@@ -379,7 +366,7 @@ def test_cuda_quantized_paged_kernel_under_cpu_emulation(case: tuple, tmp_path: 
         f"G_ = {group}, S_ = {splits}, BITS_ = {bits};\n"
     )
     source = tmp_path / "emu.cpp"
-    source.write_text(consts + HARNESS_HEAD + paged + QUANTIZED_MAIN)
+    source.write_text(consts + HARNESS_HEAD + paged + HARNESS_SUPPORT + QUANTIZED_MAIN)
     assert GXX is not None
     exe = tmp_path / "emu"
     build = [GXX, "-std=c++20", "-O1", "-pthread", str(source), "-o", str(exe)]

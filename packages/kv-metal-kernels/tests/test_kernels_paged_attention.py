@@ -301,7 +301,8 @@ def test_native_attention_unavailable_is_a_clear_error(backend: str) -> None:
         NativePagedAttention(backend)
 
 
-def _native_params() -> list[object]:
+def native_params() -> list[object]:
+    """One parameter per native backend, skipped with the reason where this machine lacks it."""
     return [
         pytest.param(
             b,
@@ -313,7 +314,7 @@ def _native_params() -> list[object]:
     ]
 
 
-@pytest.mark.parametrize("backend", _native_params())
+@pytest.mark.parametrize("backend", native_params())
 @settings(max_examples=50)
 @given(batch=batches(max_len=300, max_b=8))
 def test_native_matches_reference_and_dense(backend: str, batch: Batch) -> None:
@@ -325,7 +326,7 @@ def test_native_matches_reference_and_dense(backend: str, batch: Batch) -> None:
     np.testing.assert_allclose(f32(got), dense_oracle(batch), atol=2 * tol, rtol=2 * tol)
 
 
-@pytest.mark.parametrize("backend", _native_params())
+@pytest.mark.parametrize("backend", native_params())
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_native_long_context_gqa(backend: str, d: int) -> None:
     rng = np.random.default_rng(d)

@@ -18,16 +18,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_metal_kernels import (
-    NATIVE_BACKENDS,
-    NativePagedAttention,
-    ReferencePagedAttention,
-    backend_available,
-)
+from kv_metal_kernels import NativePagedAttention, ReferencePagedAttention
 from kv_protocol import KVQuantization, QuantizedKV, ShapeMismatchError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kernels_paged_attention import TOL, Batch, dense_oracle, f32, make_batch, run
+from test_kernels_paged_attention import (
+    TOL,
+    Batch,
+    dense_oracle,
+    f32,
+    make_batch,
+    native_params,
+    run,
+)
 
 
 def quantized(batch: Batch, quant: KVQuantization) -> tuple[Batch, Batch]:
@@ -115,21 +118,9 @@ def test_mismatched_quantized_arrays_are_refused() -> None:
         run(ReferencePagedAttention(), replace(stored, k_pool=broken))  # type: ignore[arg-type]
 
 
-def _native_params() -> list[object]:
-    return [
-        pytest.param(
-            b,
-            marks=pytest.mark.skipif(
-                not backend_available(b), reason=f"no {b} back-end in this MLX build / machine"
-            ),
-        )
-        for b in NATIVE_BACKENDS
-    ]
-
-
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize(("bits", "group"), [(8, 64), (4, 32)])
-@pytest.mark.parametrize("backend", _native_params())
+@pytest.mark.parametrize("backend", native_params())
 def test_native_quantized_kernel_matches_softmax_over_dequantized_pages(
     backend: str, bits: int, group: int, window: int | None
 ) -> None:
