@@ -32,7 +32,7 @@ from kv_metal_kernels._sources import (
 from kv_protocol import KVQuantization, RopeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kernels_paged_attention import dense_oracle, make_batch
+from test_kernels_paged_attention import Batch, dense_oracle, make_batch
 
 GXX = shutil.which("g++")
 
@@ -162,6 +162,31 @@ def _function(name: str, params: str, template: dict[str, object], body: str) ->
     return "\n".join([*lines, body, "}\n"])
 
 
+def run_paged_emulation(
+    tmp_path: Path, consts: dict[str, int], program: str, b: int, batch: Batch
+) -> np.ndarray:
+    """Build and run one emulated program; the paged kernel's merged output ``(B, Hq, 1, D)``.
+
+    ``program`` follows :data:`HARNESS_HEAD` (kernel bodies, support, a ``main`` reading the
+    inputs from ``tmp_path``); ``consts`` are its compile-time sizes (``NSG_`` is added).
+    """
+    assert GXX is not None
+    values = ", ".join(f"{k} = {v}" for k, v in {**consts, "NSG_": PAGED_SIMD_GROUPS}.items())
+    source = tmp_path / "emu.cpp"
+    source.write_text(f"constexpr int {values};\n" + HARNESS_HEAD + program)
+    exe = tmp_path / "emu"
+    build = [GXX, "-std=c++20", "-O1", "-pthread", str(source), "-o", str(exe)]
+    proc = subprocess.run(build, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    subprocess.run([str(exe), str(tmp_path)], check=True, timeout=120)
+    splits, hq, d = consts["S_"], consts["HQ_"], consts["D_"]
+    part_m = np.fromfile(tmp_path / "part_m.bin", np.float32).reshape(b, splits, hq)
+    part_l = np.fromfile(tmp_path / "part_l.bin", np.float32).reshape(b, splits, hq)
+    part_acc = np.fromfile(tmp_path / "part_acc.bin", np.float32).reshape(b, splits, hq, d)
+    out = merge_partials(mx.array(part_m), mx.array(part_l), mx.array(part_acc), batch.sinks)
+    return np.array(out)[:, :, None, :]
+
+
 CASES = [
     # lens, hkv, ratio, d, page_size, window, sinks, rope dims, traditional, grouped, splits
     ([1, 37, 100, 5], 2, 2, 64, 16, None, True, 64, False, True, 1),
@@ -230,27 +255,11 @@ def test_cuda_kernels_under_cpu_emulation(case: tuple, tmp_path: Path) -> None: 
         {"T": "float", "D": d},
         CUDA_ROPE_SOURCE,
     )
-    consts = (
-        f"constexpr int HQ_ = {hq}, HKV_ = {hkv}, D_ = {d}, NSG_ = {PAGED_SIMD_GROUPS}, "
-        f"G_ = {group}, S_ = {splits};\n"
+    consts = {"HQ_": hq, "HKV_": hkv, "D_": d, "G_": group, "S_": splits}
+    out = run_paged_emulation(
+        tmp_path, consts, paged + rope_fn + HARNESS_SUPPORT + HARNESS_MAIN, len(lens), batch
     )
-    source = tmp_path / "emu.cpp"
-    source.write_text(consts + HARNESS_HEAD + paged + rope_fn + HARNESS_SUPPORT + HARNESS_MAIN)
-    assert GXX is not None
-    exe = tmp_path / "emu"
-    build = [GXX, "-std=c++20", "-O1", "-pthread", str(source), "-o", str(exe)]
-    proc = subprocess.run(build, capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    subprocess.run([str(exe), str(tmp_path)], check=True, timeout=120)
-
-    b = len(lens)
-    part_m = np.fromfile(tmp_path / "part_m.bin", np.float32).reshape(b, splits, hq)
-    part_l = np.fromfile(tmp_path / "part_l.bin", np.float32).reshape(b, splits, hq)
-    part_acc = np.fromfile(tmp_path / "part_acc.bin", np.float32).reshape(b, splits, hq, d)
-    out = merge_partials(mx.array(part_m), mx.array(part_l), mx.array(part_acc), batch.sinks)
-    np.testing.assert_allclose(
-        np.array(out)[:, :, None, :], dense_oracle(batch), atol=2e-5, rtol=2e-5
-    )
+    np.testing.assert_allclose(out, dense_oracle(batch), atol=2e-5, rtol=2e-5)
 
     pool = mx.zeros((hkv, 4, d))
     no_write = mx.full((nt,), -1, mx.int32)
@@ -361,25 +370,9 @@ def test_cuda_quantized_paged_kernel_under_cpu_emulation(case: tuple, tmp_path: 
         {"T": "float", "D": d, "G": group, "BITS": bits, "GS": group_size},
         CUDA_PAGED_QUANTIZED_SOURCE,
     )
-    consts = (
-        f"constexpr int HQ_ = {hq}, HKV_ = {hkv}, D_ = {d}, NSG_ = {PAGED_SIMD_GROUPS}, "
-        f"G_ = {group}, S_ = {splits}, BITS_ = {bits};\n"
+    consts = {"HQ_": hq, "HKV_": hkv, "D_": d, "G_": group, "S_": splits, "BITS_": bits}
+    out = run_paged_emulation(
+        tmp_path, consts, paged + HARNESS_SUPPORT + QUANTIZED_MAIN, len(lens), batch
     )
-    source = tmp_path / "emu.cpp"
-    source.write_text(consts + HARNESS_HEAD + paged + HARNESS_SUPPORT + QUANTIZED_MAIN)
-    assert GXX is not None
-    exe = tmp_path / "emu"
-    build = [GXX, "-std=c++20", "-O1", "-pthread", str(source), "-o", str(exe)]
-    proc = subprocess.run(build, capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    subprocess.run([str(exe), str(tmp_path)], check=True, timeout=120)
-
-    b = len(lens)
-    part_m = np.fromfile(tmp_path / "part_m.bin", np.float32).reshape(b, splits, hq)
-    part_l = np.fromfile(tmp_path / "part_l.bin", np.float32).reshape(b, splits, hq)
-    part_acc = np.fromfile(tmp_path / "part_acc.bin", np.float32).reshape(b, splits, hq, d)
-    out = merge_partials(mx.array(part_m), mx.array(part_l), mx.array(part_acc), batch.sinks)
     dense = replace(batch, k_pool=k.dequantize(), v_pool=v.dequantize())
-    np.testing.assert_allclose(
-        np.array(out)[:, :, None, :], dense_oracle(dense), atol=5e-5, rtol=5e-5
-    )
+    np.testing.assert_allclose(out, dense_oracle(dense), atol=5e-5, rtol=5e-5)
