@@ -13,6 +13,7 @@ from kv_pool import HybridKVPool
 from kv_protocol import KVCacheError, LayoutError, RequestStateError, layout_from_model
 from kv_serve import TextStream, build_engine, build_pool
 from kv_serve._cli import main, parser
+from kv_serve._server_worker import pool_pages
 from kv_testing import build_tiny_model
 
 VOCAB = 64
@@ -161,6 +162,7 @@ def test_build_engine_quantizes_the_pool_it_builds_and_reports_it() -> None:
     # The sliding sub-pool is plain in both; a full row of 32 fp32 values (128 bytes) is
     # stored as 32 bytes of 8-bit data plus one fp32 scale and one bias (40 bytes).
     assert quantized.sub_pools[0].bytes_per_page == unquantized.sub_pools[0].bytes_per_page
+    assert pool_pages(engine)[2] == {"sliding-w8": 0, "full": 8}  # what /metrics reports
     assert quantized.sub_pools[1].bytes_per_page * 128 == (
         unquantized.sub_pools[1].bytes_per_page * 40
     )

@@ -26,7 +26,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from kv_batching import DecodeEngine
 from kv_pool import HybridKVPool
-from kv_protocol import KVCache, KVPool, layout_from_model
+from kv_protocol import KVCache, KVPool, LayoutError, layout_from_model
 from kv_serve import build_engine, build_kernels, generate, pool_backed_cache, stop_token_ids
 from kv_serve._server import KVServer, RunningServer
 from kv_serve._server_text import CompletionText, IncrementalDecoder
@@ -161,6 +161,7 @@ def test_models_health_and_metrics(served: RunningServer) -> None:
         "kv_serve_requests_queued",
         'kv_serve_pool_pages_used{sub_pool="full"}',
         'kv_serve_pool_pages_total{sub_pool="sliding-w8"}',
+        'kv_serve_pool_kv_bits{sub_pool="full"} 0',
         "kv_serve_prompt_tokens_total",
         "kv_serve_generation_tokens_total",
         "kv_serve_request_latency_seconds_bucket",
@@ -608,3 +609,44 @@ def test_full_queue_is_429_and_an_engine_failure_is_500_for_that_request_only(
     text = httpx.get(running.url + "/metrics").text
     assert 'kv_serve_requests_rejected_total{status="429"} 1' in text
     assert 'kv_serve_requests_rejected_total{status="500"} 2' in text
+
+
+# ---------------------------------------------------------------------- quantized pages
+
+
+def test_a_server_with_quantized_pages_serves_what_the_offline_engine_does() -> None:
+    model = build_tiny_model(
+        "gemma3_text", window=8, num_layers=4, vocab_size=len(tokenizer()), head_dim=32
+    )
+    engine = build_engine(
+        model, max_running=1, max_context=64, page_size=PAGE, kv_bits=4, kv_group_size=32
+    )
+    ids = encode(PROMPT)
+    rid = engine.submit(list(ids), 12, stop_tokens=eos())
+    engine.run()
+    expected = engine.output(rid).tokens
+    engine.close()
+    server = KVServer(
+        model,
+        tokenizer(),
+        model_name=MODEL,
+        max_running=4,
+        max_context=64,
+        page_size=PAGE,
+        kv_bits=4,
+        kv_group_size=32,
+    )
+    with server.running() as running:
+        out = client(running).completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        assert tuple(out.choices[0].token_ids) == expected  # type: ignore[attr-defined]
+        metrics = httpx.get(running.url + "/metrics").text
+    assert 'kv_serve_pool_kv_bits{sub_pool="full"} 4' in metrics
+    assert 'kv_serve_pool_kv_bits{sub_pool="sliding-w8"} 4' in metrics
+    with pytest.raises(LayoutError, match="kv_bits must be one of"):
+        KVServer(model, tokenizer(), model_name=MODEL, kv_bits=6)

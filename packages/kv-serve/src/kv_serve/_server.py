@@ -646,6 +646,12 @@ class KVServer:
             f'kv_serve_pool_pages_total{{sub_pool="{n}"}} {v}' for n, v in snap.pages_total.items()
         ]
         lines += [
+            "# HELP kv_serve_pool_kv_bits Bits per value of a sub-pool's quantized KV pages "
+            "(0: the model's dtype).",
+            "# TYPE kv_serve_pool_kv_bits gauge",
+        ]
+        lines += [f'kv_serve_pool_kv_bits{{sub_pool="{n}"}} {v}' for n, v in snap.kv_bits.items()]
+        lines += [
             "# HELP kv_serve_state_bytes Bytes of recurrent state the running requests hold.",
             "# TYPE kv_serve_state_bytes gauge",
             f"kv_serve_state_bytes {snap.state_bytes}",

@@ -113,6 +113,8 @@ class WorkerSnapshot:
     steps: int = 0
     pages_used: Mapping[str, int] = field(default_factory=dict)
     pages_total: Mapping[str, int] = field(default_factory=dict)
+    #: Bits of each sub-pool's quantized pages; 0 where they hold the model's dtype.
+    kv_bits: Mapping[str, int] = field(default_factory=dict)
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
@@ -154,14 +156,16 @@ def _pool_limits(engine: DecodeEngine) -> tuple[SubPoolLimits, ...]:
     )
 
 
-def _pages(engine: DecodeEngine) -> tuple[dict[str, int], dict[str, int]]:
+def pool_pages(engine: DecodeEngine) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Per sub-pool: pages used, pages in all, and the pages' bits (0: the model's dtype)."""
     report = getattr(engine.pool, "memory_report", None)
     if not callable(report):
-        return {}, {}
+        return {}, {}, {}
     subs = report().sub_pools
     return (
         {str(s.name): int(s.pages_used) for s in subs},
         {str(s.name): int(s.num_pages) for s in subs},
+        {str(s.name): int(getattr(s, "kv_bits", None) or 0) for s in subs},
     )
 
 
@@ -350,7 +354,7 @@ class EngineWorker:
             ticket.put(Event(finish_reason=out.finish_reason or "error", error=out.error))
 
     def _publish(self, engine: DecodeEngine) -> None:
-        used, total = _pages(engine)
+        used, total, bits = pool_pages(engine)
         stats = engine.stats
         prefix = getattr(engine.pool, "prefix_cache_stats", None)
         cache = prefix() if callable(prefix) else None
@@ -363,6 +367,7 @@ class EngineWorker:
             steps=stats.steps,
             pages_used=used,
             pages_total=total,
+            kv_bits=bits,
             prefill_tokens=stats.prefill_tokens,
             decode_tokens=stats.decode_tokens,
             preemptions=stats.preemptions,
