@@ -9,9 +9,9 @@ stored form is bit-for-bit the same whoever makes it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import mlx.core as mx
 
@@ -136,7 +136,7 @@ class QuantizedKV:
         """``(data, scales, biases)``: what evaluating the buffer means."""
         return (self.data, self.scales, self.biases)
 
-    def map(self, fn: Any) -> QuantizedKV:
+    def map(self, fn: Callable[[mx.array], mx.array]) -> QuantizedKV:
         """The same buffer with ``fn`` applied to each stored array (a gather, a slice)."""
         return QuantizedKV(
             data=fn(self.data),
