@@ -12,7 +12,9 @@ Steps, each with its own time limit so the whole run stays under five minutes:
 1. report the MLX version and which native back-end (``metal`` / ``cuda``) is available;
    without one, say so and exit with status 2 (nothing to check);
 2. a smoke test that compiles both JIT kernels once and compares them with the reference on
-   one small input (a failure here prints the compiler output, then the run stops);
+   one small input (a failure here prints the compiler output, then the run stops); then the
+   decode engine end to end on the native kernels (fused RoPE + paged attention; plain,
+   8-bit and 4-bit pages) against mlx-lm's greedy tokens on the same K/V;
 3. pytest on the kv-metal-kernels tests whose names contain ``native`` (on a CUDA machine
    the Metal ones skip, and the other way round);
 4. ``tools.bench_kernels`` in bfloat16 with larger batches and contexts 1k-16k.
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -78,6 +81,91 @@ def smoke(backend: str) -> None:
     print("  paged decode attention kernel ok")
 
 
+def _stored_kv_greedy(model: Any, prompt: list[int], quant: Any, n: int) -> list[int]:
+    """mlx-lm's greedy tokens on its own caches, each storing what a page gives back."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    if quant is not None:
+        for cache in caches:
+            base = type(cache).update_and_fetch
+
+            def stored(k: mx.array, v: mx.array, cache: Any = cache, base: Any = base) -> Any:
+                return base(cache, quant.quantize(k).dequantize(), quant.quantize(v).dequantize())
+
+            cache.update_and_fetch = stored
+    logits = model(mx.array(prompt)[None], cache=caches)
+    out: list[int] = []
+    while len(out) < n:
+        out.append(int(mx.argmax(logits[0, -1])))
+        logits = model(mx.array([[out[-1]]]), cache=caches)
+    return out
+
+
+def engine_check(backend: str) -> bool:
+    """The decode engine on the native kernels == mlx-lm on the same K/V, greedy, fp32.
+
+    Tiny gpt-oss- and Gemma-3-like models (windows crossed, sinks), plain and 8/4-bit pages;
+    the oracle is mlx-lm's own caches storing what the pages give back
+    (``dequantize(quantize(kv))`` for quantized ones). Prints one line per case; True if
+    every request's tokens agree.
+    """
+    import random
+
+    from kv_batching import DecodeEngine
+    from kv_caches import PoolBackedKVCache
+    from kv_metal_kernels import select_kernels
+    from kv_pool import HybridKVPool
+    from kv_protocol import (
+        KVQuantization,
+        attention_module,
+        find_layers,
+        layout_from_model,
+        rope_config_from_module,
+    )
+    from kv_testing import build_tiny_model
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 9, 40, 90)]
+    ok = True
+    for arch in ("gpt_oss", "gemma3_text"):
+        model = build_tiny_model(arch, window=8, num_layers=4, vocab_size=256, head_dim=64)
+        layout = layout_from_model(model)
+        module = attention_module(find_layers(model)[layout.full_layer_ids[0]])
+        rope_module = getattr(module, "rope", None)
+        rope, why = (
+            rope_config_from_module(rope_module) if rope_module is not None else (None, "none")
+        )
+        for bits in (None, 8, 4):
+            quant = None if bits is None else KVQuantization(bits=bits, group_size=64)
+            pool = HybridKVPool(layout, num_pages=96, page_size=16, kv_quantization=quant)
+            kernels = select_kernels(
+                rope, fused_rope=backend, attention=backend, rope_unsupported_reason=why
+            )
+            engine = DecodeEngine(
+                model,
+                pool,
+                kernels,
+                lambda p, rid, layer: PoolBackedKVCache(p, rid, layer),
+                max_running=8,
+                prefill_chunk=32,
+            )
+            ids = [engine.submit(p, 16) for p in prompts]
+            got = engine.run()
+            engine.close()
+            same = sum(
+                got[i] == _stored_kv_greedy(model, p, quant, 16)
+                for i, p in zip(ids, prompts, strict=True)
+            )
+            label = "plain" if bits is None else f"{bits}-bit"
+            print(
+                f"  {arch}, {label} pages, attention {kernels.attention.name}: "
+                f"{same}/{len(prompts)} requests equal to mlx-lm"
+            )
+            ok = ok and same == len(prompts)
+    return ok
+
+
 def run_step(name: str, cmd: list[str], timeout: float) -> bool:
     """Run one subprocess step with a time limit; True if it passed."""
     print(f"\n== {name}: {' '.join(cmd)} (limit {timeout:.0f} s)", flush=True)
@@ -114,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== smoke test FAILED: {type(err).__name__}: {err}")
         return 1
     print(f"== smoke test passed in {time.perf_counter() - start:.1f} s")
+
+    print("\n== the engine end to end on the native kernels")
+    start = time.perf_counter()
+    engine_ok = engine_check(backend)
+    verdict = "passed" if engine_ok else "FAILED"
+    print(f"== engine check {verdict} in {time.perf_counter() - start:.1f} s")
 
     ok = run_step(
         "native tests",
@@ -154,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             and ok
         )
+    ok = ok and engine_ok
     print("\nGPU CHECK", "PASSED" if ok else "FAILED")
     return 0 if ok else 1
 
