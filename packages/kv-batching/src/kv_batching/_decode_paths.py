@@ -136,9 +136,11 @@ def _tolerance(dtype: mx.Dtype, quantized: bool = False) -> float:
 
     Quantized pages round each K/V value to a step of its group's range, so a last-bit
     difference between the batched and the prefill projection can move a value by a whole
-    step: such pools get the tolerance of low-precision dtypes.
+    step: such pools get the tolerance of low-precision dtypes. So do GPUs, whose float32
+    matrix products may round through TF32 (measured on an H200: 1.07e-3 on a tiny Gemma 3).
     """
-    return 1e-3 if dtype == mx.float32 and not quantized else 5e-2
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    return 1e-3 if dtype == mx.float32 and not quantized and on_cpu else 5e-2
 
 
 def check_batched_decode(
