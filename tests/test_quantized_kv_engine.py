@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -25,7 +25,7 @@ from kv_caches import PoolBackedKVCache
 from kv_pool import HybridKVPool
 from kv_protocol import KVQuantization, QuantizedKV, layout_from_model
 from kv_serve import build_engine
-from kv_testing import build_tiny_model
+from kv_testing import build_tiny_model, stored_kv_caches
 
 VOCAB = 256
 MAX_TOKENS = 24
@@ -58,30 +58,6 @@ def greedy(model: Any, prompt: Sequence[int], caches: list[Any], n: int = MAX_TO
         if len(out) == n:
             return out
         logits = model(mx.array([[out[-1]]]), cache=caches)
-
-
-def fake_quantized_caches(model: Any, quant: Mapping[str, KVQuantization | None]) -> list[Any]:
-    """mlx-lm's own caches, storing what a quantized page gives back for each written K/V."""
-    caches = make_prompt_cache(model)
-    for c in caches:
-        q = quant["sliding" if hasattr(c, "max_size") else "full"]
-        if q is None:
-            continue
-        base = type(c)
-
-        def update_and_fetch(
-            keys: mx.array,
-            values: mx.array,
-            c: Any = c,
-            base: Any = base,
-            q: KVQuantization = q,
-        ) -> Any:
-            return base.update_and_fetch(
-                c, q.quantize(keys).dequantize(), q.quantize(values).dequantize()
-            )
-
-        c.update_and_fetch = update_and_fetch
-    return caches
 
 
 def engine_tokens(engine: DecodeEngine, batch: list[list[int]]) -> list[list[int]]:
@@ -136,7 +112,7 @@ def test_hybrid_models_with_quantized_sliding_pages_match_mlx_lm(arch: str, bits
     )
     got = engine_tokens(engine, batch)
     oracle = {"full": quant, "sliding": quant}
-    assert got == [greedy(model, p, fake_quantized_caches(model, oracle)) for p in batch]
+    assert got == [greedy(model, p, stored_kv_caches(model, oracle)) for p in batch]
     if bits == 4:
         plain = [greedy(model, p, make_prompt_cache(model)) for p in batch]
         assert plain != got, "4-bit pages should change some greedy token of this model"
@@ -184,7 +160,7 @@ def test_decode_paths_fused_rope_and_per_kind_quantization(
     batch = prompts(3)
     got = engine_tokens(engine, batch)
     oracle = {k: quant if kinds in ("all", k) else None for k in ("full", "sliding")}
-    assert got == [greedy(model, p, fake_quantized_caches(model, oracle)) for p in batch]
+    assert got == [greedy(model, p, stored_kv_caches(model, oracle)) for p in batch]
     engine.close()
 
 
@@ -205,7 +181,7 @@ def test_prefix_caching_reuses_quantized_pages(arch: str) -> None:
     assert engine.stats.prefix_hit_tokens >= 2 * 36, "later prompts should reuse cached pages"
     oracle = {"full": quant, "sliding": quant}
     got = [out[i] for i in (first, *ids)]
-    assert got == [greedy(model, p, fake_quantized_caches(model, oracle)) for p in batch]
+    assert got == [greedy(model, p, stored_kv_caches(model, oracle)) for p in batch]
     engine.close()
 
 

@@ -215,7 +215,7 @@ def pool_concurrency(pool: HybridKVPool, max_context: int, chunk: int) -> int:
     peaks = HybridKVPool.pages_per_request(
         pool.layout,
         max_context=max_context,
-        page_size=pool.sub_pools[0].page_size,
+        page_size={s.name: s.page_size for s in pool.sub_pools},
         prefill_chunk=chunk,
     )
     return min((s.num_pages - 1) // peaks[s.name] for s in pool.sub_pools)

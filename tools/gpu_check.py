@@ -83,17 +83,9 @@ def smoke(backend: str) -> None:
 
 def _stored_kv_greedy(model: Any, prompt: list[int], quant: Any, n: int) -> list[int]:
     """mlx-lm's greedy tokens on its own caches, each storing what a page gives back."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from kv_testing import stored_kv_caches
 
-    caches = make_prompt_cache(model)
-    if quant is not None:
-        for cache in caches:
-            base = type(cache).update_and_fetch
-
-            def stored(k: mx.array, v: mx.array, cache: Any = cache, base: Any = base) -> Any:
-                return base(cache, quant.quantize(k).dequantize(), quant.quantize(v).dequantize())
-
-            cache.update_and_fetch = stored
+    caches = stored_kv_caches(model, quant)
     logits = model(mx.array(prompt)[None], cache=caches)
     out: list[int] = []
     while len(out) < n:

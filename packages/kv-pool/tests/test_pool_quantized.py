@@ -24,6 +24,7 @@ from kv_protocol import (
     LayerSpec,
     LayoutError,
     QuantizedKV,
+    stored_arrays,
 )
 
 HEADS, DIM = 2, 64
@@ -141,7 +142,7 @@ def test_a_budget_holds_the_real_byte_ratio_more_tokens(
         buffers = [pool.get_key_buffer(i) for i in range(4)] + [
             pool.get_value_buffer(i) for i in range(4)
         ]
-        mx.eval([b.arrays if isinstance(b, QuantizedKV) else b for b in buffers])
+        mx.eval([stored_arrays(b) for b in buffers])
         assert sum(stored_nbytes(b) for b in buffers) == report.bytes_total
     tokens = {
         name: sum(s.num_pages * s.page_size for s in pool.memory_report().sub_pools)

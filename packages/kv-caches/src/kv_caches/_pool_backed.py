@@ -12,9 +12,9 @@ from kv_protocol import (
     LayerKind,
     LayerKindError,
     MaskSpec,
-    QuantizedKV,
     ShapeMismatchError,
     UnknownRequestError,
+    stored_arrays,
 )
 
 from ._checks import check_count, check_kv, check_trim
@@ -163,13 +163,10 @@ class PoolBackedKVCache:
 
         K then V; a quantized layer's buffers give their data, scales and biases each.
         """
-        arrays: list[mx.array] = []
-        for buffer in (
-            self._pool.get_key_buffer(self._layer_id),
-            self._pool.get_value_buffer(self._layer_id),
-        ):
-            arrays.extend(buffer.arrays if isinstance(buffer, QuantizedKV) else (buffer,))
-        return tuple(arrays)
+        return (
+            *stored_arrays(self._pool.get_key_buffer(self._layer_id)),
+            *stored_arrays(self._pool.get_value_buffer(self._layer_id)),
+        )
 
     @state.setter
     def state(self, value: Any) -> None:

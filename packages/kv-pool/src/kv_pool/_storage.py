@@ -21,12 +21,13 @@ from kv_protocol import (
     RequestStateError,
     ShapeMismatchError,
     gather_slots,
+    stored_arrays,
 )
 
 from ._allocator import PageAllocator
 from ._sizing import SubPoolSpec
 
-__all__ = ["KVStorage", "buffer_arrays", "int32_array"]
+__all__ = ["KVStorage", "int32_array"]
 
 #: How many slot arrays the storage remembers (FIFO): a decode step issues one per sub-pool,
 #: a prefill chunk two per layer. A remembered array is trusted while its pages keep their
@@ -65,11 +66,6 @@ def _zeros(spec: SubPoolSpec, shape: tuple[int, int, int]) -> KVBuffer:
     if spec.quantization is None:
         return mx.zeros(shape, dtype=spec.geometry.dtype)
     return spec.quantization.zeros(shape, spec.geometry.dtype)
-
-
-def buffer_arrays(buffer: KVBuffer) -> tuple[mx.array, ...]:
-    """The stored arrays of a layer buffer: itself, or a quantized one's data/scales/biases."""
-    return buffer.arrays if isinstance(buffer, QuantizedKV) else (buffer,)
 
 
 def _scatter(buffer: KVBuffer, slots: mx.array, rows: mx.array) -> None:
@@ -205,7 +201,7 @@ class KVStorage:
         # buffer cannot be done in place and would copy the whole buffer.
         # Quantized buffers copy their stored arrays as they are (no requantization).
         targets = [
-            [a for buf in (*self.keys[index], *self.values[index]) for a in buffer_arrays(buf)]
+            [a for buf in (*self.keys[index], *self.values[index]) for a in stored_arrays(buf)]
             for index, _, _, _ in copies
         ]
         sources = [

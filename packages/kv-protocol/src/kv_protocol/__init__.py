@@ -61,6 +61,7 @@ from ._quantized_kv import (
     gather_slots,
     kv_quantization_choice,
     kv_quantization_for,
+    stored_arrays,
 )
 from ._rope import RopeConfig, rope_config_from_module
 from ._validate import as_int, check_int, check_int_sequence, check_number, is_int
@@ -129,4 +130,5 @@ __all__ = [
     "layout_from_model",
     "model_args",
     "rope_config_from_module",
+    "stored_arrays",
 ]

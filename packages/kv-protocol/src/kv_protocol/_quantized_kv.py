@@ -31,6 +31,7 @@ __all__ = [
     "gather_slots",
     "kv_quantization_choice",
     "kv_quantization_for",
+    "stored_arrays",
 ]
 
 #: Bit widths a quantized KV page may use.
@@ -155,6 +156,11 @@ class QuantizedKV:
 
 #: What a pool's layer buffer is: a plain array, or its quantized form.
 KVBuffer: TypeAlias = mx.array | QuantizedKV
+
+
+def stored_arrays(buffer: KVBuffer) -> tuple[mx.array, ...]:
+    """The arrays a layer buffer stores: itself, or a quantized one's data, scales, biases."""
+    return buffer.arrays if isinstance(buffer, QuantizedKV) else (buffer,)
 
 
 def gather_slots(buffer: KVBuffer, slots: mx.array) -> mx.array:

@@ -3,11 +3,13 @@
 Tiny random-weight models of real hybrid architectures, built from mlx-lm's own ``Model``
 classes with small configurations; nothing is downloaded. The member tests, the cross-package
 tests, the demo and the benchmarks build their models here. ``ReferenceKVPool`` is the one
-plain-Python ``KVPool`` the packages' tests share.
+plain-Python ``KVPool`` the packages' tests share; ``stored_kv_caches`` is the oracle for
+quantized pools (mlx-lm's caches storing what quantized pages give back).
 """
 
 from ._mlx_lm_zoo import ZOO, ZOO_UNBUILDABLE, ZooEntry, build_zoo_model, zoo_config
 from ._reference_pool import ReferenceBookkeeping, ReferenceKVPool
+from ._stored_kv_caches import stored_kv_caches
 from ._tiny_model_dir import save_tiny_model_dir
 from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
 from ._tiny_tokenizer import TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, build_tiny_tokenizer
@@ -25,6 +27,7 @@ __all__ = [
     "build_tiny_tokenizer",
     "build_zoo_model",
     "save_tiny_model_dir",
+    "stored_kv_caches",
     "tiny_model_config",
     "zoo_config",
 ]
