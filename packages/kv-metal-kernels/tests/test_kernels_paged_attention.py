@@ -158,7 +158,13 @@ def f32(x: mx.array) -> np.ndarray:
 @settings(max_examples=60)
 @given(batches())
 def test_reference_matches_dense_softmax(batch: Batch) -> None:
-    for kernel in (ReferencePagedAttention(), ReferencePagedAttention(buckets=0)):
+    kernels = (
+        ReferencePagedAttention(),
+        ReferencePagedAttention(buckets=0),
+        ReferencePagedAttention(unfused_softmax=True),
+        ReferencePagedAttention(unfused_softmax=False),
+    )
+    for kernel in kernels:
         out = run(kernel, batch)
         assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
         tol = TOL[batch.dtype_name]
@@ -291,6 +297,8 @@ def test_reference_satisfies_the_protocol() -> None:
     assert isinstance(ReferencePagedAttention(), PagedDecodeAttention)
     with pytest.raises(ShapeMismatchError):
         ReferencePagedAttention(buckets=-1)
+    with pytest.raises(ShapeMismatchError, match="unfused_softmax"):
+        ReferencePagedAttention(unfused_softmax=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)

@@ -11,6 +11,7 @@ import mlx.core as mx
 from kv_protocol import KVBuffer, KVLifetime, QuantizedKV, ShapeMismatchError, check_int
 
 from ._memo import IdentityMemo
+from ._softmax_cpu import softmax_attention
 from ._validate import PagedIndexCheck, check_paged_attention_args
 
 __all__ = ["ReferencePagedAttention", "window_page_count"]
@@ -24,7 +25,7 @@ def window_page_count(window: int, page_size: int) -> int:
 
 
 def _gather_pages(pool: KVBuffer, pages: mx.array, page_size: int) -> mx.array:
-    """``(H, num_slots, D)`` pool and ``(B, n)`` page ids -> ``(B, H, n * page_size, D)``.
+    """``(H, num_slots, D)`` pool, ``(B, n)`` page ids -> ``(H, B, n * page_size, D)``.
 
     A quantized pool is gathered in its stored form and the gathered pages dequantized.
     """
@@ -34,23 +35,18 @@ def _gather_pages(pool: KVBuffer, pages: mx.array, page_size: int) -> mx.array:
     b, n = pages.shape
     paged = pool.reshape(h, num_slots // page_size, page_size, d)
     # Head-major gather keeps each page a contiguous block (measured fastest on CPU).
-    return paged[:, pages].reshape(h, b, n * page_size, d).swapaxes(0, 1)
+    return paged[:, pages].reshape(h, b, n * page_size, d)
 
 
-def _attend(
-    q: mx.array,
-    k_pool: KVBuffer,
-    v_pool: KVBuffer,
-    page_table: mx.array,
-    seq_lens: mx.array,
-    *,
-    n_cols: int,
-    page_size: int,
-    scale: float,
-    window: int | None,
-    sinks: mx.array | None,
-) -> mx.array:
-    """One SDPA call for the rows of ``q``, reading at most ``n_cols`` page-table columns."""
+def _visible_pages(
+    page_table: mx.array, seq_lens: mx.array, *, n_cols: int, page_size: int, window: int | None
+) -> tuple[mx.array, mx.array]:
+    """The ``(B, n)`` page ids a decode query reads and the ``(B, n * page_size)`` keep-mask.
+
+    At most ``n_cols`` page-table columns; a sliding window reads only the pages that can
+    cover it. Every key outside ``0 .. seq_len - 1`` (or the window) is masked, so null-page
+    entries are never attended.
+    """
     max_pages = page_table.shape[1]
     lens = seq_lens[:, None]
     if window is not None and window_page_count(window, page_size) < n_cols:
@@ -71,12 +67,30 @@ def _attend(
         keep = pos < lens
         if window is not None:
             keep = keep & (pos >= KVLifetime(window).first_visible_array(lens - 1))
+    return pages, keep
+
+
+def _attend(
+    q: mx.array,
+    k_pool: KVBuffer,
+    v_pool: KVBuffer,
+    pages: mx.array,
+    keep: mx.array,
+    *,
+    page_size: int,
+    scale: float,
+    sinks: mx.array | None,
+    unfused_softmax: bool,
+) -> mx.array:
+    """One attention call for the rows of ``q`` over their gathered ``pages``."""
     keys = _gather_pages(k_pool, pages, page_size)
     values = _gather_pages(v_pool, pages, page_size)
+    if unfused_softmax:
+        return softmax_attention(q, keys, values, keep, scale=scale, sinks=sinks)
     return mx.fast.scaled_dot_product_attention(
         q,
-        keys,
-        values,
+        keys.swapaxes(0, 1),
+        values.swapaxes(0, 1),
         scale=scale,
         mask=keep[:, None, None, :],
         sinks=None if sinks is None else sinks.astype(q.dtype),
@@ -111,12 +125,27 @@ class ReferencePagedAttention:
 
     Quantized pools (:class:`kv_protocol.QuantizedKV`) are gathered in their stored form
     (packed data, scales, biases) and dequantized after the gather, then attended the same way.
+
+    ``unfused_softmax``: on MLX's CPU backend (the default, ``None``, decides by the default
+    device when called) the attention is composed here, the softmax in float32 from
+    vectorised arithmetic (:func:`softmax_attention`), since there MLX's fused attention
+    falls back to unfused operations whose ``exp`` runs element by element; elsewhere one
+    ``mx.fast.scaled_dot_product_attention``. The pages and keep-mask a step's rows read
+    are built once per ``page_table`` / ``seq_lens`` pair and shared by its layers.
     """
 
-    def __init__(self, *, buckets: int = 4, validate: bool = False) -> None:
+    def __init__(
+        self, *, buckets: int = 4, validate: bool = False, unfused_softmax: bool | None = None
+    ) -> None:
         self._buckets = check_int(buckets, "buckets", minimum=0, error=ShapeMismatchError)
         self._validate = validate
+        if unfused_softmax is not None and not isinstance(unfused_softmax, bool):
+            raise ShapeMismatchError(
+                f"unfused_softmax must be True, False or None, got {unfused_softmax!r}"
+            )
+        self._unfused_softmax = unfused_softmax
         self._plans: IdentityMemo[_BucketPlan] = IdentityMemo()
+        self._visible: IdentityMemo[tuple[mx.array, mx.array, mx.array]] = IdentityMemo(16)
         self._index_check = PagedIndexCheck()
 
     @property
@@ -148,19 +177,22 @@ class ReferencePagedAttention:
             page_table, seq_lens, page_size, k_pool.shape[1], every_call=self._validate
         )
         max_pages = page_table.shape[1]
+        unfused = self._unfused_softmax
+        if unfused is None:
+            unfused = mx.default_device().type == mx.DeviceType.cpu
 
         def run(rows_q: mx.array, table: mx.array, lens: mx.array, n_cols: int) -> mx.array:
+            pages, keep = self._pages_and_mask(table, lens, n_cols, page_size, window)
             return _attend(
                 rows_q,
                 k_pool,
                 v_pool,
-                table,
-                lens,
-                n_cols=n_cols,
+                pages,
+                keep,
                 page_size=page_size,
                 scale=float(scale),
-                window=window,
                 sinks=sinks,
+                unfused_softmax=unfused,
             )
 
         if self._buckets == 0:
@@ -178,6 +210,20 @@ class ReferencePagedAttention:
             for group in plan.groups
         ]
         return mx.concatenate(outs, axis=0)[plan.inverse]
+
+    def _pages_and_mask(
+        self, table: mx.array, lens: mx.array, n_cols: int, page_size: int, window: int | None
+    ) -> tuple[mx.array, mx.array]:
+        """:func:`_visible_pages`, kept per ``lens`` object and table object for the step."""
+        # The table's id is part of the key; the entry holds the table, so while the entry
+        # lives no other array can take that id.
+        key = (id(table), n_cols, page_size, window)
+        held = self._visible.get(lens, key)
+        if held is not None and held[0] is table:
+            return held[1], held[2]
+        pages, keep = _visible_pages(table, lens, n_cols=n_cols, page_size=page_size, window=window)
+        self._visible.put(lens, key, (table, pages, keep))
+        return pages, keep
 
 
 @dataclass(frozen=True)
