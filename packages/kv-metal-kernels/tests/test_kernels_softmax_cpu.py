@@ -96,12 +96,8 @@ def test_softmax_attention_matches_float64_oracle(
     scale = 1 / math.sqrt(d)
     got = softmax_attention(q_m, k_m, v_m, mx.array(keep), scale=scale, sinks=s_m)
     assert got.shape == (b, hq, 1, d) and got.dtype == mdtype
-    want = _oracle(
-        *(np.array(a.astype(mx.float32), np.float64) for a in (q_m, k_m, v_m)),
-        keep,
-        scale,
-        sink_logits,
-    )
+    q64, k64, v64 = (np.array(a.astype(mx.float32), np.float64) for a in (q_m, k_m, v_m))
+    want = _oracle(q64, k64, v64, keep, scale, sink_logits)
     tol = 1e-5 if dtype == "float32" else 3e-2
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, atol=tol, rtol=tol)
 
