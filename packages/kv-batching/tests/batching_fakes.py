@@ -106,12 +106,37 @@ class FakeRope:
         return q_rot, k_rot, k_new, v_new
 
 
+class CountingPrefillAttention:
+    """A PrefillAttention: MLX's fused SDPA, counting its calls."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(
+        self,
+        q: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: float,
+        mask: Any,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        self.calls += 1
+        return mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+
+
 @dataclass
 class FakeKernels:
     """A KernelSet."""
 
     rope: Any = None
     attention: Any = None
+    prefill_attention: Any = None
 
     def __post_init__(self) -> None:
         if self.attention is None:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_batching import DecodeEngine, RequestStatus, sample_top_p
+from kv_batching import DecodeEngine, RequestStatus, sample_top_p, wrapped_attention
 from kv_protocol import (
     CacheLayout,
     LayerKind,
@@ -27,6 +27,7 @@ from kv_testing import ReferenceKVPool, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batching_fakes import (
+    CountingPrefillAttention,
     FakeKernels,
     FakeRope,
     fake_prefill_cache,
@@ -76,6 +77,19 @@ def test_engine_equals_mlx_lm_with_staggered_arrivals(rope: Any) -> None:
     assert e.stats.decode_tokens + len(PROMPTS) == len(PROMPTS) * MAX_TOKENS
     assert e.stats.prefill_tokens == sum(len(p) for p in PROMPTS)
     assert all(e.output(i).finish_reason == "length" for i in ids)
+
+
+def test_prefill_through_the_kernel_sets_prefill_attention() -> None:
+    """Chunked prefill through the wrappers' kernel: mlx-lm's tokens, wrappers reset after."""
+    counting = CountingPrefillAttention()
+    pool = ReferenceKVPool(layout_from_model(model()), num_pages=64, page_size=2)
+    kernels = FakeKernels(prefill_attention=counting)
+    with DecodeEngine(model(), pool, kernels, fake_prefill_cache, prefill_chunk=5) as e:
+        ids = [e.submit(p, MAX_TOKENS) for p in PROMPTS]
+        out = e.run()
+        assert [out[i] for i in ids] == references()
+        assert counting.calls >= 4 * sum(-(-len(p) // 5) for p in PROMPTS)
+        assert all(w.prefill_attention is None for w in wrapped_attention(model()))
 
 
 def test_stream_yields_every_token_in_order() -> None:

@@ -20,6 +20,7 @@ from kv_batching import (
     is_patched,
     patch_model_attention,
     unpatch_model_attention,
+    wrapped_attention,
 )
 from kv_protocol import (
     CacheLayout,
@@ -31,7 +32,7 @@ from kv_protocol import (
 from kv_testing import ReferenceKVPool, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, FakeRope
+from batching_fakes import CountingPrefillAttention, FakeKernels, FakeRope
 
 ARCHS = ("gpt_oss", "gemma3_text", "cohere2", "olmo3")
 
@@ -155,6 +156,37 @@ def test_outside_batched_decode_the_original_module_runs(arch: str) -> None:
     step = mx.array([[12]])
     assert mx.array_equal(plain(step, cache=c1), patched(step, cache=c2))
     assert mx.array_equal(plain(tokens), patched(tokens))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_attention_reproduces_the_modules_prefill(arch: str) -> None:
+    """Chunks through the wrappers' prefill (RoPE offsets, sliding masks, sinks) == the module's."""
+    plain = fresh(arch)
+    patched = fresh(arch)
+    patch_model_attention(patched)
+    kernel = CountingPrefillAttention()
+    wrappers = wrapped_attention(patched)
+    assert len(wrappers) == 4
+    for wrapper in wrappers:
+        wrapper.prefill_attention = kernel
+    c1, c2 = make_prompt_cache(plain), make_prompt_cache(patched)
+    for chunk in ([1, 5, 9, 2, 7, 3, 11, 4], [8, 6, 10, 13, 2], [12]):
+        tokens = mx.array([chunk])
+        want, got = plain(tokens, cache=c1), patched(tokens, cache=c2)
+        assert mx.allclose(want, got, atol=1e-5, rtol=1e-5)
+    assert kernel.calls == 4 * 3
+    for a, b in zip(c1, c2, strict=True):
+        assert a.offset == b.offset
+        assert mx.allclose(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        assert mx.allclose(a.values, b.values, atol=1e-5, rtol=1e-5)
+    # A call of another form than (x, mask, cache) goes to the module's own forward (which
+    # here refuses the extra argument).
+    attn = wrappers[0]
+    x = mx.random.normal((1, 3, attn.inner.q_proj.weight.shape[1]))
+    before = kernel.calls
+    with pytest.raises(TypeError):
+        attn(x, None, make_prompt_cache(patched)[0], "extra")
+    assert kernel.calls == before
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from ._patching import (
     patch_model_attention,
     unpatch_model_attention,
     wrap_attention_layer,
+    wrapped_attention,
 )
 from ._prefill_budget import PrefillBudget
 from ._requests import RequestOutput, RequestStatus
@@ -101,4 +102,5 @@ __all__ = [
     "unpatch_model_attention",
     "vocabulary_size",
     "wrap_attention_layer",
+    "wrapped_attention",
 ]

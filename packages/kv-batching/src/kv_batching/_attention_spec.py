@@ -16,7 +16,7 @@ from kv_protocol import (
     rope_config_from_module,
 )
 
-__all__ = ["AttentionSpec", "NormMode", "inspect_attention", "project_qkv"]
+__all__ = ["AttentionSpec", "NormMode", "inspect_attention", "project_qkv", "project_qkv_tokens"]
 
 
 SCALE_NAMES = ("scale", "sm_scale")
@@ -82,6 +82,28 @@ def project_qkv(
     if spec_like.k_norm is NormMode.PER_HEAD:
         k = inner.k_norm(k)
     return q, k, v
+
+
+def project_qkv_tokens(
+    inner: Any, spec_like: AttentionSpec, x: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The module's Q ``(B, H, L, D)``, K and V ``(B, Hkv, L, D)`` for ``x (B, L, hidden)``."""
+    batch, length = x.shape[0], x.shape[1]
+    q = inner.q_proj(x)
+    k = inner.k_proj(x)
+    v = inner.v_proj(x)
+    if spec_like.q_norm is NormMode.FLAT:
+        q = inner.q_norm(q)
+    if spec_like.k_norm is NormMode.FLAT:
+        k = inner.k_norm(k)
+    q = q.reshape(batch, length, spec_like.n_heads, spec_like.head_dim)
+    k = k.reshape(batch, length, spec_like.n_kv_heads, spec_like.head_dim)
+    v = v.reshape(batch, length, spec_like.n_kv_heads, spec_like.head_dim)
+    if spec_like.q_norm is NormMode.PER_HEAD:
+        q = inner.q_norm(q)
+    if spec_like.k_norm is NormMode.PER_HEAD:
+        k = inner.k_norm(k)
+    return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 def inspect_attention(inner: Any, layer_id: int, sliding: bool) -> AttentionSpec:

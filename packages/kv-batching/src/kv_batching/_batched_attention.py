@@ -9,10 +9,11 @@ import mlx.nn as nn
 
 from kv_protocol import (
     CacheStateError,
+    PrefillAttention,
     ShapeMismatchError,
 )
 
-from ._attention_spec import AttentionSpec, project_qkv
+from ._attention_spec import AttentionSpec, project_qkv, project_qkv_tokens
 from ._decode_step import LayerStep
 from ._layer_cache import BatchedLayerCache
 
@@ -22,9 +23,13 @@ __all__ = ["BatchedAttention"]
 class BatchedAttention(nn.Module):
     """Wraps one attention module; batched paged decode when handed a BatchedLayerCache.
 
-    With any other cache (or none) the original module runs unchanged. Attribute reads the
-    wrapper does not define fall through to the original module, so code that inspects the
-    attention (layouts, head counts, sliding flags) sees it unchanged.
+    With any other cache (or none) the original module runs unchanged, unless
+    ``prefill_attention`` is set (the engine sets it around its own prefill calls): then a
+    call of the module's usual form ``(x, mask, cache)`` whose cache has an integer
+    ``offset`` runs the same projections, norms, RoPE and ``cache.update_and_fetch`` and
+    attends through that kernel. Attribute reads the wrapper does not define fall through to
+    the original module, so code that inspects the attention (layouts, head counts, sliding
+    flags) sees it unchanged.
     """
 
     def __init__(self, inner: nn.Module, spec: AttentionSpec, child_name: str) -> None:
@@ -32,6 +37,7 @@ class BatchedAttention(nn.Module):
         self.inner = inner
         self.spec = spec
         self.child_name = child_name
+        self.prefill_attention: PrefillAttention | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -51,7 +57,35 @@ class BatchedAttention(nn.Module):
         for candidate in (kwargs.get("cache"), *args):
             if isinstance(candidate, BatchedLayerCache):
                 return self.batched_decode(x, candidate.layer)
+        kernel = self.prefill_attention
+        if kernel is not None:
+            call = _mask_and_cache(args, kwargs)
+            if call is not None:
+                return self.prefill(x, call[0], call[1], kernel)
         result: mx.array = self.inner(x, *args, **kwargs)
+        return result
+
+    def prefill(self, x: mx.array, mask: Any, cache: Any, kernel: PrefillAttention) -> mx.array:
+        """The module's forward for ``x (B, L, hidden)`` with ``kernel`` as its attention."""
+        spec = self.spec
+        inner: Any = self.inner
+        batch, length = x.shape[0], x.shape[1]
+        q, k, v = project_qkv_tokens(inner, spec, x)
+        if spec.uses_rope:
+            offset = cache.offset
+            q = inner.rope(q, offset=offset)
+            k = inner.rope(k, offset=offset)
+        keys, values = cache.update_and_fetch(k, v)
+        out = kernel(
+            q,
+            keys,
+            values,
+            scale=spec.scale,
+            mask=mask,
+            sinks=inner.sinks if spec.has_sinks else None,
+        )
+        flat = out.transpose(0, 2, 1, 3).reshape(batch, length, spec.n_heads * spec.head_dim)
+        result: mx.array = inner.o_proj(flat)
         return result
 
     def batched_decode(self, x: mx.array, layer: LayerStep) -> mx.array:
@@ -121,3 +155,29 @@ class BatchedAttention(nn.Module):
         )
         result: mx.array = inner.o_proj(out.reshape(batch, 1, spec.n_heads * spec.head_dim))
         return result
+
+
+def _mask_and_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+    """``(mask, cache)`` of a call ``(x, mask, cache)`` (positional or keyword), else ``None``.
+
+    Only a mask of ``mx.fast.scaled_dot_product_attention``'s kinds and a cache with an
+    integer ``offset`` and ``update_and_fetch`` qualify; any other call shape keeps the
+    module's own forward.
+    """
+    if set(kwargs) - {"mask", "cache"} or len(args) > 2:
+        return None
+    names = ("mask", "cache")[: len(args)]
+    if any(name in kwargs for name in names):
+        return None
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    mask, cache = bound.get("mask"), bound.get("cache")
+    if not (
+        mask is None or isinstance(mask, mx.array) or (isinstance(mask, str) and mask == "causal")
+    ):
+        return None
+    offset = getattr(cache, "offset", None)
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        return None
+    if not callable(getattr(cache, "update_and_fetch", None)):
+        return None
+    return mask, cache

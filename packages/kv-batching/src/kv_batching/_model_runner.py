@@ -19,6 +19,7 @@ from ._cache_nesting import CacheNesting
 from ._decode_step import DecodeStep, PoolAddressing
 from ._layer_cache import batched_layer_caches
 from ._model_forward import LastPositionForward
+from ._patching import wrapped_attention
 from ._state_cache import StackedStateCache, install_stacked_states
 
 __all__ = ["DecodeOutput", "ModelRunner"]
@@ -57,7 +58,8 @@ class ModelRunner:
     wrapped); ``state_layer_ids`` get each row's recurrent state, stacked; ``nesting`` puts
     the flat per-layer caches back into the model's own cache structure. ``prefill_forward``
     (from :func:`~kv_batching.last_position_forward`) projects only the last position of a
-    prefill chunk when given.
+    prefill chunk when given. When ``kernels`` carry a ``prefill_attention``, the wrapped
+    (fast-path) layers attend through it during :meth:`prefill`.
     """
 
     def __init__(
@@ -79,6 +81,8 @@ class ModelRunner:
         self.nesting = nesting if nesting is not None else CacheNesting.from_model(model)
         self.prefill_forward = prefill_forward
         self.addressing = PoolAddressing.from_pool(pool)
+        self.prefill_attention = getattr(kernels, "prefill_attention", None)
+        self._wrappers = wrapped_attention(model) if self.prefill_attention is not None else []
 
     def say_unfused_layers(self) -> None:
         """Log once which layers the fused RoPE kernel skips because their pages are quantized."""
@@ -98,10 +102,16 @@ class ModelRunner:
         """
         chunk = mx.array(list(tokens), dtype=mx.int32)[None]
         model_caches = self.nesting.nest(caches)
-        if self.prefill_forward is not None:
-            return self.prefill_forward(chunk, model_caches)
-        logits: mx.array = self.model(chunk, cache=model_caches)
-        return logits
+        for wrapper in self._wrappers:
+            wrapper.prefill_attention = self.prefill_attention
+        try:
+            if self.prefill_forward is not None:
+                return self.prefill_forward(chunk, model_caches)
+            logits: mx.array = self.model(chunk, cache=model_caches)
+            return logits
+        finally:
+            for wrapper in self._wrappers:
+                wrapper.prefill_attention = None
 
     def decode(
         self,

@@ -115,6 +115,17 @@ def patch_model_attention(
     return wrapped + len(planned)
 
 
+def wrapped_attention(model: nn.Module) -> list[BatchedAttention]:
+    """The :class:`BatchedAttention` wrappers installed in ``model``, in layer order."""
+    found = []
+    for layer in find_layers(model):
+        for name in ATTENTION_CHILD_NAMES:
+            child = getattr(layer, name, None)
+            if isinstance(child, BatchedAttention):
+                found.append(child)
+    return found
+
+
 def unpatch_model_attention(model: nn.Module) -> int:
     """Put the original attention modules back; returns how many were restored."""
     restored = 0

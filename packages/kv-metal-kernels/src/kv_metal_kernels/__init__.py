@@ -15,6 +15,7 @@ from ._native import (
     split_plan,
 )
 from ._paged_reference import ReferencePagedAttention, window_page_count
+from ._prefill_attention import DensePrefillAttention
 from ._rope_reference import ReferenceRopeScatter, rope_tokens
 from ._scatter import ScatterPlan, plan_scatter, scatter_token_rows
 from ._select import (
@@ -28,6 +29,7 @@ from ._select import (
 
 __all__ = [
     "ATTENTION_ENV",
+    "DensePrefillAttention",
     "FUSED_ROPE_ENV",
     "KernelSet",
     "NATIVE_BACKENDS",

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from kv_protocol import (
     PagedDecodeAttention,
+    PrefillAttention,
     RopeConfig,
     RopeScatterKernel,
     UnknownBackendError,
@@ -18,6 +19,7 @@ from kv_protocol import (
 
 from ._native import NativePagedAttention, NativeRopeScatter, native_backend, require_backend
 from ._paged_reference import ReferencePagedAttention
+from ._prefill_attention import DensePrefillAttention
 from ._rope_reference import ReferenceRopeScatter
 
 __all__ = [
@@ -49,10 +51,15 @@ def _log_once(message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class KernelSet:
-    """The kernels of batched decode (``kv_protocol.KernelSet``); ``rope is None`` = unfused."""
+    """The kernels of batched decode (``kv_protocol.KernelSet``); ``rope is None`` = unfused.
+
+    ``prefill_attention`` (``None``: each module's own attention) serves the prefill chunks
+    of the layers the engine wraps.
+    """
 
     attention: PagedDecodeAttention
     rope: RopeScatterKernel | None = None
+    prefill_attention: PrefillAttention | None = None
 
 
 def _choice(
@@ -89,6 +96,7 @@ def select_kernels(
     attention: str | None = None,
     rope_unsupported_reason: str = "",
     validate: bool = False,
+    prefill_attention: bool = True,
 ) -> KernelSet:
     """Choose the kernels for this machine and configuration.
 
@@ -104,11 +112,14 @@ def select_kernels(
     asked for but ``rope`` is ``None`` (the model's RoPE cannot be described, e.g. YaRN;
     pass :func:`rope_config_from_module`'s reason as ``rope_unsupported_reason``) or the
     kernel does not support ``rope``, RoPE stays unfused
-    and one log line says why.
+    and one log line says why. ``prefill_attention`` (default on) adds a
+    :class:`DensePrefillAttention` for the prefill chunks of the layers the engine wraps
+    (off: each module's own attention).
     """
     fused = _choice(fused_rope, FUSED_ROPE_ENV, "off", _FUSED_CHOICES, argument="fused_rope")
     attn = _choice(attention, ATTENTION_ENV, "reference", _ATTENTION_CHOICES, argument="attention")
     native = native_backend()
+    prefill = DensePrefillAttention() if prefill_attention else None
     if attn == "auto":
         attn = native or "reference"
     attention_kernel: PagedDecodeAttention
@@ -119,7 +130,7 @@ def select_kernels(
         attention_kernel = NativePagedAttention(attn, validate=validate)
 
     if fused == "off":
-        return KernelSet(attention=attention_kernel, rope=None)
+        return KernelSet(attention=attention_kernel, rope=None, prefill_attention=prefill)
     if fused == "auto":
         fused = native or "reference"
     rope_kernel: RopeScatterKernel
@@ -131,14 +142,14 @@ def select_kernels(
     if rope is None:
         why = rope_unsupported_reason or "no RoPE configuration was given"
         _log_once(f"fused RoPE + pool scatter ({fused}) disabled, using unfused RoPE: {why}")
-        return KernelSet(attention=attention_kernel, rope=None)
+        return KernelSet(attention=attention_kernel, rope=None, prefill_attention=prefill)
     if not rope_kernel.supports(rope):
         _log_once(
             f"fused RoPE + pool scatter ({fused}) disabled, using unfused RoPE: the kernel "
             f"does not support {rope}"
         )
-        return KernelSet(attention=attention_kernel, rope=None)
-    return KernelSet(attention=attention_kernel, rope=rope_kernel)
+        return KernelSet(attention=attention_kernel, rope=None, prefill_attention=prefill)
+    return KernelSet(attention=attention_kernel, rope=rope_kernel, prefill_attention=prefill)
 
 
 def paged_decode_attention(

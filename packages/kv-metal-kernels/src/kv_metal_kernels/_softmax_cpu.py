@@ -11,10 +11,13 @@ a relative error below ``2.5e-7 + 7.5e-8 * |x|`` on the values softmax needs (``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 
-__all__ = ["exp_nonpositive", "softmax_attention"]
+from kv_protocol import MaskSpec, ShapeMismatchError
+
+__all__ = ["exp_nonpositive", "prefill_softmax_attention", "softmax_attention", "softmax_parts"]
 
 #: Taylor coefficients of ``2**f = exp(f ln 2)`` for ``|f| <= 1/2``; the first omitted term
 #: is below ``(ln 2 / 2)**7 / 7! ~ 1.2e-7``.
@@ -46,6 +49,62 @@ def exp_nonpositive(x: mx.array) -> mx.array:
     return poly * mx.view(mx.left_shift(exponent, 23), mx.float32)
 
 
+def _weights(
+    scores: mx.array, mask: mx.array | None, sink_logits: mx.array | None, additive: bool
+) -> tuple[mx.array, mx.array]:
+    """Float32 ``scores`` -> unnormalised softmax weights and their denominators.
+
+    ``mask`` is a boolean keep-mask, or with ``additive`` a float mask added to the scores;
+    ``sink_logits`` (one per head) join the denominator, as attention sinks do.
+    """
+    if mask is not None:
+        scores = scores + mask if additive else mx.where(mask, scores, -mx.inf)
+    peak = scores.max(axis=-1, keepdims=True)
+    if sink_logits is not None:
+        peak = mx.maximum(peak, sink_logits)
+    weights = exp_nonpositive(scores - peak)
+    denominator = weights.sum(axis=-1, keepdims=True)
+    if sink_logits is not None:
+        denominator = denominator + exp_nonpositive(sink_logits - peak)
+    return weights, denominator
+
+
+_Parts = Callable[..., tuple[mx.array, mx.array]]
+# Compiled, the elementwise chain runs as one fused CPU kernel (measured 6x faster than
+# MLX's exp at 16 x 8 x 512 scores); a traced shape is reused, a new one re-traced.
+_compiled: dict[tuple[bool, bool, bool], _Parts] = {}
+
+
+def _variant(has_mask: bool, additive: bool, has_sinks: bool) -> _Parts:
+    """:func:`_weights` for one combination of optional inputs, as a function of arrays only."""
+
+    def parts(*arrays: mx.array) -> tuple[mx.array, mx.array]:
+        it = iter(arrays)
+        scores = next(it)
+        mask = next(it) if has_mask else None
+        sinks = next(it) if has_sinks else None
+        return _weights(scores, mask, sinks, additive)
+
+    return parts
+
+
+def softmax_parts(
+    scores: mx.array, mask: mx.array | None, sink_logits: mx.array | None, *, additive: bool
+) -> tuple[mx.array, mx.array]:
+    """:func:`_weights` through ``mx.compile`` where MLX can compile on this machine."""
+    key = (mask is not None, additive, sink_logits is not None)
+    fn = _compiled.get(key)
+    if fn is None:
+        fn = _compiled[key] = mx.compile(_variant(*key))
+    arrays = [a for a in (scores, mask, sink_logits) if a is not None]
+    try:
+        return fn(*arrays)
+    except Exception:
+        # No C++ compiler for MLX's CPU compile: the same operations, unfused.
+        fn = _compiled[key] = _variant(*key)
+        return fn(*arrays)
+
+
 def softmax_attention(
     q: mx.array,
     keys: mx.array,
@@ -69,15 +128,74 @@ def softmax_attention(
     # (Hkv, B, group, D): query head h reads kv head h // group, as in grouped-query attention.
     q_heads = (q.reshape(b, n_kv, group, head_dim) * scale).transpose(1, 0, 2, 3)
     scores = (q_heads @ keys.swapaxes(-1, -2)).astype(mx.float32)
-    scores = mx.where(keep[None, :, None, :], scores, -mx.inf)
-    peak = scores.max(axis=-1, keepdims=True)
     sink_logits = None
     if sinks is not None:
         sink_logits = sinks.astype(mx.float32).reshape(n_kv, 1, group, 1)
-        peak = mx.maximum(peak, sink_logits)
-    weights = exp_nonpositive(scores - peak)
-    denominator = weights.sum(axis=-1, keepdims=True)
-    if sink_logits is not None:
-        denominator = denominator + mx.exp(sink_logits - peak)
+    weights, denominator = softmax_parts(
+        scores, keep[None, :, None, :], sink_logits, additive=False
+    )
     out = (weights.astype(values.dtype) @ values).astype(mx.float32) / denominator
     return out.astype(q.dtype).transpose(1, 0, 2, 3).reshape(b, n_heads, 1, head_dim)
+
+
+def _query_mask(mask: MaskSpec, b: int, n_kv: int, group: int, t: int, s: int) -> mx.array | None:
+    """``mask`` as an array broadcastable to the ``(B, Hkv, group, T, S)`` scores."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ShapeMismatchError(f"mask must be None, 'causal' or an array, got {mask!r}")
+        # Query t is position s - t_len + t: it sees every key up to itself.
+        return mx.arange(s)[None, :] <= mx.arange(s - t, s)[:, None]
+    if mask.ndim < 2 or mask.shape[-2:] not in ((t, s), (1, s), (t, 1), (1, 1)):
+        raise ShapeMismatchError(
+            f"a prefill mask must end in (T, S) = ({t}, {s}), got shape {tuple(mask.shape)}"
+        )
+    if mask.ndim <= 2:
+        return mask
+    heads = mask.shape[-3]
+    lead = mask.reshape(-1, heads, *mask.shape[-2:])
+    if lead.shape[0] not in (1, b) or heads not in (1, n_kv * group):
+        raise ShapeMismatchError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to (B, Hq, T, S) = "
+            f"({b}, {n_kv * group}, {t}, {s})"
+        )
+    if heads == 1:
+        return lead[:, :, None]
+    return lead.reshape(lead.shape[0], n_kv, group, *mask.shape[-2:])
+
+
+def prefill_softmax_attention(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: MaskSpec,
+    sinks: mx.array | None,
+) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention``'s result, the softmax from :func:`softmax_parts`.
+
+    ``q`` is ``(B, Hq, T, D)``, ``keys`` / ``values`` ``(B, Hkv, S, D)``; ``mask`` ``None``,
+    ``"causal"`` (aligned to the last key), a boolean keep-mask or an additive float mask
+    broadcastable to ``(B, Hq, T, S)``; ``sinks (Hq,)`` one extra logit per head.
+    """
+    b, n_heads, t, head_dim = q.shape
+    n_kv, s = keys.shape[1], keys.shape[2]
+    group = n_heads // n_kv
+    # Grouped-query attention: the `group` query heads of a KV head are rows of one matmul.
+    q_rows = (q * scale).reshape(b, n_kv, group * t, head_dim)
+    scores = (q_rows @ keys.swapaxes(-1, -2)).astype(mx.float32)
+    scores = scores.reshape(b, n_kv, group, t, s)
+    query_mask = _query_mask(mask, b, n_kv, group, t, s)
+    additive = query_mask is not None and query_mask.dtype != mx.bool_
+    if additive:
+        assert query_mask is not None
+        query_mask = query_mask.astype(mx.float32)
+    sink_logits = None
+    if sinks is not None:
+        sink_logits = sinks.astype(mx.float32).reshape(1, n_kv, group, 1, 1)
+    weights, denominator = softmax_parts(scores, query_mask, sink_logits, additive=additive)
+    rows = weights.astype(values.dtype).reshape(b, n_kv, group * t, s) @ values
+    out = rows.astype(mx.float32).reshape(b, n_kv, group, t, head_dim) / denominator
+    return out.astype(q.dtype).reshape(b, n_heads, t, head_dim)

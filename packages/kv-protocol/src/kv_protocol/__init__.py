@@ -47,6 +47,7 @@ from ._protocols import (
     OffsetCache,
     PageAllocator,
     PagedDecodeAttention,
+    PrefillAttention,
     RopeScatterKernel,
 )
 from ._quantized_kv import (
@@ -101,6 +102,7 @@ __all__ = [
     "OffsetCache",
     "PageAllocator",
     "PagedDecodeAttention",
+    "PrefillAttention",
     "PoolExhaustedError",
     "QuantizedKV",
     "RequestStateError",

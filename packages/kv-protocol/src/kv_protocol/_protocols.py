@@ -33,6 +33,7 @@ __all__ = [
     "OffsetCache",
     "PageAllocator",
     "PagedDecodeAttention",
+    "PrefillAttention",
     "RopeScatterKernel",
 ]
 
@@ -394,8 +395,43 @@ class PagedDecodeAttention(Protocol):
 
 
 @runtime_checkable
+class PrefillAttention(Protocol):
+    """Attention of a prefill chunk's queries over the request's keys (the chunk's included)."""
+
+    @property
+    def name(self) -> str:
+        """Backend name."""
+        ...
+
+    def __call__(
+        self,
+        q: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: float,
+        mask: MaskSpec,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        """Attention output ``(B, Hq, T, D)`` for q ``(B, Hq, T, D)``, keys ``(B, Hkv, S, D)``.
+
+        The semantics of ``mx.fast.scaled_dot_product_attention``: ``mask`` is ``None``,
+        ``"causal"`` (query ``t`` sees keys ``0 .. S - T + t``), a boolean keep-mask or an
+        additive float mask broadcastable to ``(B, Hq, T, S)``; ``sinks (Hq,)`` adds one
+        learned logit per head to the softmax denominator.
+        """
+        ...
+
+
+@runtime_checkable
 class KernelSet(Protocol):
-    """The kernels batched decode uses: ``rope is None`` means RoPE is not fused."""
+    """The kernels batched decode uses: ``rope is None`` means RoPE is not fused.
+
+    A kernel set may also carry ``prefill_attention`` (a :class:`PrefillAttention`, or
+    ``None``): the engine then runs the prefill chunks of the layers it wraps through it
+    instead of the module's own attention call. It is read with ``getattr``, so a kernel set
+    without it keeps every module's own prefill.
+    """
 
     @property
     def rope(self) -> RopeScatterKernel | None:

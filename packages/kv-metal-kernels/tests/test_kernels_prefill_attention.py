@@ -1,0 +1,119 @@
+"""Prefill attention: the CPU softmax composition against MLX's fused SDPA, every mask kind."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_metal_kernels import DensePrefillAttention, select_kernels
+from kv_protocol import PrefillAttention, ShapeMismatchError
+
+MASK_KINDS = ("none", "causal", "keep_ts", "keep_b1ts", "keep_bhts", "additive_ts", "additive_bhts")
+
+
+def _mask(kind: str, rng: np.random.Generator, b: int, hq: int, t: int, s: int) -> object:
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return "causal"
+    shape = {"ts": (t, s), "b1ts": (b, 1, t, s), "bhts": (b, hq, t, s)}[kind.split("_")[1]]
+    keep = rng.random(shape) < 0.75
+    keep[..., -1] = True  # every query sees at least one key
+    if kind.startswith("keep"):
+        return mx.array(keep)
+    return mx.array(np.where(keep, rng.normal(size=shape) * 0.5, -np.inf).astype(np.float32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    d=st.sampled_from([8, 32, 64]),
+    t=st.integers(1, 24),
+    extra=st.integers(0, 40),
+    kind=st.sampled_from(MASK_KINDS),
+    sinks=st.booleans(),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_cpu_softmax_matches_mlx_fused_attention(
+    b: int,
+    hkv: int,
+    group: int,
+    d: int,
+    t: int,
+    extra: int,
+    kind: str,
+    sinks: bool,
+    dtype: str,
+    seed: int,
+) -> None:
+    rng = np.random.default_rng(seed)
+    hq, s = hkv * group, t + extra
+    mdtype = mx.float32 if dtype == "float32" else mx.bfloat16
+
+    def arr(*shape: int) -> mx.array:
+        return mx.array(rng.normal(size=shape).astype(np.float32)).astype(mdtype)
+
+    q, keys, values = arr(b, hq, t, d), arr(b, hkv, s, d), arr(b, hkv, s, d)
+    mask = _mask(kind, rng, b, hq, t, s)
+    if isinstance(mask, mx.array) and mask.dtype == mx.float32:
+        mask = mask.astype(mdtype)  # MLX's fused kernel takes an additive mask in q's dtype
+    sink_logits = mx.array(rng.normal(size=hq).astype(np.float32)) if sinks else None
+    scale = 1 / math.sqrt(d)
+    args = {"scale": scale, "mask": mask, "sinks": sink_logits}
+    got = DensePrefillAttention(unfused_softmax=True)(q, keys, values, **args)  # type: ignore[arg-type]
+    want = DensePrefillAttention(unfused_softmax=False)(q, keys, values, **args)  # type: ignore[arg-type]
+    assert got.shape == (b, hq, t, d) and got.dtype == mdtype
+    tol = 2e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(
+        np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=tol, rtol=tol
+    )
+
+
+def test_causal_mask_is_aligned_to_the_last_key() -> None:
+    """A 3-query chunk after 5 cached keys: query i sees keys 0 .. 5 + i (a float64 oracle)."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.normal(size=shape) for shape in ((1, 1, 3, 4), (1, 1, 8, 4), (1, 1, 8, 4)))
+    got = DensePrefillAttention(unfused_softmax=True)(
+        mx.array(q.astype(np.float32)),
+        mx.array(k.astype(np.float32)),
+        mx.array(v.astype(np.float32)),
+        scale=0.5,
+        mask="causal",
+    )
+    for i in range(3):
+        scores = 0.5 * k[0, 0, : 6 + i] @ q[0, 0, i]
+        weights = np.exp(scores - scores.max())
+        want = weights @ v[0, 0, : 6 + i] / weights.sum()
+        np.testing.assert_allclose(np.array(got[0, 0, i]), want, atol=1e-5)
+
+
+def test_bad_inputs_are_refused_with_the_expected_shapes() -> None:
+    kernel = DensePrefillAttention(unfused_softmax=True)
+    q, kv = mx.zeros((1, 4, 3, 8)), mx.zeros((1, 2, 5, 8))
+    with pytest.raises(ShapeMismatchError, match=r"\(T, S\) = \(3, 5\)"):
+        kernel(q, kv, kv, scale=1.0, mask=mx.ones((3, 4), dtype=mx.bool_))
+    with pytest.raises(ShapeMismatchError, match="does not broadcast"):
+        kernel(q, kv, kv, scale=1.0, mask=mx.ones((1, 3, 3, 5), dtype=mx.bool_))
+    with pytest.raises(ShapeMismatchError, match="'causal'"):
+        kernel(q, kv, kv, scale=1.0, mask="sliding")  # type: ignore[arg-type]
+    with pytest.raises(ShapeMismatchError, match="do not group"):
+        kernel(mx.zeros((1, 3, 3, 8)), kv, kv, scale=1.0, mask=None)
+    with pytest.raises(ShapeMismatchError, match="one shape"):
+        kernel(q, kv, mx.zeros((1, 2, 4, 8)), scale=1.0, mask=None)
+    with pytest.raises(ShapeMismatchError, match="unfused_softmax"):
+        DensePrefillAttention(unfused_softmax="yes")  # type: ignore[arg-type]
+
+
+def test_selected_kernels_carry_the_prefill_attention() -> None:
+    kernels = select_kernels()
+    assert isinstance(kernels.prefill_attention, PrefillAttention)
+    assert kernels.prefill_attention.name == "dense"
+    assert select_kernels(prefill_attention=False).prefill_attention is None
