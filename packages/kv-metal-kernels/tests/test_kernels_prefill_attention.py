@@ -117,3 +117,22 @@ def test_selected_kernels_carry_the_prefill_attention() -> None:
     assert isinstance(kernels.prefill_attention, PrefillAttention)
     assert kernels.prefill_attention.name == "dense"
     assert select_kernels(prefill_attention=False).prefill_attention is None
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("cached", [0, 77])
+def test_long_chunks_are_attended_in_query_blocks(kind: str, cached: int) -> None:
+    """A 300-token chunk (three query blocks, the last one partial) == MLX's fused attention."""
+    rng = np.random.default_rng(7)
+    b, hkv, group, d, t = 2, 2, 2, 16, 300
+    s = t + cached
+    q, keys, values = (
+        mx.array(rng.normal(size=shape).astype(np.float32))
+        for shape in ((b, hkv * group, t, d), (b, hkv, s, d), (b, hkv, s, d))
+    )
+    mask = _mask(kind, rng, b, hkv * group, t, s)
+    sinks = mx.array(rng.normal(size=hkv * group).astype(np.float32))
+    args = {"scale": d**-0.5, "mask": mask, "sinks": sinks}
+    got = DensePrefillAttention(unfused_softmax=True)(q, keys, values, **args)  # type: ignore[arg-type]
+    want = DensePrefillAttention(unfused_softmax=False)(q, keys, values, **args)  # type: ignore[arg-type]
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=2e-5)

@@ -165,6 +165,10 @@ def _query_mask(mask: MaskSpec, b: int, n_kv: int, group: int, t: int, s: int) -
     return lead.reshape(lead.shape[0], n_kv, group, *mask.shape[-2:])
 
 
+#: Query rows per block of a prefill's attention: bounds the float32 scores held at once.
+PREFILL_QUERY_BLOCK = 128
+
+
 def prefill_softmax_attention(
     q: mx.array,
     keys: mx.array,
@@ -179,7 +183,48 @@ def prefill_softmax_attention(
     ``q`` is ``(B, Hq, T, D)``, ``keys`` / ``values`` ``(B, Hkv, S, D)``; ``mask`` ``None``,
     ``"causal"`` (aligned to the last key), a boolean keep-mask or an additive float mask
     broadcastable to ``(B, Hq, T, S)``; ``sinks (Hq,)`` one extra logit per head.
+
+    Queries are attended in blocks of :data:`PREFILL_QUERY_BLOCK` rows, so the scores held
+    at once are ``(B, Hq, 128, S)``; under ``"causal"`` a block reads only the keys up to its
+    last query, so the masked upper triangle is not computed either.
     """
+    t, s = q.shape[2], keys.shape[2]
+    if t <= PREFILL_QUERY_BLOCK:
+        return _attend_queries(q, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] not in (1, t):
+        _query_mask(mask, q.shape[0], keys.shape[1], 1, t, s)  # raises with the shapes
+    outs = []
+    for start in range(0, t, PREFILL_QUERY_BLOCK):
+        stop = min(start + PREFILL_QUERY_BLOCK, t)
+        rows = q[:, :, start:stop]
+        if isinstance(mask, str) and mask == "causal":
+            # Query `stop - 1` is position s - t + stop - 1: no block query sees further.
+            visible = s - t + stop
+            block_mask: MaskSpec = "causal"
+            block_keys, block_values = keys[:, :, :visible], values[:, :, :visible]
+        else:
+            block_keys, block_values = keys, values
+            block_mask = mask
+            if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == t:
+                block_mask = mask[..., start:stop, :]
+        outs.append(
+            _attend_queries(
+                rows, block_keys, block_values, scale=scale, mask=block_mask, sinks=sinks
+            )
+        )
+    return mx.concatenate(outs, axis=2)
+
+
+def _attend_queries(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: MaskSpec,
+    sinks: mx.array | None,
+) -> mx.array:
+    """One block of :func:`prefill_softmax_attention`: every query row in one softmax."""
     b, n_heads, t, head_dim = q.shape
     n_kv, s = keys.shape[1], keys.shape[2]
     group = n_heads // n_kv
