@@ -136,3 +136,25 @@ def test_long_chunks_are_attended_in_query_blocks(kind: str, cached: int) -> Non
     got = DensePrefillAttention(unfused_softmax=True)(q, keys, values, **args)  # type: ignore[arg-type]
     want = DensePrefillAttention(unfused_softmax=False)(q, keys, values, **args)  # type: ignore[arg-type]
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=2e-5)
+
+
+def test_query_blocks_run_in_memory_that_does_not_grow_with_the_chunk() -> None:
+    """Query blocks are chained one after another: 4x the queries, about the same peak."""
+    rng = np.random.default_rng(3)
+    keys, values = (
+        mx.array(rng.normal(size=(1, 2, 2048, 64)).astype(np.float32)) for _ in range(2)
+    )
+    kernel = DensePrefillAttention(unfused_softmax=True)
+
+    def peak(t: int) -> int:
+        q = mx.array(rng.normal(size=(1, 8, t, 64)).astype(np.float32))
+        mx.eval(q, keys, values)
+        mx.synchronize()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(kernel(q, keys, values, scale=0.125, mask=None))
+        mx.synchronize()
+        return mx.get_peak_memory() - before
+
+    assert peak(2048) <= 1.25 * peak(512)

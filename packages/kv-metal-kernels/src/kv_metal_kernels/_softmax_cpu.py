@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import mlx.core as mx
 
@@ -193,10 +194,13 @@ def prefill_softmax_attention(
         return _attend_queries(q, keys, values, scale=scale, mask=mask, sinks=sinks)
     if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] not in (1, t):
         _query_mask(mask, q.shape[0], keys.shape[1], 1, t, s)  # raises with the shapes
-    outs = []
+    outs: list[mx.array] = []
     for start in range(0, t, PREFILL_QUERY_BLOCK):
         stop = min(start + PREFILL_QUERY_BLOCK, t)
         rows = q[:, :, start:stop]
+        if outs:
+            # One block after the other: its scores are freed before the next block's exist.
+            rows = cast(mx.array, mx.depends(rows, outs[-1]))
         if isinstance(mask, str) and mask == "causal":
             # Query `stop - 1` is position s - t + stop - 1: no block query sees further.
             visible = s - t + stop
