@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from kv_batching import (
     BatchedAttention,
@@ -187,6 +187,10 @@ def test_prefill_attention_reproduces_the_modules_prefill(arch: str) -> None:
     with pytest.raises(TypeError):
         attn(x, None, make_prompt_cache(patched)[0], "extra")
     assert kernel.calls == before
+    # mlx-lm's quantized cache hands back packed tuples: the module's own forward reads them.
+    quantized = QuantizedKVCache(group_size=32, bits=8)
+    mx.eval(attn(x, "causal", quantized))
+    assert kernel.calls == before and quantized.offset == 3
 
 
 @pytest.mark.parametrize(

@@ -161,8 +161,9 @@ def _mask_and_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any,
     """``(mask, cache)`` of a call ``(x, mask, cache)`` (positional or keyword), else ``None``.
 
     Only a mask of ``mx.fast.scaled_dot_product_attention``'s kinds and a cache with an
-    integer ``offset`` and ``update_and_fetch`` qualify; any other call shape keeps the
-    module's own forward.
+    integer ``offset`` and ``update_and_fetch`` that returns plain arrays (not mlx-lm's
+    quantized caches, which have ``bits``) qualify; anything else keeps the module's own
+    forward.
     """
     if set(kwargs) - {"mask", "cache"} or len(args) > 2:
         return None
@@ -180,4 +181,6 @@ def _mask_and_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any,
         return None
     if not callable(getattr(cache, "update_and_fetch", None)):
         return None
+    if getattr(cache, "bits", None) is not None:
+        return None  # mlx-lm's quantized caches return packed tuples only their module reads
     return mask, cache
