@@ -66,22 +66,8 @@ def project_qkv(
     inner: Any, spec_like: AttentionSpec, x: mx.array
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The module's Q ``(B, H, D)``, K and V ``(B, Hkv, D)`` for one token per row, normed."""
-    batch = x.shape[0]
-    q = inner.q_proj(x)
-    k = inner.k_proj(x)
-    v = inner.v_proj(x)
-    if spec_like.q_norm is NormMode.FLAT:
-        q = inner.q_norm(q)
-    if spec_like.k_norm is NormMode.FLAT:
-        k = inner.k_norm(k)
-    q = q.reshape(batch, spec_like.n_heads, spec_like.head_dim)
-    k = k.reshape(batch, spec_like.n_kv_heads, spec_like.head_dim)
-    v = v.reshape(batch, spec_like.n_kv_heads, spec_like.head_dim)
-    if spec_like.q_norm is NormMode.PER_HEAD:
-        q = inner.q_norm(q)
-    if spec_like.k_norm is NormMode.PER_HEAD:
-        k = inner.k_norm(k)
-    return q, k, v
+    q, k, v = project_qkv_tokens(inner, spec_like, x)
+    return q[:, :, 0, :], k[:, :, 0, :], v[:, :, 0, :]
 
 
 def project_qkv_tokens(
