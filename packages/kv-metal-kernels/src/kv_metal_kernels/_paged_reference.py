@@ -11,7 +11,7 @@ import mlx.core as mx
 from kv_protocol import KVBuffer, KVLifetime, QuantizedKV, ShapeMismatchError, check_int
 
 from ._memo import IdentityMemo
-from ._softmax_cpu import softmax_attention
+from ._softmax_cpu import softmax_attention, unfused_softmax_choice, use_unfused_softmax
 from ._validate import PagedIndexCheck, check_paged_attention_args
 
 __all__ = ["ReferencePagedAttention", "window_page_count"]
@@ -139,11 +139,7 @@ class ReferencePagedAttention:
     ) -> None:
         self._buckets = check_int(buckets, "buckets", minimum=0, error=ShapeMismatchError)
         self._validate = validate
-        if unfused_softmax is not None and not isinstance(unfused_softmax, bool):
-            raise ShapeMismatchError(
-                f"unfused_softmax must be True, False or None, got {unfused_softmax!r}"
-            )
-        self._unfused_softmax = unfused_softmax
+        self._unfused_softmax = unfused_softmax_choice(unfused_softmax)
         self._plans: IdentityMemo[_BucketPlan] = IdentityMemo()
         self._visible: IdentityMemo[tuple[mx.array, mx.array, mx.array]] = IdentityMemo(16)
         self._index_check = PagedIndexCheck()
@@ -177,9 +173,7 @@ class ReferencePagedAttention:
             page_table, seq_lens, page_size, k_pool.shape[1], every_call=self._validate
         )
         max_pages = page_table.shape[1]
-        unfused = self._unfused_softmax
-        if unfused is None:
-            unfused = mx.default_device().type == mx.DeviceType.cpu
+        unfused = use_unfused_softmax(self._unfused_softmax)
 
         def run(rows_q: mx.array, table: mx.array, lens: mx.array, n_cols: int) -> mx.array:
             pages, keep = self._pages_and_mask(table, lens, n_cols, page_size, window)
@@ -222,7 +216,7 @@ class ReferencePagedAttention:
         # lives no other array can take that id.
         key = (id(table), n_cols, page_size, window)
         held = self._visible.get(lens, key)
-        if held is not None and held[0] is table:
+        if held is not None:
             return held[1], held[2]
         pages, keep = _visible_pages(table, lens, n_cols=n_cols, page_size=page_size, window=window)
         self._visible.put(lens, key, (table, pages, keep))

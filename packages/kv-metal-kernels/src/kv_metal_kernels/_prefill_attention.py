@@ -6,7 +6,7 @@ import mlx.core as mx
 
 from kv_protocol import MaskSpec, ShapeMismatchError
 
-from ._softmax_cpu import prefill_softmax_attention
+from ._softmax_cpu import prefill_softmax_attention, unfused_softmax_choice, use_unfused_softmax
 
 __all__ = ["DensePrefillAttention"]
 
@@ -22,11 +22,7 @@ class DensePrefillAttention:
     """
 
     def __init__(self, *, unfused_softmax: bool | None = None) -> None:
-        if unfused_softmax is not None and not isinstance(unfused_softmax, bool):
-            raise ShapeMismatchError(
-                f"unfused_softmax must be True, False or None, got {unfused_softmax!r}"
-            )
-        self._unfused_softmax = unfused_softmax
+        self._unfused_softmax = unfused_softmax_choice(unfused_softmax)
 
     @property
     def name(self) -> str:
@@ -55,10 +51,7 @@ class DensePrefillAttention:
                 f"{q.shape[1]} query heads of {q.shape[3]} do not group over "
                 f"{keys.shape[1]} KV heads of {keys.shape[3]}"
             )
-        unfused = self._unfused_softmax
-        if unfused is None:
-            unfused = mx.default_device().type == mx.DeviceType.cpu
-        if unfused:
+        if use_unfused_softmax(self._unfused_softmax):
             return prefill_softmax_attention(q, keys, values, scale=scale, mask=mask, sinks=sinks)
         return mx.fast.scaled_dot_product_attention(
             q,

@@ -18,7 +18,14 @@ import mlx.core as mx
 
 from kv_protocol import MaskSpec, ShapeMismatchError
 
-__all__ = ["exp_nonpositive", "prefill_softmax_attention", "softmax_attention", "softmax_parts"]
+__all__ = [
+    "exp_nonpositive",
+    "prefill_softmax_attention",
+    "softmax_attention",
+    "softmax_parts",
+    "unfused_softmax_choice",
+    "use_unfused_softmax",
+]
 
 #: Taylor coefficients of ``2**f = exp(f ln 2)`` for ``|f| <= 1/2``; the first omitted term
 #: is below ``(ln 2 / 2)**7 / 7! ~ 1.2e-7``.
@@ -72,7 +79,8 @@ def _weights(
 
 _Parts = Callable[..., tuple[mx.array, mx.array]]
 # Compiled, the elementwise chain runs as one fused CPU kernel (measured 6x faster than
-# MLX's exp at 16 x 8 x 512 scores); a traced shape is reused, a new one re-traced.
+# MLX's exp at 16 x 8 x 512 scores); a traced shape is reused, a new one re-traced. Without
+# a C++ compiler MLX runs the same operations one by one (checked with none on PATH).
 _compiled: dict[tuple[bool, bool, bool], _Parts] = {}
 
 
@@ -92,18 +100,54 @@ def _variant(has_mask: bool, additive: bool, has_sinks: bool) -> _Parts:
 def softmax_parts(
     scores: mx.array, mask: mx.array | None, sink_logits: mx.array | None, *, additive: bool
 ) -> tuple[mx.array, mx.array]:
-    """:func:`_weights` through ``mx.compile`` where MLX can compile on this machine."""
+    """:func:`_weights` through ``mx.compile``."""
     key = (mask is not None, additive, sink_logits is not None)
     fn = _compiled.get(key)
     if fn is None:
         fn = _compiled[key] = mx.compile(_variant(*key))
-    arrays = [a for a in (scores, mask, sink_logits) if a is not None]
-    try:
-        return fn(*arrays)
-    except Exception:
-        # No C++ compiler for MLX's CPU compile: the same operations, unfused.
-        fn = _compiled[key] = _variant(*key)
-        return fn(*arrays)
+    return fn(*[a for a in (scores, mask, sink_logits) if a is not None])
+
+
+def unfused_softmax_choice(value: object) -> bool | None:
+    """Check a kernel's ``unfused_softmax`` argument: ``True``, ``False`` or ``None``."""
+    if value is not None and not isinstance(value, bool):
+        raise ShapeMismatchError(f"unfused_softmax must be True, False or None, got {value!r}")
+    return value
+
+
+def use_unfused_softmax(choice: bool | None) -> bool:
+    """Whether to compose attention with :func:`softmax_parts`: ``None`` means on the CPU.
+
+    There MLX's fused attention falls back to unfused operations whose ``exp`` runs element
+    by element; elsewhere its fused kernel is the faster one.
+    """
+    if choice is None:
+        return mx.default_device().type == mx.DeviceType.cpu
+    return choice
+
+
+def _grouped_attention(
+    q_rows: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    mask: mx.array | None,
+    sink_logits: mx.array | None,
+    *,
+    group: int,
+    additive: bool,
+) -> mx.array:
+    """Float32 ``(P, Q, group, T, D)`` attention of scaled ``q_rows (P, Q, group * T, D)``.
+
+    ``keys`` / ``values`` are ``(P, Q, S, D)`` (``P, Q`` = batch and KV head, in either
+    order): the ``group`` query heads of a KV head are rows of one matmul. ``mask`` and
+    ``sink_logits`` broadcast to the ``(P, Q, group, T, S)`` scores.
+    """
+    p, r, rows, head_dim = q_rows.shape
+    t, s = rows // group, keys.shape[2]
+    scores = (q_rows @ keys.swapaxes(-1, -2)).astype(mx.float32).reshape(p, r, group, t, s)
+    weights, denominator = softmax_parts(scores, mask, sink_logits, additive=additive)
+    out = weights.astype(values.dtype).reshape(p, r, rows, s) @ values
+    return out.astype(mx.float32).reshape(p, r, group, t, head_dim) / denominator
 
 
 def softmax_attention(
@@ -126,17 +170,21 @@ def softmax_attention(
     b, n_heads, _, head_dim = q.shape
     n_kv = keys.shape[0]
     group = n_heads // n_kv
-    # (Hkv, B, group, D): query head h reads kv head h // group, as in grouped-query attention.
+    # (Hkv, B, group, D): query head h reads kv head h // group.
     q_heads = (q.reshape(b, n_kv, group, head_dim) * scale).transpose(1, 0, 2, 3)
-    scores = (q_heads @ keys.swapaxes(-1, -2)).astype(mx.float32)
     sink_logits = None
     if sinks is not None:
-        sink_logits = sinks.astype(mx.float32).reshape(n_kv, 1, group, 1)
-    weights, denominator = softmax_parts(
-        scores, keep[None, :, None, :], sink_logits, additive=False
+        sink_logits = sinks.astype(mx.float32).reshape(n_kv, 1, group, 1, 1)
+    out = _grouped_attention(
+        q_heads,
+        keys,
+        values,
+        keep[None, :, None, None, :],
+        sink_logits,
+        group=group,
+        additive=False,
     )
-    out = (weights.astype(values.dtype) @ values).astype(mx.float32) / denominator
-    return out.astype(q.dtype).transpose(1, 0, 2, 3).reshape(b, n_heads, 1, head_dim)
+    return out.astype(q.dtype).transpose(1, 0, 2, 3, 4).reshape(b, n_heads, 1, head_dim)
 
 
 def _query_mask(mask: MaskSpec, b: int, n_kv: int, group: int, t: int, s: int) -> mx.array | None:
@@ -232,10 +280,7 @@ def _attend_queries(
     b, n_heads, t, head_dim = q.shape
     n_kv, s = keys.shape[1], keys.shape[2]
     group = n_heads // n_kv
-    # Grouped-query attention: the `group` query heads of a KV head are rows of one matmul.
     q_rows = (q * scale).reshape(b, n_kv, group * t, head_dim)
-    scores = (q_rows @ keys.swapaxes(-1, -2)).astype(mx.float32)
-    scores = scores.reshape(b, n_kv, group, t, s)
     query_mask = _query_mask(mask, b, n_kv, group, t, s)
     additive = query_mask is not None and query_mask.dtype != mx.bool_
     if additive:
@@ -244,7 +289,7 @@ def _attend_queries(
     sink_logits = None
     if sinks is not None:
         sink_logits = sinks.astype(mx.float32).reshape(1, n_kv, group, 1, 1)
-    weights, denominator = softmax_parts(scores, query_mask, sink_logits, additive=additive)
-    rows = weights.astype(values.dtype).reshape(b, n_kv, group * t, s) @ values
-    out = rows.astype(mx.float32).reshape(b, n_kv, group, t, head_dim) / denominator
+    out = _grouped_attention(
+        q_rows, keys, values, query_mask, sink_logits, group=group, additive=additive
+    )
     return out.astype(q.dtype).reshape(b, n_heads, t, head_dim)
