@@ -15,8 +15,7 @@ import pytest
 from kv_batching import DecodeEngine, is_patched
 from kv_protocol import UnsupportedModelError, find_layers
 from kv_serve import build_engine
-from kv_testing import ARCHITECTURES, build_tiny_model
-from tools.reference import mlx_lm_greedy
+from kv_testing import ARCHITECTURES, build_tiny_model, mlx_lm_greedy
 
 VOCAB = 96
 WINDOW = 8
@@ -28,7 +27,7 @@ MAX_TOKENS = 14
 def _serve(engine: DecodeEngine) -> list[list[int]]:
     ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
     out = engine.run()
-    assert all(n == 0 for n in (engine.pages_in_use() or {}).values())
+    assert all(n == 0 for n in (engine.memory_report().pages_used or {}).values())
     return [out[i] for i in ids]
 
 
@@ -36,7 +35,7 @@ def _serve(engine: DecodeEngine) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_universal_path_equals_mlx_lm(arch: str, page_size: int) -> None:
     model = build_tiny_model(arch, window=WINDOW, num_layers=4, vocab_size=VOCAB)
-    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
     engine = build_engine(
         model,
         max_running=4,
@@ -45,7 +44,7 @@ def test_universal_path_equals_mlx_lm(arch: str, page_size: int) -> None:
         prefill_chunk=16,
         decode_path="universal",
     )
-    assert set(engine.decode_paths.values()) == {"universal"}
+    assert set(engine.decode_plan.paths.values()) == {"universal"}
     assert not is_patched(model)  # the universal path leaves every module as it was
     assert _serve(engine) == want
 
@@ -53,9 +52,9 @@ def test_universal_path_equals_mlx_lm(arch: str, page_size: int) -> None:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_auto_takes_the_fast_path_where_the_probe_accepts(arch: str) -> None:
     model = build_tiny_model(arch, window=WINDOW, num_layers=4, vocab_size=VOCAB)
-    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
     with build_engine(model, max_running=4, max_context=64, page_size=4) as engine:
-        assert set(engine.decode_paths.values()) == {"fast"}
+        assert set(engine.decode_plan.paths.values()) == {"fast"}
         assert is_patched(model)
         assert _serve(engine) == want
     assert not is_patched(model)  # close() put the original modules back
@@ -97,9 +96,9 @@ def _wrap_layers(model: nn.Module, layers: list[int], cls: type[_Delegating]) ->
 def test_an_attention_the_probe_refuses_takes_the_universal_path() -> None:
     model = build_tiny_model("llama", window=WINDOW, num_layers=4, vocab_size=VOCAB)
     _wrap_layers(model, [1, 2], _ScaledAttention)
-    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
     engine = build_engine(model, max_running=4, max_context=64, page_size=4)
-    assert engine.decode_paths == {0: "fast", 1: "universal", 2: "universal", 3: "fast"}
+    assert engine.decode_plan.paths == {0: "fast", 1: "universal", 2: "universal", 3: "fast"}
     assert "1" in str(sorted(engine.decode_plan.reasons))
     assert _serve(engine) == want
 

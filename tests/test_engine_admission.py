@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
-import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from kv_pool import HybridKVPool
+from kv_pool._inspect import request_ids
 from kv_protocol import layout_from_model
 from kv_serve import build_engine
-from kv_testing import build_tiny_model
-
-
-def mlx_lm_alone(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    prompt_cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt)[None], cache=prompt_cache)
-    out: list[int] = []
-    while len(out) < max_tokens:
-        out.append(int(mx.argmax(logits[0, -1])))
-        logits = model(mx.array([[out[-1]]]), cache=prompt_cache)
-    return out
+from kv_testing import build_tiny_model, mlx_lm_greedy
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
@@ -30,7 +18,7 @@ def test_tight_real_pool_preempts_and_still_matches_mlx_lm(arch: str) -> None:
     model = build_tiny_model(arch, window=8, num_layers=4, vocab_size=128)
     rng = random.Random(5)
     batch = [[rng.randrange(128) for _ in range(n)] for n in (3, 30, 12, 45, 20, 8)]
-    expected = [mlx_lm_alone(model, p, 24) for p in batch]
+    expected = [mlx_lm_greedy(model, p, 24) for p in batch]
     layout = layout_from_model(model)
     # 6 usable full pages of 16 tokens: any one request (<= 69 tokens) fits, all six do not.
     pool = HybridKVPool(layout, num_pages={"full": 7, "sliding-w8": 64}, page_size=16)
@@ -43,4 +31,4 @@ def test_tight_real_pool_preempts_and_still_matches_mlx_lm(arch: str) -> None:
     assert max(s["full"] for s in engine.stats.pages_used) <= 6
     report = pool.memory_report()
     assert all(s.pages_used == 0 for s in report.sub_pools)
-    assert pool.request_ids == ()
+    assert request_ids(pool) == ()

@@ -12,15 +12,14 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from kv_batching import DecodeEngine
 from kv_pool import HybridKVPool
+from kv_pool._inspect import request_ids
 from kv_protocol import layout_from_model
 from kv_serve import build_engine
-from kv_testing import build_tiny_model
+from kv_testing import build_tiny_model, mlx_lm_greedy
 
 WINDOWS = {"gpt_oss": 8, "gemma3_text": 16, "cohere2": 12, "olmo3": 16}
 PROMPT_LENGTHS = (1, 7, 16, 33, 64, 100, 150, 200)
@@ -38,23 +37,10 @@ def prompts(seed: int, lengths: Sequence[int]) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
 
 
-def mlx_lm_alone(model: Any, prompt: Sequence[int], max_tokens: int) -> list[int]:
-    """mlx-lm with its own make_prompt_cache: prompt in one pass, then greedy steps."""
-    prompt_cache = make_prompt_cache(model)
-    logits = model(mx.array(list(prompt))[None], cache=prompt_cache)
-    out: list[int] = []
-    while True:
-        token = int(mx.argmax(logits[0, -1]))
-        out.append(token)
-        if len(out) == max_tokens:
-            return out
-        logits = model(mx.array([[token]]), cache=prompt_cache)
-
-
 @cache
 def reference(arch: str, seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     model = tiny(arch)
-    return [mlx_lm_alone(model, p, MAX_TOKENS) for p in prompts(seed, lengths)]
+    return [mlx_lm_greedy(model, p, MAX_TOKENS) for p in prompts(seed, lengths)]
 
 
 def make_engine(
@@ -96,12 +82,12 @@ def test_engine_matches_mlx_lm_alone(arch: str, page_size: int, fused: bool) -> 
     num_pages = 8 * (-(-(max(PROMPT_LENGTHS) + MAX_TOKENS) // page_size) + 1) + 1
     engine, pool = make_engine(model, page_size=page_size, fused=fused, num_pages=num_pages)
     if fused:
-        assert engine.kernels.rope is not None
+        assert engine._runner.kernels.rope is not None
     got = run_staggered(engine, prompts(0, PROMPT_LENGTHS))
     for n, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
         assert mine == theirs, f"{arch} prompt #{n} (length {PROMPT_LENGTHS[n]})"
     assert all(v == 0 for v in used_pages(pool).values())
-    assert pool.request_ids == ()
+    assert request_ids(pool) == ()
     assert max(engine.stats.decode_batch_sizes) == len(PROMPT_LENGTHS)
 
 
@@ -123,7 +109,7 @@ def test_request_alone_equals_request_among_fifteen_others(arch: str) -> None:
     ids += [crowd.submit(p, 20 + i) for i, p in enumerate(others[8:])]
     out = crowd.run()
     assert out[target_id] == solo
-    assert solo == mlx_lm_alone(model, target, 32)
+    assert solo == mlx_lm_greedy(model, target, 32)
     assert max(crowd.stats.decode_batch_sizes) == 16
     assert all(v == 0 for v in used_pages(pool).values())
     assert len(ids) == 15

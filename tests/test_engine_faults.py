@@ -29,10 +29,10 @@ from hypothesis import strategies as st
 
 from kv_batching import DecodeEngine, RequestStatus
 from kv_pool import HybridKVPool
+from kv_pool._inspect import held_pages, request_ids
 from kv_protocol import layout_from_model
 from kv_serve import build_engine
-from kv_testing import build_tiny_model
-from tools.reference import mlx_lm_greedy
+from kv_testing import build_tiny_model, mlx_lm_greedy
 
 VOCAB = 48
 WINDOW = 8
@@ -55,7 +55,7 @@ def model() -> nn.Module:
 
 @cache
 def reference(prompt: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(mlx_lm_greedy(model(), prompt, MAX_GEN).tokens)
+    return tuple(mlx_lm_greedy(model(), prompt, MAX_GEN))
 
 
 def expected(prompt: tuple[int, ...], max_tokens: int, stops: frozenset[int]) -> list[int]:
@@ -113,13 +113,11 @@ def hooked(engine: DecodeEngine, point: str, fault: Fault) -> Iterator[None]:
     target: Any
     name: str
     if point == "factory":
-        target, name = engine, "make_prefill_cache"
+        target, name = engine, "_make_prefill_cache"
     elif point == "sample":
-        target, name = engine.sampler, "sample"
-    elif point == "reserve_batch":
-        target, name = engine.pool, "reserve_batch"
-    elif point == "reserve":
-        target, name = engine.pool, "reserve"
+        target, name = engine._sampler, "sample"
+    elif point == "try_reserve_batch":
+        target, name = engine.pool, "try_reserve_batch"
     else:
         raise AssertionError(point)
     real = getattr(target, name)
@@ -156,7 +154,7 @@ def drive(engine: DecodeEngine, fault: Fault) -> tuple[list[int], dict[int, list
     return rids, streamed, interrupts
 
 
-POINTS = ("layer", "factory", "sample", "reserve_batch", "reserve")
+POINTS = ("layer", "factory", "sample", "try_reserve_batch")
 
 
 @cache
@@ -178,7 +176,7 @@ def clean_calls() -> dict[str, int]:
 def check_pool_empty(engine: DecodeEngine) -> None:
     pool = engine.pool
     assert isinstance(pool, HybridKVPool)
-    assert pool.request_ids == ()
+    assert request_ids(pool) == ()
     assert all(s.pages_used == 0 for s in pool.memory_report().sub_pools)
 
 
@@ -221,17 +219,17 @@ def test_a_request_that_keeps_failing_alone_is_finished_and_the_others_go_on() -
     engine = make_engine()
     rids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
     poisoned = rids[2]
-    pool = engine.pool
-    real = pool.reserve_batch
+    runner = engine._runner
+    real = runner.decode
 
-    def reserve_batch(request_ids: Any, n_tokens: int = 1) -> Any:
+    def decode(reservation: Any, *args: Any) -> Any:
         # Every decode batch that holds `poisoned` fails, after the reservation was made.
-        out = real(request_ids, n_tokens)
-        if poisoned in list(request_ids):
+        out = real(reservation, *args)
+        if poisoned in reservation.request_ids:
             raise Injected("poisoned request in the batch")
         return out
 
-    pool.reserve_batch = reserve_batch  # type: ignore[method-assign]
+    runner.decode = decode  # type: ignore[method-assign,assignment]
     engine.run()
     for rid, prompt in zip(rids, PROMPTS, strict=True):
         out = engine.output(rid)
@@ -284,9 +282,9 @@ def check_bookkeeping(engine: DecodeEngine, submitted: dict[int, Submitted]) -> 
         for rid in submitted
         if engine.output(rid).status in (RequestStatus.PREFILLING, RequestStatus.RUNNING)
     }
-    assert set(pool.request_ids) == live
+    assert set(request_ids(pool)) == live
     for sub in pool.memory_report().sub_pools:
-        held = sum(len(pool.held_pages(rid, sub.name)) for rid in live)
+        held = sum(len(held_pages(pool, rid, sub.name)) for rid in live)
         assert sub.pages_used == held
     queued = [r for r in submitted if engine.output(r).status is RequestStatus.QUEUED]
     assert engine.num_queued == len(queued)
@@ -351,8 +349,8 @@ def test_the_fault_hook_itself_can_fail() -> None:
     fault = Fault(at=1, kind=Injected)
     engine.submit(PROMPTS[0], 2)
     with hooked(engine, "layer", fault), pytest.raises(Injected):
-        engine.model(mx.array([[1, 2]]))
+        engine._model(mx.array([[1, 2]]))
     assert fault.calls == 1
     with hooked(engine, "layer", fault):
-        engine.model(mx.array([[1, 2]]))  # a fault fires once
+        engine._model(mx.array([[1, 2]]))  # a fault fires once
     assert fault.calls == 2

@@ -33,11 +33,11 @@ import pytest
 
 from kv_batching import RequestStatus
 from kv_caches import PoolBackedKVCache
-from kv_pool import HybridKVPool
+from kv_pool import HybridKVPool, pages_per_request, required_bytes, sub_pool_groups
+from kv_pool._inspect import allocator, held_pages, page_table, request_ids
 from kv_protocol import RequestStateError, layout_from_model
 from kv_serve import build_engine
-from kv_testing import build_tiny_model
-from tools.reference import mlx_lm_greedy
+from kv_testing import build_tiny_model, greedy_continue, mlx_lm_greedy
 
 VOCAB = 48
 MAX_GEN = 24
@@ -63,7 +63,7 @@ def tiny(arch: str, window: int, layers: int) -> nn.Module:
 @cache
 def greedy(arch: str, window: int, layers: int, prompt: tuple[int, ...]) -> tuple[int, ...]:
     """mlx-lm generating ``MAX_GEN`` tokens for the prompt alone (shorter runs are prefixes)."""
-    return tuple(mlx_lm_greedy(tiny(arch, window, layers), prompt, MAX_GEN).tokens)
+    return tuple(mlx_lm_greedy(tiny(arch, window, layers), prompt, MAX_GEN))
 
 
 def expected(full: Sequence[int], max_tokens: int, stops: frozenset[int]) -> list[int]:
@@ -115,7 +115,7 @@ def draw(seed: int) -> Scenario:
     arch, layer_choices = ARCHS[seed % len(ARCHS)] if seed < 6 else rng.choice(ARCHS)
     window = rng.randint(3, 16)
     layers = rng.choice(layer_choices)
-    names = list(HybridKVPool.sub_pool_groups(layout_from_model(tiny(arch, window, layers))))
+    names = [g.name for g in sub_pool_groups(layout_from_model(tiny(arch, window, layers)))]
     sizes = [1, 2, 3, 4, 5, 7, 8, 16, 17, 32, 64]
     page_size: int | dict[str, int]
     if rng.random() < 0.3:
@@ -168,7 +168,7 @@ def build_pool(s: Scenario, model: nn.Module) -> HybridKVPool:
     layout = layout_from_model(model)
     context = max(len(r.prompt) + r.max_tokens for r in s.requests)
     if s.pool_mode == "budget":
-        need = HybridKVPool.required_bytes(
+        need = required_bytes(
             layout,
             max_context=context,
             concurrency=s.concurrency,
@@ -185,7 +185,7 @@ def build_pool(s: Scenario, model: nn.Module) -> HybridKVPool:
             prefill_chunk=s.chunk,
         )
     # The least one request needs at its peak (the engine can shrink a chunk to one token).
-    one = HybridKVPool.pages_per_request(layout, max_context=context, page_size=s.page_size)
+    one = pages_per_request(layout, max_context=context, page_size=s.page_size)
     if s.pool_mode == "roomy":
         counts = {n: p * len(s.requests) + 2 for n, p in one.items()}
     else:
@@ -197,11 +197,11 @@ def check_accounting(pool: HybridKVPool) -> None:
     """Pages in use per sub-pool == the distinct pages the registered requests hold."""
     for spec in pool.sub_pools:
         held: set[int] = set()
-        for rid in pool.request_ids:
-            pages = pool.held_pages(rid, spec.name)
+        for rid in request_ids(pool):
+            pages = held_pages(pool, rid, spec.name)
             assert 0 not in pages, f"request {rid} holds the null page in {spec.name}"
             held.update(pages)
-        assert pool.allocator(spec.name).num_used == len(held), spec.name
+        assert allocator(pool, spec.name).num_used == len(held), spec.name
 
 
 def run_scenario(s: Scenario) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
             for rid in ids.values()
             if engine.output(rid).status in (RequestStatus.PREFILLING, RequestStatus.RUNNING)
         }
-        assert set(pool.request_ids) <= live
+        assert set(request_ids(pool)) <= live
         check_accounting(pool)
 
     for i, r in enumerate(s.requests):
@@ -253,7 +253,7 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
             assert got == want, where
             assert (out.finish_reason == "stop") == (got[-1] in r.stops), where
     assert all(sub.pages_used == 0 for sub in pool.memory_report().sub_pools)
-    assert pool.request_ids == ()
+    assert request_ids(pool) == ()
     return {"steps": step, "preemptions": engine.stats.preemptions, "aborted": len(aborted)}
 
 
@@ -302,15 +302,6 @@ def _prefill_through(
     return logits
 
 
-def _greedy_through(model: nn.Module, caches: list[Any], logits: Any, n: int) -> list[int]:
-    out: list[int] = []
-    while True:
-        out.append(int(mx.argmax(logits[0, -1])))
-        if len(out) == n:
-            return out
-        logits = model(mx.array([[out[-1]]]), cache=caches)
-
-
 @pytest.mark.parametrize("seed", _seeds("KV_SOAK_FORK_SEEDS", FORK_SEEDS))
 def test_fork_then_continue_matches_mlx_lm(seed: int) -> None:
     """fork_request + PoolBackedKVCache: the child continues a prefix of the parent's prompt
@@ -336,12 +327,14 @@ def test_fork_then_continue_matches_mlx_lm(seed: int) -> None:
     needs_released = False
     for spec in pool.sub_pools:
         if spec.window is not None and cut:
-            first_live = pool.page_table(0, spec.name).shape[0] - len(pool.held_pages(0, spec.name))
+            first_live = page_table(pool, 0, spec.name).shape[0] - len(
+                held_pages(pool, 0, spec.name)
+            )
             needs_released |= max(0, cut - spec.window + 1) // spec.page_size < first_live
     if needs_released:
         with pytest.raises(RequestStateError, match="released"):
             pool.fork_request(0, 1, cut)
-        assert pool.request_ids == (0,)
+        assert request_ids(pool) == (0,)
     else:
         pool.fork_request(0, 1, cut)
         suffix = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
@@ -349,12 +342,12 @@ def test_fork_then_continue_matches_mlx_lm(seed: int) -> None:
         assert all(c.offset == cut for c in child)
         child_logits = _prefill_through(model, child, suffix, rng.randint(1, 3))
         n = rng.randint(1, 12)
-        got = _greedy_through(model, child, child_logits, n)
-        want = mlx_lm_greedy(model, prompt[:cut] + suffix, n).tokens
+        got = greedy_continue(model, child, child_logits, n)
+        want = mlx_lm_greedy(model, prompt[:cut] + suffix, n)
         assert got == want, f"child forked at {cut} of {len(prompt)}"
         pool.free_request(1)
     n = rng.randint(1, 12)
-    assert _greedy_through(model, parent, logits, n) == list(
+    assert greedy_continue(model, parent, logits, n) == list(
         greedy(arch, window, layers, tuple(prompt))[:n]
     )
     pool.free_request(0)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 
-from kv_batching import (
+from kv_batching._state_cache import (
     StackedStateCache,
     StateSnapshot,
     group_by_state_shapes,
@@ -23,8 +23,7 @@ from kv_batching import (
 )
 from kv_protocol import CacheStateError
 from kv_serve import build_engine
-from kv_testing import build_zoo_model
-from tools.reference import mlx_lm_greedy
+from kv_testing import build_zoo_model, mlx_lm_greedy
 
 VOCAB = 128
 PROMPTS = [[(7 * i + 3 * j + 1) % VOCAB for j in range(n)] for i, n in enumerate((2, 9, 17, 30))]
@@ -35,41 +34,41 @@ STATE_ARCHS = ["qwen3_next", "lfm2", "jamba", "gear"]
 @pytest.mark.parametrize("arch", STATE_ARCHS)
 def test_preempted_requests_recompute_their_state(arch: str) -> None:
     model = build_zoo_model(arch)
-    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
     # Too few pages for all four at once: the newest are preempted and re-prefilled.
     with build_engine(model, num_pages=14, page_size=4, max_running=4, prefill_chunk=8) as engine:
         ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
         out = engine.run()
         assert engine.stats.preemptions > 0
         assert [out[i] for i in ids] == want
-        assert engine.state_bytes_in_use() == 0
-        assert all(n == 0 for n in (engine.pages_in_use() or {}).values())
+        assert engine.memory_report().state_bytes_in_use == 0
+        assert all(n == 0 for n in (engine.memory_report().pages_used or {}).values())
 
 
 def test_abort_drops_the_state_and_the_others_go_on() -> None:
     model = build_zoo_model("qwen3_next")
-    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
     with build_engine(model, max_running=4, max_context=64, page_size=6) as engine:
         ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
         for _ in range(6):
             engine.step()
-        held = engine.state_bytes_in_use()
+        held = engine.memory_report().state_bytes_in_use
         assert held > 0
         assert engine.abort(ids[1])
-        assert engine.state_bytes_in_use() < held
+        assert engine.memory_report().state_bytes_in_use < held
         out = engine.run()
         assert [out[i] for i in (ids[0], ids[2], ids[3])] == [want[0], want[2], want[3]]
         assert engine.output(ids[1]).finish_reason == "aborted"
-        assert engine.state_bytes_in_use() == 0
+        assert engine.memory_report().state_bytes_in_use == 0
 
 
 def test_state_budget_bounds_the_running_requests() -> None:
     model = build_zoo_model("lfm2")
-    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
     probe = build_engine(model, max_running=1, max_context=64)
     probe.submit(PROMPTS[0], 1)
     probe.run()
-    per = probe.state_bytes_per_request
+    per = probe.memory_report().state_bytes_per_request
     probe.close()
     assert per is not None and per > 0
     engine = build_engine(model, max_running=4, max_context=64)
@@ -78,7 +77,7 @@ def test_state_budget_bounds_the_running_requests() -> None:
     most = 0
     while engine.has_work:
         engine.step()
-        most = max(most, engine.state_bytes_in_use())
+        most = max(most, engine.memory_report().state_bytes_in_use)
         assert engine.num_running <= 2
     assert most <= 2 * per
     assert [list(engine.output(i).tokens) for i in ids] == want
@@ -145,7 +144,7 @@ def test_states_of_different_shapes_decode_in_groups_not_one_by_one() -> None:
     per shape) instead of failing the batch and retrying each request alone."""
     model = build_zoo_model("longcat_flash_ngram")
     prompts = [[5], [9, 4], [3, 1, 4, 1, 5], [2], [7, 7, 7, 7, 7, 7]]
-    want = [mlx_lm_greedy(model, p, 6).tokens for p in prompts]
+    want = [mlx_lm_greedy(model, p, 6) for p in prompts]
     with build_engine(model, max_running=8, page_size=4, prefill_chunk=64) as engine:
         ids = [engine.submit(p, 6) for p in prompts]
         out = engine.run()
@@ -170,7 +169,7 @@ def test_group_by_state_shapes_keeps_order_and_stacks_equal_shapes() -> None:
 def test_state_bytes_are_known_when_built_and_in_the_memory_report(arch: str) -> None:
     model = build_zoo_model(arch)
     with build_engine(model, max_running=4, max_context=64) as engine:
-        per = engine.state_bytes_per_request
+        per = engine.memory_report().state_bytes_per_request
         assert per is not None and per > 0  # measured before any request: admission holds
         idle = engine.memory_report()
         assert idle.state_bytes_in_use == 0 and idle.state_bytes_per_request == per
@@ -179,7 +178,7 @@ def test_state_bytes_are_known_when_built_and_in_the_memory_report(arch: str) ->
             engine.step()
         report = engine.memory_report()
         # A fixed-size state: three running requests hold three states of the measured size.
-        assert report.state_bytes_in_use == 3 * per == engine.state_bytes_in_use()
+        assert report.state_bytes_in_use == 3 * per == engine.memory_report().state_bytes_in_use
         assert report.bytes_in_use == (report.pool_bytes_used or 0) + 3 * per
         if engine.pool.layout.attention_layer_ids:
             assert report.pool_bytes_used is not None and report.pool_bytes_used > 0
@@ -190,8 +189,8 @@ def test_state_bytes_are_known_when_built_and_in_the_memory_report(arch: str) ->
 
 def test_a_state_budget_passed_to_build_engine_caps_admission() -> None:
     model = build_zoo_model("lfm2")
-    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in PROMPTS]
-    per = build_engine(model, max_running=1, max_context=64).state_bytes_per_request
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    per = build_engine(model, max_running=1, max_context=64).memory_report().state_bytes_per_request
     assert per is not None
     with build_engine(model, max_running=4, max_context=64, state_budget_bytes=per) as engine:
         assert engine.memory_report().state_budget_bytes == per

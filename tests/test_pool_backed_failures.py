@@ -9,6 +9,7 @@ import pytest
 
 from kv_caches import PoolBackedKVCache
 from kv_pool import HybridKVPool
+from kv_pool._inspect import num_free_pages, sub_pool_names
 from kv_protocol import CacheLayout, KVCacheError, LayerKind, LayerSpec, ShapeMismatchError
 
 
@@ -25,7 +26,7 @@ def make_pool() -> HybridKVPool:
 def state(pool: HybridKVPool, caches: list[PoolBackedKVCache]) -> Any:
     return (
         pool.seq_len(0),
-        [pool.num_free_pages(n) for n in pool.sub_pool_names],
+        [num_free_pages(pool, n) for n in sub_pool_names(pool)],
         [c.offset for c in caches],
     )
 

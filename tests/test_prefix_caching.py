@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kv_serve import build_engine
-from kv_testing import build_tiny_model, build_zoo_model
-from tools.reference import mlx_lm_greedy
+from kv_testing import build_tiny_model, build_zoo_model, mlx_lm_greedy
 
 VOCAB = 128  # the smallest vocabulary of the models used
 MAX_TOKENS = 6
@@ -36,7 +35,7 @@ def models() -> dict[str, object]:
 def test_hits_do_not_change_tokens(kind: str, system: int, page_size: int) -> None:
     model = models()[kind]
     batch = prompts(system, 4)
-    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in batch]  # type: ignore[arg-type]
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in batch]  # type: ignore[arg-type]
     with build_engine(model, page_size=page_size, max_context=96, prefill_chunk=8) as engine:  # type: ignore[arg-type]
         assert engine.prefix_caching
         # One after another: later requests hit the finished first one's cached pages.
@@ -49,7 +48,7 @@ def test_hits_do_not_change_tokens(kind: str, system: int, page_size: int) -> No
         # Every later request reuses the whole-page part of the shared prefix.
         usable = (system // page_size) * page_size
         assert hit >= 3 * usable > 0
-        assert all(n == 0 for n in (engine.pages_in_use() or {}).values())
+        assert all(n == 0 for n in (engine.memory_report().pages_used or {}).values())
 
 
 def test_sliding_models_hit_as_often_as_full_ones() -> None:
@@ -67,13 +66,14 @@ def test_sliding_models_hit_as_often_as_full_ones() -> None:
 def test_eviction_under_pressure_keeps_tokens_right() -> None:
     model = build_tiny_model("gpt_oss", window=8)
     batch = prompts(16, 3, seed=2) + prompts(20, 3, seed=3) + prompts(16, 2, seed=2)
-    want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in batch]
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in batch]
     with build_engine(model, num_pages=24, page_size=4, max_running=2, prefill_chunk=8) as engine:
         ids = [engine.submit(p, MAX_TOKENS) for p in batch]
         out = engine.run()
         assert [out[i] for i in ids] == want
-        stats = engine.pool.prefix_cache_stats()  # type: ignore[attr-defined]
-        assert stats.evictions > 0 and engine.stats.prefix_hit_tokens > 0
+        stats = engine.memory_report().prefix_cache
+        assert stats is not None and stats.evictions > 0
+        assert stats.hit_tokens == engine.stats.prefix_hit_tokens > 0
 
 
 def test_opt_out_and_state_models_prefill_whole_prompts() -> None:

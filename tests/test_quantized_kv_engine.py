@@ -18,14 +18,14 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import QuantizedKVCache
 
 from kv_batching import DecodeEngine
 from kv_caches import PoolBackedKVCache
 from kv_pool import HybridKVPool
 from kv_protocol import KVQuantization, QuantizedKV, layout_from_model
 from kv_serve import build_engine
-from kv_testing import build_tiny_model, stored_kv_caches
+from kv_testing import build_tiny_model, mlx_lm_greedy, stored_kv_caches
 
 VOCAB = 256
 MAX_TOKENS = 24
@@ -48,16 +48,6 @@ def tiny(arch: str) -> Any:
 def prompts(seed: int, lengths: Sequence[int] = LENGTHS) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
-
-
-def greedy(model: Any, prompt: Sequence[int], caches: list[Any], n: int = MAX_TOKENS) -> list[int]:
-    logits = model(mx.array(list(prompt))[None], cache=caches)
-    out: list[int] = []
-    while True:
-        out.append(int(mx.argmax(logits[0, -1])))
-        if len(out) == n:
-            return out
-        logits = model(mx.array([[out[-1]]]), cache=caches)
 
 
 def engine_tokens(engine: DecodeEngine, batch: list[list[int]]) -> list[list[int]]:
@@ -85,12 +75,17 @@ def test_full_attention_model_matches_mlx_lm_quantized_kv_cache(bits: int, group
     assert isinstance(engine.pool.get_key_buffer(0), QuantizedKV)
     got = engine_tokens(engine, batch)
     want = [
-        greedy(model, p, [QuantizedKVCache(group_size=group, bits=bits) for _ in range(4)])
+        mlx_lm_greedy(
+            model,
+            p,
+            MAX_TOKENS,
+            caches=[QuantizedKVCache(group_size=group, bits=bits) for _ in range(4)],
+        )
         for p in batch
     ]
     assert got == want
     if bits == 4:
-        plain = [greedy(model, p, make_prompt_cache(model)) for p in batch]
+        plain = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in batch]
         assert plain != got, "4-bit pages should change some greedy token of this model"
     engine.close()
 
@@ -112,9 +107,11 @@ def test_hybrid_models_with_quantized_sliding_pages_match_mlx_lm(arch: str, bits
     )
     got = engine_tokens(engine, batch)
     oracle = {"full": quant, "sliding": quant}
-    assert got == [greedy(model, p, stored_kv_caches(model, oracle)) for p in batch]
+    assert got == [
+        mlx_lm_greedy(model, p, MAX_TOKENS, caches=stored_kv_caches(model, oracle)) for p in batch
+    ]
     if bits == 4:
-        plain = [greedy(model, p, make_prompt_cache(model)) for p in batch]
+        plain = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in batch]
         assert plain != got, "4-bit pages should change some greedy token of this model"
     engine.close()
 
@@ -155,12 +152,14 @@ def test_decode_paths_fused_rope_and_per_kind_quantization(
         r.getMessage() for r in caplog.records if "fused RoPE + scatter kernel" in r.getMessage()
     ]
     if fused:  # the kernel writes plain pages: it is not used on quantized layers, and says so
-        assert engine.kernels.rope is not None
+        assert engine._runner.kernels.rope is not None
         assert len(said) == 1 and "their pages are quantized" in said[0]
     batch = prompts(3)
     got = engine_tokens(engine, batch)
     oracle = {k: quant if kinds in ("all", k) else None for k in ("full", "sliding")}
-    assert got == [greedy(model, p, stored_kv_caches(model, oracle)) for p in batch]
+    assert got == [
+        mlx_lm_greedy(model, p, MAX_TOKENS, caches=stored_kv_caches(model, oracle)) for p in batch
+    ]
     engine.close()
 
 
@@ -181,7 +180,9 @@ def test_prefix_caching_reuses_quantized_pages(arch: str) -> None:
     assert engine.stats.prefix_hit_tokens >= 2 * 36, "later prompts should reuse cached pages"
     oracle = {"full": quant, "sliding": quant}
     got = [out[i] for i in (first, *ids)]
-    assert got == [greedy(model, p, stored_kv_caches(model, oracle)) for p in batch]
+    assert got == [
+        mlx_lm_greedy(model, p, MAX_TOKENS, caches=stored_kv_caches(model, oracle)) for p in batch
+    ]
     engine.close()
 
 

@@ -38,14 +38,14 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from importlib.metadata import version
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from kv_pool import HybridKVPool, PageAllocator
+from kv_pool import HybridKVPool, PageAllocator, required_bytes
+from kv_pool._inspect import allocator
 from kv_protocol import CacheLayout, KVBuffer, LayerKind, LayerSpec, layout_from_model
 from tools.cli_args import MAX_PAGE_SIZE, MAX_REQUESTS, MAX_TOKENS, ArgumentParser, positive_int
 from tools.model_configs import REAL_MODEL_CONFIGS, lazy_model_from_config
@@ -86,7 +86,7 @@ def pool_bytes(
         "page_size": page_size,
         "prefill_chunk": chunk,
     }
-    budget = HybridKVPool.required_bytes(layout, **kwargs)
+    budget = required_bytes(layout, **kwargs)
     pool = HybridKVPool.from_budget(layout, budget, **kwargs)
     peak = 0
     for rid in range(requests):
@@ -99,7 +99,7 @@ def pool_bytes(
     worst = 0.0
     rids = list(range(requests))
     for _ in range(AFTER):
-        pool.reserve_batch(rids, 1)
+        pool.try_reserve_batch(dict.fromkeys(rids, 1))
         report = pool.memory_report()
         worst = max(worst, report.bytes_used / report.full_equivalent_bytes)
     return at_n, peak, worst
@@ -199,14 +199,12 @@ def ragged_table(requests: int, contexts: list[int], chunk: int, page_size: int)
                 "page_size": page_size,
                 "prefill_chunk": chunk,
             }
-            pool = HybridKVPool.from_budget(
-                layout, HybridKVPool.required_bytes(layout, **kwargs), **kwargs
-            )
+            pool = HybridKVPool.from_budget(layout, required_bytes(layout, **kwargs), **kwargs)
             for rid, n in enumerate(lengths):
                 pool.add_request(rid)
                 for step in schedule(n + 1, chunk)[:-1]:
                     pool.reserve(rid, step)
-            pool.reserve_batch(list(range(requests)), 1)
+            pool.try_reserve_batch(dict.fromkeys(range(requests), 1))
             ours = pool.memory_report().bytes_used
             per_kind: dict[int | None, int] = {}
             for kind_window in (None, window):
@@ -273,7 +271,7 @@ def throughput(n_requests: int) -> None:
     pool = HybridKVPool(layout, num_pages=n_requests * 20 + 1, page_size=16)
 
     def page_ops() -> int:
-        allocators = [pool.allocator(name) for name in pool.sub_pool_names]
+        allocators = [allocator(pool, spec.name) for spec in pool.sub_pools]
         return sum(a.pages_allocated_total + a.pages_released_total for a in allocators)
 
     def counted(fn: Callable[[], None]) -> Callable[[], int]:
@@ -298,7 +296,7 @@ def throughput(n_requests: int) -> None:
         rids = list(range(n_requests))
         for _ in range(steps):
             for lo in range(0, n_requests, batch):
-                pool.reserve_batch(rids[lo : lo + batch], 1)
+                pool.try_reserve_batch(dict.fromkeys(rids[lo : lo + batch], 1))
 
     def free_all() -> None:
         for rid in range(n_requests):
@@ -308,7 +306,7 @@ def throughput(n_requests: int) -> None:
         ("pool add + reserve(256)", prefill, n_requests),
         ("pool reserve(1) x 32 decode steps", lambda: decode(32), 32 * n_requests),
         (
-            "pool reserve_batch(B=32, 1) x 32 decode steps",
+            "pool try_reserve_batch(B=32, 1) x 32 decode steps",
             lambda: decode_batched(32, 32),
             32 * n_requests,
         ),
@@ -318,9 +316,12 @@ def throughput(n_requests: int) -> None:
         seconds, ops, rate = per_second(counted(fn))
         print(f"| {label} | {ops} | {seconds:.3f} | {rate:,.0f} | {calls / seconds:,.0f} |")
 
-    print("\nHost cost of the per-step batch queries (B requests of 8192 tokens, page size 16):\n")
-    print("| B | batch_page_table (full) us | batch_page_table (sliding) us | batch_slots us |")
-    print("|---|---|---|---|")
+    print(
+        "\nHost cost of a decode step's one reservation (B requests of 8192 tokens, page "
+        "size 16: the new slots and page tables of both sub-pools), and of its rollback:\n"
+    )
+    print("| B | try_reserve_batch us | rollback us |")
+    print("|---|---|---|")
     for batch in (1, 32, 256):
         pool = HybridKVPool(layout, num_pages=batch * 530 + 1, page_size=16)
         rids = list(range(batch))
@@ -328,21 +329,18 @@ def throughput(n_requests: int) -> None:
             pool.add_request(rid)
             pool.reserve(rid, 8191)
             pool.reserve(rid, 1)
-        positions = [8191] * batch
-        timings = []
-        queries: list[Callable[[], mx.array]] = [
-            partial(pool.batch_page_table, rids, "full"),
-            partial(pool.batch_page_table, rids, "sliding-w128"),
-            partial(pool.batch_slots, rids, "full", positions),
-        ]
-        for query in queries:
-            query()
-            reps = 200
+        demands = dict.fromkeys(rids, 1)
+        reserve_s = rollback_s = 0.0
+        reps = 200
+        for _ in range(reps):
             start = time.perf_counter()
-            for _ in range(reps):
-                query()
-            timings.append((time.perf_counter() - start) / reps * 1e6)
-        print(f"| {batch} | {timings[0]:.1f} | {timings[1]:.1f} | {timings[2]:.1f} |")
+            got = pool.try_reserve_batch(demands)
+            middle = time.perf_counter()
+            assert got is not None
+            pool.rollback(got)
+            reserve_s += middle - start
+            rollback_s += time.perf_counter() - middle
+        print(f"| {batch} | {reserve_s / reps * 1e6:.1f} | {rollback_s / reps * 1e6:.1f} |")
 
 
 def in_place() -> None:
@@ -351,7 +349,7 @@ def in_place() -> None:
     spec = LayerSpec(layer_id=0, kind=LayerKind.FULL, n_kv_heads=8, head_dim=64)
     pool = HybridKVPool(CacheLayout([spec]), num_pages=4096, page_size=16)
     pool.add_request(0)
-    slots = pool.reserve(0, 1)["full"]
+    slots = pool.reserve(0, 1).slots["full"]
     kv = mx.ones((1, 8, 64))
 
     def buffer(get: Callable[[int], KVBuffer]) -> mx.array:

@@ -36,11 +36,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from kv_batching import CacheNesting
-from kv_pool import HybridKVPool
+from kv_batching._cache_nesting import CacheNesting
+from kv_caches import PoolBackedKVCache
+from kv_pool import HybridKVPool, pages_per_request
 from kv_protocol import KVCacheError, KVQuantization, layout_from_model
 from kv_serve import active_blas, build_engine, build_pool, encode_prompt, load_model
-from kv_serve import pool_backed_cache as make_pool_cache
 from tools.bench_engine import build_model, measured, run_mlx_lm, workload
 from tools.cli_args import ArgumentParser, int_in_range, model_source, positive_int
 from tools.real_prompts import REAL_PROMPTS, real_prompts
@@ -67,7 +67,7 @@ def pool_logits(
     )
     pool.add_request(0)
     flat = [
-        make_pool_cache(pool, 0, i) if i in layout.attention_layer_ids else None
+        PoolBackedKVCache(pool, 0, i) if i in layout.attention_layer_ids else None
         for i in range(layout.num_layers)
     ]
     caches = CacheNesting.from_model(model).nest(flat)
@@ -212,7 +212,7 @@ class CapacityRow:
 
 def pool_concurrency(pool: HybridKVPool, max_context: int, chunk: int) -> int:
     """Requests of ``max_context`` tokens that fit in every sub-pool at their peak."""
-    peaks = HybridKVPool.pages_per_request(
+    peaks = pages_per_request(
         pool.layout,
         max_context=max_context,
         page_size={s.name: s.page_size for s in pool.sub_pools},

@@ -23,7 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kv_batching import DecodeEngine, unpatch_model_attention
-from kv_pool import HybridKVPool
+from kv_pool import HybridKVPool, required_bytes
+from kv_pool._inspect import request_ids
 from kv_protocol import (
     CacheLayout,
     KVCacheError,
@@ -257,7 +258,7 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
     max_context = max(len(p) + n for p, n in work)
     concurrency = min(config.max_running, len(work))
     if config.budget_mib is None:
-        budget = HybridKVPool.required_bytes(
+        budget = required_bytes(
             layout,
             max_context=max_context,
             concurrency=concurrency,
@@ -273,7 +274,7 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
             )
     else:
         budget = int(config.budget_mib * 2**20)
-        one = HybridKVPool.required_bytes(
+        one = required_bytes(
             layout,
             max_context=max_context,
             concurrency=1,
@@ -316,7 +317,7 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
         for tokens in engine.step().values():
             generated += len(tokens)
         report = pool.memory_report()
-        lens = [pool.seq_len(rid) for rid in pool.request_ids]
+        lens = [pool.seq_len(rid) for rid in request_ids(pool)]
         peak["kv"] = max(peak["kv"], report.bytes_used)
         peak["full"] = max(
             peak["full"], sum(_paged_full_bytes(layout, n, config.page_size) for n in lens)

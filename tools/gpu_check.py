@@ -146,7 +146,9 @@ def engine_check(backend: str) -> bool:
                     model,
                     pool,
                     kernels,
-                    lambda p, rid, layer: PoolBackedKVCache(p, rid, layer),
+                    lambda p, reservation, layer: PoolBackedKVCache(
+                        p, reservation.request_ids[0], layer, reservation=reservation
+                    ),
                     max_running=8,
                     prefill_chunk=32,
                 )

@@ -142,7 +142,7 @@ def check_architecture(name: str) -> SupportRow:
             except Exception as error:
                 return SupportRow(**row, status="refused", reason=_short(error))
             with engine:
-                for layer_id, path in engine.decode_paths.items():
+                for layer_id, path in engine.decode_plan.paths.items():
                     paths_seen.setdefault(kind_of[layer_id], set()).add(path)
                 ids = [engine.submit(p, MAX_TOKENS) for p in prompts]
                 out = engine.run()

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from kv_batching import CacheNesting, StackedStateCache, install_stacked_states
+from kv_batching._cache_nesting import CacheNesting
+from kv_batching._state_cache import StackedStateCache, install_stacked_states
 from kv_protocol import flatten_caches
 
 

@@ -8,15 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_batching import (
-    FUSED_ROPE_MAP_ERROR,
-    BatchedDecodeContext,
-    BatchedLayerCache,
-    DecodeStep,
-    PoolAddressing,
-    PoolDecodeCache,
-    batched_layer_caches,
-)
+from kv_batching import FUSED_ROPE_MAP_ERROR, BatchedDecodeContext, DecodeRoute
+from kv_batching._decode_step import DecodeStep, PoolAddressing
+from kv_batching._layer_cache import BatchedLayerCache, PoolDecodeCache, batched_layer_caches
 from kv_protocol import (
     CacheLayout,
     CacheStateError,
@@ -30,7 +24,7 @@ from kv_protocol import (
 from kv_testing import ReferenceKVPool
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, FakeRope
+from batching_fakes import FakeKernels, FakeRope, decode_step
 
 
 def gpt_oss_like(window: int = 8) -> CacheLayout:
@@ -96,8 +90,11 @@ def test_fused_rope_with_full_map_is_accepted() -> None:
 def test_empty_batch_is_a_clear_error() -> None:
     with pytest.raises(RequestStateError, match="empty batch"):
         ctx([])
+    pool = ReferenceKVPool(gpt_oss_like())
+    empty = pool.try_reserve_batch({})
+    assert empty is not None
     with pytest.raises(ValueError, match="empty batch"):
-        DecodeStep.from_pool(ReferenceKVPool(gpt_oss_like()), [], FakeKernels())
+        DecodeStep.from_reservation(empty, pool, FakeKernels(), PoolAddressing.from_pool(pool))
 
 
 @pytest.mark.parametrize(
@@ -198,17 +195,18 @@ def test_decode_padding_is_memoised_per_window() -> None:
         c.decode_padding(0)
 
 
-# ---------------------------------------------------------------- from_pool
+# ---------------------------------------------------------------- from_reservation
 
 
-def test_from_pool_reserves_one_token_and_reads_slots_at_the_old_length() -> None:
+def test_a_step_takes_the_reservations_slots_and_its_old_lengths() -> None:
     pool = ReferenceKVPool(gpt_oss_like(window=4), num_pages=32, page_size=2)
     for rid, n in ((10, 5), (11, 1), (12, 9)):
         pool.add_request(rid)
         pool.reserve(rid, n)
-    step = DecodeStep.from_pool(pool, [10, 11, 12], FakeKernels())
+    calls = pool.reserve_batch_calls
+    step = decode_step(pool, [10, 11, 12], FakeKernels())
     c = step.context
-    assert pool.reserve_batch_calls == 1  # one atomic reservation for the whole batch
+    assert pool.reserve_batch_calls == calls + 1  # one atomic reservation for the whole batch
     assert c.seq_lens == (5, 1, 9)
     assert [pool.seq_len(r) for r in (10, 11, 12)] == [6, 2, 10]
     assert step.addressing.sub_pools == ("sliding", "full")
@@ -232,44 +230,32 @@ def test_from_pool_reserves_one_token_and_reads_slots_at_the_old_length() -> Non
         assert view.window == (4 if name == "sliding" else None)
         assert view.new_token_slots is step.sub_pools[name].new_token_slots
         assert view.page_table is step.sub_pools[name].page_table
-        assert view.fused_rope is False and view.context is c and view.pool is pool
+        assert view.route == "unfused" and view.context is c and view.pool is pool
     with pytest.raises(LayerKindError, match="not an attention layer"):
         step.layer(4)
 
 
-def test_only_full_layers_are_addressed_by_the_fused_kernel() -> None:
-    pool = ReferenceKVPool(gpt_oss_like(), num_pages=8, page_size=4)
-    pool.add_request(0)
-    pool.reserve(0, 3)
-    step = DecodeStep.from_pool(pool, [0], FakeKernels(rope=FakeRope()))
-    assert [step.layer(i).fused_rope for i in range(4)] == [False, True, False, True]
-
-
-def test_from_pool_without_room_reserves_nothing() -> None:
+def test_a_step_takes_one_reserved_token_per_request_only() -> None:
     pool = ReferenceKVPool(gpt_oss_like(window=64), num_pages=3, page_size=2)
     pool.add_request(0)
     pool.add_request(1)
     pool.reserve(0, 2)
     pool.reserve(1, 2)
     before = (pool.seq_len(0), pool.seq_len(1), pool.free_pages())
-    with pytest.raises(CacheStateError, match="nothing was reserved"):
-        DecodeStep.from_pool(pool, [0, 1], FakeKernels())
+    assert pool.try_reserve_batch({0: 1, 1: 1}) is None  # no room: nothing reserved
     assert (pool.seq_len(0), pool.seq_len(1), pool.free_pages()) == before
-
-
-def test_from_pool_without_reserve_reads_only() -> None:
-    pool = ReferenceKVPool(gpt_oss_like(), num_pages=8, page_size=4)
-    pool.add_request(3)
-    pool.reserve(3, 5)
-    step = DecodeStep.from_pool(pool, [3], FakeKernels(), reserve=False)
-    assert step.context.seq_lens == (5,) and pool.seq_len(3) == 5
+    pool.free_request(1)
+    chunk = pool.try_reserve_batch({0: 2})
+    assert chunk is not None
+    with pytest.raises(CacheStateError, match="one reserved token per request"):
+        DecodeStep.from_reservation(chunk, pool, FakeKernels(), PoolAddressing.from_pool(pool))
 
 
 def test_a_step_needs_every_sub_pool() -> None:
     pool = ReferenceKVPool(gpt_oss_like(), num_pages=8, page_size=4)
     pool.add_request(0)
     pool.reserve(0, 2)
-    full = DecodeStep.from_pool(pool, [0], FakeKernels())
+    full = decode_step(pool, [0], FakeKernels())
     with pytest.raises(CacheStateError, match=r"missing \['full'\]"):
         DecodeStep(
             context=full.context,
@@ -282,7 +268,14 @@ def test_a_step_needs_every_sub_pool() -> None:
 
 def test_pool_addressing() -> None:
     pool = ReferenceKVPool(gpt_oss_like(), num_pages=8, page_size=4, sliding_page_size=2)
-    plan = PoolAddressing.from_pool(pool)
+    plan = PoolAddressing.from_pool(pool, {1: "fused", 2: "universal"})
+    assert {i: a.route for i, a in plan.layers.items()} == {
+        0: "unfused",
+        1: "fused",
+        2: "universal",
+        3: "unfused",
+    }
+    assert plan.layers_on("universal") == {2} and plan.route_of(1) == "fused"
     assert {i: a.sub_pool for i, a in plan.layers.items()} == {
         0: "sliding",
         1: "full",
@@ -302,12 +295,16 @@ def test_pool_addressing() -> None:
 # ---------------------------------------------------------------- the layer cache shim
 
 
-def step_of(seq_lens: list[int], layout: CacheLayout | None = None) -> DecodeStep:
+def step_of(
+    seq_lens: list[int],
+    layout: CacheLayout | None = None,
+    routes: dict[int, DecodeRoute] | None = None,
+) -> DecodeStep:
     pool = ReferenceKVPool(layout or gpt_oss_like(), num_pages=32, page_size=4)
     for rid, n in enumerate(seq_lens):
         pool.add_request(rid)
         pool.reserve(rid, n)
-    return DecodeStep.from_pool(pool, list(range(len(seq_lens))), FakeKernels())
+    return decode_step(pool, list(range(len(seq_lens))), FakeKernels(), routes=routes)
 
 
 def test_batched_layer_cache_is_a_data_free_shim() -> None:
@@ -335,7 +332,7 @@ def test_batched_layer_cache_is_a_data_free_shim() -> None:
 
 
 def test_layer_caches_by_path_and_none_for_state_layers() -> None:
-    caches = batched_layer_caches(step_of([2, 5], with_state_layer()), universal_layers={2})
+    caches = batched_layer_caches(step_of([2, 5], with_state_layer(), routes={2: "universal"}))
     assert caches[0] is None  # a STATE layer: its stacked recurrent state goes there
     assert isinstance(caches[1], BatchedLayerCache)
     assert isinstance(caches[2], PoolDecodeCache) and caches[2].layer.window == 4

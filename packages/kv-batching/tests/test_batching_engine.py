@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_batching import DecodeEngine, RequestStatus, sample_top_p, wrapped_attention
+from kv_batching import DecodeEngine, RequestStatus
+from kv_batching._patching import wrapped_attention
+from kv_batching._sampling import sample_top_p
 from kv_protocol import (
     CacheLayout,
     LayerKind,

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_batching import DecodeEngine, PrefillBudget
+from kv_batching import DecodeEngine
+from kv_batching._prefill_budget import PrefillBudget
 from kv_protocol import layout_from_model
 from kv_testing import ReferenceKVPool, build_tiny_model
 
@@ -140,7 +141,7 @@ def test_a_prompt_arriving_beside_a_decode_is_prefilled_in_small_chunks() -> Non
     assert list(plain.stats.prefill_chunk_tokens) == [3, 64, 26]
     # A stall bound far below any real cost: every chunk beside a decode is the smallest.
     bounded = engine(prefill_stall=1e-9)
-    assert bounded.prefill_budget.min_chunk == 16
+    assert bounded._prefill_budget.min_chunk == 16
     tokens = run_with_arrival(bounded)
     assert list(bounded.stats.prefill_chunk_tokens) == [3, 16, 16, 16, 16, 16, 10]
     assert bounded.stats.prefill_chunks == 7

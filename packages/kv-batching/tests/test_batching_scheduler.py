@@ -15,8 +15,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_batching import EngineStats, RequestStatus, Scheduler
+from kv_batching import EngineStats, RequestStatus
 from kv_batching._requests import EngineRequest
+from kv_batching._scheduler import Scheduler
 from kv_protocol import CacheLayout, LayerKind, LayerSpec
 from kv_testing import ReferenceBookkeeping, ReferenceKVPool
 
@@ -70,18 +71,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         r = self.scheduler.prefilling
         assert r is not None
         left = len(r.prefill_tokens()) - r.prefilled
-        fit = self.scheduler.fit_chunk(r, min(n, left))
-        assert 0 <= fit <= min(n, left)
-        if fit == 0:
+        before = self.pool.seq_len(r.rid)
+        reservation = self.scheduler.reserve_chunk(r, min(n, left))
+        if reservation is None:
+            assert self.pool.seq_len(r.rid) == before
             if r.prefilled == 0:
                 self.scheduler.requeue_unstarted(r)
                 del self.held[r.rid]
             return
-        # What fits leaves room for one more token of every running request.
-        demands = {q.rid: 1 for q in self.scheduler.running}
-        demands[r.rid] = fit
-        assert self.pool.can_reserve(demands)
-        self.pool.reserve(r.rid, fit)
+        fit = reservation.n_tokens[0]
+        assert reservation.request_ids == (r.rid,) and reservation.start_lengths == (before,)
+        assert 1 <= fit <= min(n, left) and self.pool.seq_len(r.rid) == before + fit
+        # What was granted leaves room for one more token of every running request.
+        running = {q.rid: 1 for q in self.scheduler.running}
+        after = self.pool.try_reserve_batch(running)
+        assert after is not None
+        self.pool.rollback(after)
         self.held[r.rid] += fit
         r.prefilled += fit
         if r.prefilled == len(r.prefill_tokens()):
@@ -91,13 +96,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.scheduler.running))
     @rule()
     def decode(self) -> None:
-        self.scheduler.make_decode_room()
+        reservation = self.scheduler.reserve_decode()
         for gone in [rid for rid in self.held if not self.pool.has_request(rid)]:
             del self.held[gone]
         batch = list(self.scheduler.running)
         if not batch:
+            assert reservation is None
             return
-        self.pool.reserve_batch([r.rid for r in batch], 1)
+        assert reservation is not None
+        assert reservation.request_ids == tuple(r.rid for r in batch)
+        assert reservation.start_lengths == tuple(self.held[r.rid] for r in batch)
         for r in batch:
             self.held[r.rid] += 1
             r.generated.append(7)
@@ -107,10 +115,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def rollback_a_decode(self, data: st.DataObject) -> None:
         batch = list(self.scheduler.running)
         lengths = [self.pool.seq_len(r.rid) for r in batch]
-        if not self.pool.can_reserve({r.rid: 1 for r in batch}):
+        reservation = self.scheduler.reserve_rows(batch)
+        if reservation is None:
             return
-        self.pool.reserve_batch([r.rid for r in batch], 1)
-        self.scheduler.trim_back(batch, lengths)
+        assert [self.pool.seq_len(r.rid) for r in batch] == [n + 1 for n in lengths]
+        self.scheduler.rollback(reservation)
         assert [self.pool.seq_len(r.rid) for r in batch] == lengths
 
     @precondition(lambda self: bool(self.scheduler.active()))
@@ -196,7 +205,10 @@ def test_the_scheduler_needs_only_tensor_free_bookkeeping() -> None:
         scheduler.enqueue(request(rid, 4))
     first = scheduler.admit()
     assert first is not None and book.has_request(0)
-    assert scheduler.fit_chunk(first, 16) == 8  # halved from 16 until it fits in 10
+    granted = scheduler.reserve_chunk(first, 16)  # halved from 16 until it fits in 10
+    assert granted is not None and granted.n_tokens == (8,) and book.lengths[0] == 8
+    scheduler.rollback(granted)
+    assert book.lengths[0] == 0
     book.lengths[0] = 4
     scheduler.start_running(first)
     second = scheduler.admit()
@@ -204,6 +216,7 @@ def test_the_scheduler_needs_only_tensor_free_bookkeeping() -> None:
     book.lengths[1] = 5
     scheduler.start_running(second)
     # 9 of 10 held: one more token each does not fit, so the newest is preempted.
-    scheduler.make_decode_room()
+    reservation = scheduler.reserve_decode()
     assert [r.rid for r in scheduler.running] == [0] and scheduler.queue[0] is second
+    assert reservation is not None and reservation.request_ids == (0,)
     assert not book.has_request(1)

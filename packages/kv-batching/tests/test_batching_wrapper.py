@@ -12,16 +12,11 @@ import pytest
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from kv_batching import (
-    BatchedAttention,
-    DecodeStep,
-    NormMode,
-    batched_layer_caches,
-    is_patched,
-    patch_model_attention,
-    unpatch_model_attention,
-    wrapped_attention,
-)
+from kv_batching import is_patched, patch_model_attention, unpatch_model_attention
+from kv_batching._attention_spec import NormMode
+from kv_batching._batched_attention import BatchedAttention
+from kv_batching._layer_cache import batched_layer_caches
+from kv_batching._patching import wrapped_attention
 from kv_protocol import (
     CacheLayout,
     LayerKind,
@@ -32,7 +27,7 @@ from kv_protocol import (
 from kv_testing import ReferenceKVPool, build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import CountingPrefillAttention, FakeKernels, FakeRope
+from batching_fakes import CountingPrefillAttention, FakeKernels, FakeRope, decode_step
 
 ARCHS = ("gpt_oss", "gemma3_text", "cohere2", "olmo3")
 
@@ -279,7 +274,7 @@ def test_batched_decode_equals_each_request_alone(arch: str, fused: bool) -> Non
             )
     set_before = pool.set_kv_calls
     ids = list(range(len(seq_lens)))
-    step = DecodeStep.from_pool(pool, ids, kernels)
+    step = decode_step(pool, ids, kernels, model=model)
     x = mx.random.normal((len(seq_lens), 1, 64), key=mx.random.key(9))
     attention = kernels.attention
     for layer_id, layer in enumerate(model.layers):
@@ -309,7 +304,21 @@ def test_kernel_refusing_the_rope_variant_falls_back_to_unfused() -> None:
     pool.add_request(0)
     pool.reserve(0, 3)
     rope = FakeRope(refuse=True)
-    step = DecodeStep.from_pool(pool, [0], FakeKernels(rope=rope))
+    step = decode_step(pool, [0], FakeKernels(rope=rope), model=model)
+    assert [step.layer(i).route for i in range(4)] == ["unfused"] * 4
     model(mx.array([[3]]), cache=batched_layer_caches(step))
     assert rope.calls == 0 and pool.replace_calls == 0 and pool.set_kv_calls == 4
     assert all(layout.kind(i) in (LayerKind.FULL, LayerKind.SLIDING) for i in range(4))
+
+
+def test_only_full_layers_on_plain_pages_take_the_fused_route() -> None:
+    model = fresh("gpt_oss")
+    patch_model_attention(model)
+    pool = ReferenceKVPool(layout_from_model(model), num_pages=8, page_size=4)
+    pool.add_request(0)
+    pool.reserve(0, 3)
+    step = decode_step(pool, [0], FakeKernels(rope=FakeRope()), model=model)
+    assert [step.layer(i).route for i in range(4)] == ["unfused", "fused", "unfused", "fused"]
+    # Without a fused kernel every wrapped layer is unfused.
+    plain = decode_step(pool, [0], FakeKernels(), model=model)
+    assert [plain.layer(i).route for i in range(4)] == ["unfused"] * 4

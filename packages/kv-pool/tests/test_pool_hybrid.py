@@ -11,7 +11,23 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_pool import HybridKVPool, LayerDoneCounter, PageAllocator
+from kv_pool import (
+    HybridKVPool,
+    LayerDoneCounter,
+    PageAllocator,
+    pages_per_request,
+    required_bytes,
+    sub_pool_groups,
+)
+from kv_pool._inspect import (
+    allocator,
+    batch_page_table,
+    batch_slots,
+    held_pages,
+    num_free_pages,
+    page_table,
+    sub_pool_names,
+)
 from kv_protocol import (
     CacheLayout,
     CacheStateError,
@@ -79,23 +95,23 @@ def test_satisfies_protocols() -> None:
     assert isinstance(pool, KVPool)
     assert isinstance(HybridKVPool(MIXED, num_pages=4), KVPool)
     concrete = HybridKVPool(gpt_oss_like(), num_pages=8, page_size=2)
-    assert isinstance(concrete.allocator("full"), PageAllocatorProtocol)
-    assert isinstance(concrete.allocator("full"), PageAllocator)
+    assert isinstance(allocator(concrete, "full"), PageAllocatorProtocol)
+    assert isinstance(allocator(concrete, "full"), PageAllocator)
     counter: LayerTransferCounter = LayerDoneCounter(4)
     assert isinstance(counter, LayerTransferCounter)
 
 
 def test_sub_pool_names_and_geometry() -> None:
     pool = HybridKVPool(gpt_oss_like(window=128), num_pages=4)
-    assert pool.sub_pool_names == ("sliding-w128", "full")
+    assert sub_pool_names(pool) == ("sliding-w128", "full")
     assert pool.sub_pool_of(0) == "sliding-w128" and pool.sub_pool_of(3) == "full"
-    assert HybridKVPool.sub_pool_groups(MIXED) == {
+    assert {g.name: g.layer_ids for g in sub_pool_groups(MIXED)} == {
         "sliding-w4-1x8": (0, 3),
         "full-2x4": (1,),
         "full-3x2": (4,),
     }
     dtypes = CacheLayout([full(0), full(1, dtype=mx.bfloat16)])
-    assert list(HybridKVPool.sub_pool_groups(dtypes)) == ["full-2x4-float32", "full-2x4-bfloat16"]
+    assert [g.name for g in sub_pool_groups(dtypes)] == ["full-2x4-float32", "full-2x4-bfloat16"]
     pool = HybridKVPool(
         MIXED,
         num_pages={"sliding-w4-1x8": 3, "full-2x4": 5, "full-3x2": 4},
@@ -124,10 +140,10 @@ def test_a_layout_of_state_layers_only_has_no_sub_pool_and_tracks_requests() -> 
         HybridKVPool(layout, num_pages={}),
         HybridKVPool.from_budget(layout, 1 << 20, max_context=64, concurrency=4),
     ):
-        assert pool.sub_pool_names == ()
+        assert sub_pool_names(pool) == ()
         pool.add_request(7)
-        assert pool.can_reserve({7: 100})
-        pool.reserve(7, 100)
+        reservation = pool.try_reserve_batch({7: 100})
+        assert reservation is not None and reservation.slots == {}
         assert pool.seq_len(7) == 100
         assert pool.memory_report().sub_pools == ()
         pool.free_request(7)
@@ -141,11 +157,11 @@ def test_values_narrower_than_keys_get_their_own_buffer_width() -> None:
         ]
     )
     pool = HybridKVPool(layout, num_pages=4, page_size=4)
-    assert pool.sub_pool_names == ("full-1x24v8", "full-1x24")
+    assert sub_pool_names(pool) == ("full-1x24v8", "full-1x24")
     assert pool.get_key_buffer(0).shape == (1, 16, 24)
     assert pool.get_value_buffer(0).shape == (1, 16, 8)
     pool.add_request(0)
-    slots = pool.reserve(0, 3)["full-1x24v8"]
+    slots = pool.reserve(0, 3).slots["full-1x24v8"]
     keys = mx.random.normal((3, 1, 24))
     values = mx.random.normal((3, 1, 8))
     pool.set_kv(0, slots, keys, values)
@@ -199,8 +215,8 @@ def test_request_errors() -> None:
         lambda: pool.free_request(8),
         lambda: pool.seq_len(8),
         lambda: pool.fork_request(8, 9, 0),
-        lambda: pool.batch_page_table([7, 8], "full"),
-        lambda: pool.can_reserve({8: 1}),
+        lambda: batch_page_table(pool, [7, 8], "full"),
+        lambda: pool.try_reserve_batch({8: 1}),
     ):
         with pytest.raises(UnknownRequestError, match="unknown request id 8"):
             call()
@@ -209,7 +225,7 @@ def test_request_errors() -> None:
     with pytest.raises(RequestStateError):
         pool.reserve(7, -1)
     with pytest.raises(KVCacheError, match="unknown sub-pool"):
-        pool.batch_page_table([7], "nope")
+        batch_page_table(pool, [7], "nope")
     pool.reserve(7, 3)
     with pytest.raises(RequestStateError, match="holds 3"):
         pool.fork_request(7, 9, 4)
@@ -231,15 +247,15 @@ def test_sliding_release_table() -> None:
     for seq_len, first in RELEASE_TABLE:
         pool.reserve(0, 1)
         assert pool.seq_len(0) == seq_len
-        table = tl(pool.page_table(0, "sliding-w4"))
+        table = tl(page_table(pool, 0, "sliding-w4"))
         assert len(table) == math.ceil(seq_len / 2)
         assert table[:first] == [0] * first and 0 not in table[first:]
-        assert len(pool.held_pages(0, "sliding-w4")) <= math.ceil(4 / 2) + 1
-        assert len(pool.held_pages(0, "full")) == math.ceil(seq_len / 2)
+        assert len(held_pages(pool, 0, "sliding-w4")) <= math.ceil(4 / 2) + 1
+        assert len(held_pages(pool, 0, "full")) == math.ceil(seq_len / 2)
     with pytest.raises(CacheStateError, match="released"):
         pool.token_slots(0, 0, 5, 10)
     with pytest.raises(CacheStateError, match="released"):
-        pool.batch_slots([0], "sliding-w4", [5])
+        batch_slots(pool, [0], "sliding-w4", [5])
     assert pool.token_slots(0, 0, 6, 10).shape == (4,)
     assert pool.token_slots(0, 1, 0, 10).shape == (10,)
 
@@ -248,14 +264,14 @@ def test_prefill_chunk_holds_more_while_it_runs() -> None:
     pool = HybridKVPool(gpt_oss_like(window=4), num_pages=32, page_size=2)
     pool.add_request(0)
     pool.reserve(0, 10)
-    assert len(pool.held_pages(0, "sliding-w4")) == 5
+    assert len(held_pages(pool, 0, "sliding-w4")) == 5
     pool.reserve(0, 1)  # old seq_len 10: the new query sees 7..10
-    assert tl(pool.page_table(0, "sliding-w4"))[:3] == [0, 0, 0]
-    assert len(pool.held_pages(0, "sliding-w4")) == 3
-    free_before = pool.num_free_pages("sliding-w4")
+    assert tl(page_table(pool, 0, "sliding-w4"))[:3] == [0, 0, 0]
+    assert len(held_pages(pool, 0, "sliding-w4")) == 3
+    free_before = num_free_pages(pool, "sliding-w4")
     pool.free_request(0)
-    assert pool.num_free_pages("sliding-w4") == free_before + 3
-    assert pool.num_free_pages("full") == 31
+    assert num_free_pages(pool, "sliding-w4") == free_before + 3
+    assert num_free_pages(pool, "full") == 31
 
 
 def test_reserve_is_atomic_across_sub_pools() -> None:
@@ -263,15 +279,15 @@ def test_reserve_is_atomic_across_sub_pools() -> None:
     pool = HybridKVPool(layout, num_pages={"sliding-w4": 32, "full": 4}, page_size=2)
     pool.add_request(0)
     pool.reserve(0, 4)
-    before = (tl(pool.page_table(0, "sliding-w4")), pool.num_free_pages("sliding-w4"))
-    assert not pool.can_reserve({0: 4})
+    before = (tl(page_table(pool, 0, "sliding-w4")), num_free_pages(pool, "sliding-w4"))
+    assert pool.try_reserve_batch({0: 4}) is None
     with pytest.raises(PoolExhaustedError) as info:
         pool.reserve(0, 4)
     assert info.value.sub_pool == "full"
     assert info.value.pages_requested == 2 and info.value.pages_free == 1
     assert pool.seq_len(0) == 4
-    assert (tl(pool.page_table(0, "sliding-w4")), pool.num_free_pages("sliding-w4")) == before
-    assert pool.can_reserve({0: 2})
+    assert (tl(page_table(pool, 0, "sliding-w4")), num_free_pages(pool, "sliding-w4")) == before
+    assert pool.try_reserve_batch({0: 2}) is not None
 
 
 def test_release_makes_room_in_the_same_reserve() -> None:
@@ -281,10 +297,9 @@ def test_release_makes_room_in_the_same_reserve() -> None:
     )
     pool.add_request(0)
     pool.reserve(0, 8)
-    assert pool.num_free_pages("sliding-w2") == 0
-    assert pool.can_reserve({0: 3})
-    pool.reserve(0, 3)
-    assert len(pool.held_pages(0, "sliding-w2")) == 3
+    assert num_free_pages(pool, "sliding-w2") == 0
+    assert pool.try_reserve_batch({0: 3}) is not None
+    assert len(held_pages(pool, 0, "sliding-w2")) == 3
 
 
 def test_batch_page_table_and_slots() -> None:
@@ -292,28 +307,39 @@ def test_batch_page_table_and_slots() -> None:
     for rid, n in ((3, 5), (1, 1), (2, 0)):
         pool.add_request(rid)
         pool.reserve(rid, n)
-    table = pool.batch_page_table([3, 1, 2], "full")
+    table = batch_page_table(pool, [3, 1, 2], "full")
     assert table.dtype == mx.int32 and table.shape == (3, 3)
-    assert tl(table[0]) == tl(pool.page_table(3, "full"))
+    assert tl(table[0]) == tl(page_table(pool, 3, "full"))
     assert tl(table[1])[1:] == [0, 0] and tl(table[2]) == [0, 0, 0]
-    assert pool.batch_page_table([2], "full").shape == (1, 1)
-    assert pool.batch_page_table([], "full").shape == (0, 1)
-    slots = pool.batch_slots([3, 1], "full", [4, 0])
+    assert batch_page_table(pool, [2], "full").shape == (1, 1)
+    assert batch_page_table(pool, [], "full").shape == (0, 1)
+    slots = batch_slots(pool, [3, 1], "full", [4, 0])
     assert slots.dtype == mx.int32
     assert tl(slots) == [
         pool.token_slots(3, 1, 4, 5).item(),
         pool.token_slots(1, 1, 0, 1).item(),
     ]
     with pytest.raises(ShapeMismatchError):
-        pool.batch_slots([3], "full", [0, 1])
+        batch_slots(pool, [3], "full", [0, 1])
     with pytest.raises(RequestStateError):
-        pool.batch_slots([1], "full", [1])
+        batch_slots(pool, [1], "full", [1])
+    # A reservation carries the batch's page tables after it, and its new slots row by row.
+    got = pool.try_reserve_batch({1: 2, 3: 1, 2: 3})
+    assert got is not None and got.request_ids == (1, 3, 2)
+    assert got.start_lengths == (1, 5, 0) and got.lengths == (3, 6, 3)
+    assert tl(got.page_tables["full"]) == tl(batch_page_table(pool, [1, 3, 2], "full"))
+    assert tl(got.slots["full"]) == [
+        *tl(pool.token_slots(1, 1, 1, 3)),
+        *tl(pool.token_slots(3, 1, 5, 6)),
+        *tl(pool.token_slots(2, 1, 0, 3)),
+    ]
+    assert got.row_start(2) == 3 and got.total_tokens == 6
 
 
 def _gather(pool: HybridKVPool, layer: int, rid: int) -> tuple[np.ndarray, np.ndarray]:
     """Read a request's tokens through its page table, as a paged kernel would."""
     size = pool.page_size(layer)
-    table = pool.batch_page_table([rid], pool.sub_pool_of(layer))
+    table = batch_page_table(pool, [rid], pool.sub_pool_of(layer))
     out = []
     for buf in (plain(pool.get_key_buffer(layer)), plain(pool.get_value_buffer(layer))):
         h, slots, d = buf.shape
@@ -327,7 +353,7 @@ def _gather(pool: HybridKVPool, layer: int, rid: int) -> tuple[np.ndarray, np.nd
     sizes=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4)),
 )
 def test_round_trip_through_page_tables(chunks: list[int], sizes: tuple[int, int, int]) -> None:
-    names = list(HybridKVPool.sub_pool_groups(MIXED))
+    names = [g.name for g in sub_pool_groups(MIXED)]
     page_size = dict(zip(names, sizes, strict=True))
     # Room for the largest draw: 2 requests of up to 1 + 5 * 7 tokens at one token a page.
     pool = HybridKVPool(MIXED, num_pages=80, page_size=page_size)
@@ -348,7 +374,7 @@ def test_round_trip_through_page_tables(chunks: list[int], sizes: tuple[int, int
     for n in chunks:
         for rid in (0, 1):
             start = pool.seq_len(rid)
-            new_slots = pool.reserve(rid, n)
+            new_slots = pool.reserve(rid, n).slots
             for layer in MIXED.attention_layer_ids:
                 k, v = dense[rid, layer][:, start : start + n]
                 pool.set_kv(layer, new_slots[pool.sub_pool_of(layer)], mx.array(k), mx.array(v))
@@ -360,7 +386,7 @@ def test_round_trip_through_page_tables(chunks: list[int], sizes: tuple[int, int
             size = pool.page_size(layer)
             first = 0
             if window is not None:
-                first = tl(pool.page_table(rid, pool.sub_pool_of(layer))).count(0) * size
+                first = tl(page_table(pool, rid, pool.sub_pool_of(layer))).count(0) * size
                 # what the last chunk's queries need is still there
                 assert first <= max(0, seq_len - chunks[-1] - window + 1)
             np.testing.assert_array_equal(k[first:seq_len], dense[rid, layer][0, first:seq_len])
@@ -401,30 +427,30 @@ def test_set_kv_and_replace_buffers_check_shapes() -> None:
 def test_fork_shares_whole_pages_and_copies_the_tail() -> None:
     pool = HybridKVPool(gpt_oss_like(window=4), num_pages=16, page_size=4)
     pool.add_request(0)
-    slots = pool.reserve(0, 10)
+    slots = pool.reserve(0, 10).slots
     values = mx.arange(10 * 8, dtype=mx.float32).reshape(10, 2, 4)
     for layer in range(4):
         pool.set_kv(layer, slots[pool.sub_pool_of(layer)], values + layer, -values)
     pool.fork_request(0, 1, 10)
-    parent, child = tl(pool.page_table(0, "full")), tl(pool.page_table(1, "full"))
+    parent, child = tl(page_table(pool, 0, "full")), tl(page_table(pool, 1, "full"))
     assert parent[:2] == child[:2] and parent[2] != child[2]
-    assert [pool.allocator("full").refcount(p) for p in parent] == [2, 2, 1]
+    assert [allocator(pool, "full").refcount(p) for p in parent] == [2, 2, 1]
     # sliding: only the pages the child's next query (position 10, window 4) sees: 7..9
-    assert tl(pool.page_table(1, "sliding-w4"))[0] == 0
+    assert tl(page_table(pool, 1, "sliding-w4"))[0] == 0
     for layer in range(4):
         k, _ = pool.get_kv(layer, pool.token_slots(1, layer, 8, 10))
         np.testing.assert_array_equal(np.array(k), np.array(values[8:10] + layer))
     # writes of the child into its tail copy leave the parent's page alone
-    child_new = pool.reserve(1, 1)
+    child_new = pool.reserve(1, 1).slots
     pool.set_kv(1, child_new["full"], mx.full((1, 2, 4), -7.0), mx.zeros((1, 2, 4)))
-    parent_new = pool.reserve(0, 1)
+    parent_new = pool.reserve(0, 1).slots
     pool.set_kv(1, parent_new["full"], mx.full((1, 2, 4), 7.0), mx.zeros((1, 2, 4)))
     assert tl(pool.get_kv(1, pool.token_slots(0, 1, 10, 11))[0])[0][0][0] == 7.0
     assert tl(pool.get_kv(1, pool.token_slots(1, 1, 10, 11))[0])[0][0][0] == -7.0
     pool.free_request(0)
-    assert [pool.allocator("full").refcount(p) for p in child[:2]] == [1, 1]
+    assert [allocator(pool, "full").refcount(p) for p in child[:2]] == [1, 1]
     pool.free_request(1)
-    assert pool.num_free_pages("full") == 15 and pool.num_free_pages("sliding-w4") == 15
+    assert num_free_pages(pool, "full") == 15 and num_free_pages(pool, "sliding-w4") == 15
 
 
 def test_fork_refuses_released_positions() -> None:
@@ -444,7 +470,7 @@ def test_set_kv_writes_in_place() -> None:
     # A single-token write must not copy the whole buffer (MLX donates it when unshared).
     pool = HybridKVPool(gpt_oss_like(), num_pages=4096, page_size=16)
     pool.add_request(0)
-    slots = pool.reserve(0, 1)["full"]
+    slots = pool.reserve(0, 1).slots["full"]
     mx.eval(pool.get_key_buffer(1), pool.get_value_buffer(1))
     kv = mx.ones((1, 2, 4))
     mx.eval(kv, slots)
@@ -466,8 +492,8 @@ def test_from_budget_fits_the_stated_workload() -> None:
         "page_size": 4,
         "prefill_chunk": 8,
     }
-    need = HybridKVPool.required_bytes(layout, **kwargs)
-    pages = HybridKVPool.pages_per_request(layout, max_context=40, page_size=4, prefill_chunk=8)
+    need = required_bytes(layout, **kwargs)
+    pages = pages_per_request(layout, max_context=40, page_size=4, prefill_chunk=8)
     assert pages == {"sliding-w8": math.ceil((8 - 1 + 8) / 4) + 1, "full": 10}
     pool = HybridKVPool.from_budget(layout, need, **kwargs)
     assert pool.memory_report().bytes_total == need
@@ -476,9 +502,9 @@ def test_from_budget_fits_the_stated_workload() -> None:
     for _ in range(5):
         for rid in range(3):
             pool.reserve(rid, 8)
-    assert pool.num_free_pages("full") == 0
+    assert num_free_pages(pool, "full") == 0
     bigger = HybridKVPool.from_budget(layout, 3 * need, **kwargs)
-    assert bigger.sub_pool_spec("full").num_pages == 3 * (3 * 10 + 1)
+    assert {s.name: s.num_pages for s in bigger.sub_pools}["full"] == 3 * (3 * 10 + 1)
     assert bigger.memory_report().bytes_total <= 3 * need
     with pytest.raises(PoolExhaustedError):
         HybridKVPool.from_budget(layout, 100, **kwargs)
@@ -549,7 +575,7 @@ class SpyCounter:
 def test_buffer_accessors_wait_on_the_global_layer_id() -> None:
     pool = HybridKVPool(MIXED, num_pages=4, page_size=2)
     spy = SpyCounter()
-    pool.register_layer_transfer_counter(spy)
+    pool.layer_transfer_counter = spy
     assert pool.layer_transfer_counter is spy
     slots = mx.array([2], dtype=mx.int32)
     pool.get_key_buffer(4)
@@ -563,24 +589,24 @@ def test_buffer_accessors_wait_on_the_global_layer_id() -> None:
     assert len(spy.ids) == 6
 
     counter = LayerDoneCounter(MIXED.attention_layer_ids, timeout=0.05)
-    pool.register_layer_transfer_counter(counter)
+    pool.layer_transfer_counter = counter
     with pytest.raises(TransferTimeoutError):
         pool.get_key_buffer(3)
     got: list[tuple[int, ...]] = []
     thread = threading.Thread(target=lambda: got.append(pool.get_key_buffer(3).shape))
     counter = LayerDoneCounter(MIXED.attention_layer_ids, timeout=5)
-    pool.register_layer_transfer_counter(counter)
+    pool.layer_transfer_counter = counter
     thread.start()
     time.sleep(0.05)
     assert not got
     counter.mark_done(3)
     thread.join(5)
     assert got == [(1, 8, 8)]
-    pool.register_layer_transfer_counter(None)
+    pool.layer_transfer_counter = None
     pool.get_key_buffer(0)
 
 
-def test_reserve_batch_matches_reserve_and_is_atomic() -> None:
+def test_try_reserve_batch_matches_reserve_and_is_atomic() -> None:
     layout = gpt_oss_like(window=4)
     one = HybridKVPool(layout, num_pages=64, page_size=2)
     many = HybridKVPool(layout, num_pages=64, page_size=2)
@@ -589,40 +615,50 @@ def test_reserve_batch_matches_reserve_and_is_atomic() -> None:
             pool.add_request(rid)
             pool.reserve(rid, n)
     for n in (1, 1, 3, 0, 1):
-        got = many.reserve_batch([7, 5, 6], n)
+        got = many.try_reserve_batch({7: n, 5: n, 6: n})
+        assert got is not None
         want = [one.reserve(rid, n) for rid in (7, 5, 6)]
-        for name in many.sub_pool_names:
-            assert got[name].shape == (3, n) and got[name].dtype == mx.int32
-            assert tl(got[name]) == [tl(w[name]) for w in want]
+        for name in sub_pool_names(many):
+            assert got.slots[name].shape == (3 * n,) and got.slots[name].dtype == mx.int32
+            assert tl(got.slots[name]) == [s for w in want for s in tl(w.slots[name])]
             for rid in (5, 6, 7):
-                assert tl(many.page_table(rid, name)) == tl(one.page_table(rid, name))
-    assert many.reserve_batch([], 1)["full"].shape == (0, 1)
-    with pytest.raises(RequestStateError, match="repeated"):
-        many.reserve_batch([5, 5])
+                assert tl(page_table(many, rid, name)) == tl(page_table(one, rid, name))
+    empty = many.try_reserve_batch({})
+    assert empty is not None and empty.slots["full"].shape == (0,)
+    assert empty.page_tables["full"].shape == (0, 1)
     with pytest.raises(UnknownRequestError):
-        many.reserve_batch([5, 99])
+        many.try_reserve_batch({5: 1, 99: 1})
+    with pytest.raises(RequestStateError, match="mapping"):
+        many.try_reserve_batch([5, 6])  # type: ignore[arg-type]
+    with pytest.raises(RequestStateError, match="both reserved and headroom"):
+        many.try_reserve_batch({5: 1}, headroom={5: 1})
     small = HybridKVPool(layout, num_pages={"sliding-w4": 64, "full": 4}, page_size=2)
     for rid in (0, 1):
         small.add_request(rid)
         small.reserve(rid, 2)
-    before = [tl(small.page_table(r, n)) for r in (0, 1) for n in small.sub_pool_names]
-    with pytest.raises(PoolExhaustedError) as info:
-        small.reserve_batch([0, 1], 3)  # 2 pages each, 1 free in "full"
-    assert info.value.sub_pool == "full" and info.value.pages_requested == 4
-    assert [tl(small.page_table(r, n)) for r in (0, 1) for n in small.sub_pool_names] == before
+    before = [tl(page_table(small, r, n)) for r in (0, 1) for n in sub_pool_names(small)]
+    assert small.try_reserve_batch({0: 3, 1: 3}) is None  # 2 pages each, 1 free in "full"
+    # One fits, but not with room for the other's next token afterwards.
+    assert small.try_reserve_batch({0: 2}, headroom={1: 1}) is None
+    assert [tl(page_table(small, r, n)) for r in (0, 1) for n in sub_pool_names(small)] == before
     assert small.seq_len(0) == small.seq_len(1) == 2
+    got = small.try_reserve_batch({0: 2}, headroom={1: 0})
+    assert got is not None and small.seq_len(0) == 4 and small.seq_len(1) == 2
+    small.rollback(got)
+    assert [tl(page_table(small, r, n)) for r in (0, 1) for n in sub_pool_names(small)] == before
+    assert small.seq_len(0) == 2
 
 
 def test_loader_thread_writes_while_the_model_waits() -> None:
     pool = HybridKVPool(MIXED, num_pages=8, page_size=2)
     pool.add_request(0)
-    slots = pool.reserve(0, 3)
+    slots = pool.reserve(0, 3).slots
     # MLX streams are per thread: a lazy graph built in one thread cannot be evaluated in
     # another, so the buffers are materialised before the loader thread writes into them.
     mx.eval(*[pool.get_key_buffer(i) for i in MIXED.attention_layer_ids])
     mx.eval(*[pool.get_value_buffer(i) for i in MIXED.attention_layer_ids])
     counter = LayerDoneCounter(MIXED.attention_layer_ids, timeout=5)
-    pool.register_layer_transfer_counter(counter)
+    pool.layer_transfer_counter = counter
 
     def loader() -> None:
         for layer in MIXED.attention_layer_ids:
@@ -670,7 +706,7 @@ def test_from_budget_always_fits_its_workload(
         "page_size": page_size,
         "prefill_chunk": chunk,
     }
-    budget = int(HybridKVPool.required_bytes(layout, **kwargs) * factor)
+    budget = int(required_bytes(layout, **kwargs) * factor)
     pool = HybridKVPool.from_budget(layout, budget, **kwargs)
     assert pool.memory_report().bytes_total <= budget
     for rid in range(concurrency):
@@ -687,7 +723,7 @@ def test_fork_tail_copy_does_not_copy_the_buffer() -> None:
     layout = CacheLayout([full(0, heads=4, dim=32)])
     pool = HybridKVPool(layout, num_pages=2048, page_size=16)
     pool.add_request(0)
-    slots = pool.reserve(0, 40)["full"]
+    slots = pool.reserve(0, 40).slots["full"]
     kv = mx.random.normal((40, 4, 32))
     pool.set_kv(0, slots, kv, kv)
     mx.eval(pool.get_key_buffer(0), pool.get_value_buffer(0))
@@ -699,4 +735,4 @@ def test_fork_tail_copy_does_not_copy_the_buffer() -> None:
     assert mx.get_peak_memory() - base < buffer_bytes // 4
     keys, _ = pool.get_kv(0, pool.token_slots(1, 0, 0, 37))
     assert mx.array_equal(keys, kv[:37])
-    assert pool.page_table(1, "full")[2].item() != pool.page_table(0, "full")[2].item()
+    assert page_table(pool, 1, "full")[2].item() != page_table(pool, 0, "full")[2].item()

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_pool import SubPoolPages
+from kv_pool._page_tables import SubPoolPages
 from kv_protocol import CacheStateError, KVLifetime, PoolExhaustedError, RequestStateError
 
 
@@ -69,7 +69,7 @@ def test_trim_refuses_to_drop_what_the_new_length_still_sees() -> None:
     assert first_live > 0
     # Back to 9 tokens: the query at 9 sees 7..9, still held.
     keep = pages.trim_keep(0, 10, 1)
-    pages.trim(0, keep, 9)
+    pages.trim(0, keep)
     # Back to 2 tokens: the query at 2 sees 0..2, released long ago.
     with pytest.raises(CacheStateError, match="still sees"):
         pages.trim_keep(0, 9, 7)

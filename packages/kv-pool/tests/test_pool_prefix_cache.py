@@ -17,8 +17,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_pool import HybridKVPool, PageAllocator
-from kv_protocol import CacheLayout, CacheStateError, KVLifetime, LayerKind, LayerSpec
+from kv_pool import BlockHashes, HybridKVPool, PageAllocator
+from kv_pool._inspect import allocator, held_pages
+from kv_protocol import (
+    CacheLayout,
+    CacheStateError,
+    KVLifetime,
+    LayerKind,
+    LayerSpec,
+    RequestStateError,
+)
 
 WINDOW = 5
 PAGE = {"sliding-w5": 2, "full": 4}
@@ -64,16 +72,27 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.pool = HybridKVPool(
             layout(), num_pages=self.num_pages, page_size=PAGE, prefix_caching=True
         )
+        cache = self.pool.prefix_cache
+        assert cache is not None
+        self.cache = cache
+        self.forgotten: list[tuple[str, bytes]] = []
+        cache.add_eviction_listener(self._forgot)
         self.active: dict[int, list[int]] = {}
+        self.hashes: dict[int, BlockHashes] = {}
         self.committed: set[tuple[str, tuple[int, ...]]] = set()
         self.next_id = 0
+
+    def _forgot(self, name: str, block: bytes) -> None:
+        # Called as the block leaves its sub-pool: no lookup finds it any more.
+        assert allocator(self.pool, name).cached_page(block) is None
+        self.forgotten.append((name, block))
 
     def _write(self, rid: int, start: int, stop: int) -> None:
         tokens = self.active[rid]
         values = mx.array([content(tokens, p) for p in range(start, stop)])[:, None, None]
         for layer in (0, 1):
             self.pool.set_kv(layer, self.pool.token_slots(rid, layer, start, stop), values, values)
-        self.pool.commit_tokens(rid, tokens[start:stop])
+        self.cache.commit(rid, self.hashes[rid], stop)
         for name, size in PAGE.items():
             for j in range(stop // size):
                 self.committed.add((name, tuple(tokens[: (j + 1) * size])))
@@ -86,20 +105,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         tokens = PREFIXES[choice] + suffix
         rid = self.next_id
         self.next_id += 1
-        hit = self.pool.match_prefix(tokens)
-        self.check_hit(tokens, hit)
+        hashes = self.cache.hash_tokens(tokens)
+        hit = self.cache.match_prefix(hashes)
+        self.check_hit(tokens, hit.length)
         try:
             self.pool.add_request(rid)
-            if hit:
-                self.pool.reuse_prefix(rid, tokens, hit)
-            self.pool.reserve(rid, len(tokens) - hit)
+            self.cache.reuse_prefix(rid, hit)
+            self.pool.reserve(rid, len(tokens) - hit.length)
         except MemoryError:
             if self.pool.has_request(rid):
                 self.pool.free_request(rid)
             return
         self.active[rid] = tokens
+        self.hashes[rid] = hashes
         assert self.pool.seq_len(rid) == len(tokens)
-        self._write(rid, hit, len(tokens))
+        self._write(rid, hit.length, len(tokens))
 
     def check_hit(self, tokens: list[int], hit: int) -> None:
         assert hit % STEP == 0 and 0 <= hit < len(tokens)
@@ -114,6 +134,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         except MemoryError:
             return
         self.active[rid].append(token)
+        self.hashes[rid].extend([token])
         n = len(self.active[rid])
         self._write(rid, n - 1, n)
 
@@ -122,7 +143,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.active)))
         self.pool.free_request(rid)
-        del self.active[rid]
+        del self.active[rid], self.hashes[rid]
 
     @invariant()
     def every_request_reads_its_own_prefix(self) -> None:
@@ -136,8 +157,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def hits_never_exceed_lookups(self) -> None:
-        stats = self.pool.prefix_cache_stats()
+        stats = self.cache.stats()
         assert stats.hit_tokens <= stats.query_tokens
+        assert self.pool.memory_report().prefix_cache == stats
 
 
 class PrefixCacheUnderPressure(PrefixCacheMachine):
@@ -182,14 +204,71 @@ def test_cached_pages_are_evicted_least_recently_released_first() -> None:
 
 def test_reuse_refuses_a_prefix_the_cache_no_longer_serves() -> None:
     pool = HybridKVPool(layout(), num_pages=64, page_size=PAGE, prefix_caching=True)
+    cache = pool.prefix_cache
+    assert cache is not None
     tokens = list(range(1, 14))
+    hashes = cache.hash_tokens(tokens)
     pool.add_request(0)
     pool.reserve(0, len(tokens))
-    pool.commit_tokens(0, tokens)
+    cache.commit(0, hashes, len(tokens))
     pool.free_request(0)
-    assert pool.match_prefix(tokens) == 12
+    hit = cache.match_prefix(hashes)
+    assert hit.length == 12 and len(hit.pages["full"]) == 3 and len(hit.pages["sliding-w5"]) == 2
     pool.add_request(1)
-    assert pool.drop_cached_prefixes() > 0
-    with pytest.raises(CacheStateError, match="serves 0"):
-        pool.reuse_prefix(1, tokens, 12)
+    forgotten: list[tuple[str, bytes]] = []
+    cache.add_eviction_listener(lambda name, block: forgotten.append((name, block)))
+    assert cache.drop_cached() > 0
+    assert {b for _, b in forgotten} >= set(hit.blocks["full"])
+    with pytest.raises(CacheStateError, match="no longer holds"):
+        cache.reuse_prefix(1, hit)
     assert pool.seq_len(1) == 0 and pool.memory_report().bytes_used == 0
+    assert cache.match_prefix(hashes).length == 0
+
+
+def test_hashes_are_computed_once_and_grow_with_the_text() -> None:
+    pool = HybridKVPool(layout(), num_pages=64, page_size=PAGE, prefix_caching=True)
+    cache = pool.prefix_cache
+    assert cache is not None
+    tokens = list(range(3, 30))
+    whole = cache.hash_tokens(tokens)
+    grown = cache.hash_tokens(tokens[:5])
+    for t in tokens[5:]:
+        grown.extend([t])
+    assert grown.num_tokens == whole.num_tokens == len(tokens)
+    for length in range(2, 27, 2):  # granularity: gcd of the page sizes 2 and 4
+        assert grown.prefix_hash(length) == whole.prefix_hash(length)
+    # A page's hash stands for its whole prefix, whatever the page size.
+    assert whole.page_hash(1, 4) == whole.page_hash(3, 2) == whole.prefix_hash(8)
+    assert cache.hash_tokens([*tokens[:7], 99]).prefix_hash(6) == whole.prefix_hash(6)
+    assert cache.hash_tokens([*tokens[:7], 99]).prefix_hash(8) != whole.prefix_hash(8)
+    salted = HybridKVPool(
+        layout(), num_pages=8, page_size=PAGE, prefix_caching=True, prefix_salt=b"adapter"
+    ).prefix_cache
+    assert salted is not None
+    assert salted.hash_tokens(tokens).prefix_hash(4) != whole.prefix_hash(4)
+    with pytest.raises(RequestStateError):
+        salted.match_prefix(whole)  # hashes of another pool's salt
+    with pytest.raises(RequestStateError):
+        whole.extend([1, -1])
+    assert whole.num_tokens == len(tokens)
+
+
+def test_a_prefix_hit_is_used_once_per_new_request() -> None:
+    pool = HybridKVPool(layout(), num_pages=64, page_size=PAGE, prefix_caching=True)
+    cache = pool.prefix_cache
+    assert cache is not None
+    tokens = list(range(1, 14))
+    hashes = cache.hash_tokens(tokens)
+    pool.add_request(0)
+    pool.reserve(0, len(tokens))
+    cache.commit(0, hashes, len(tokens))
+    hit = cache.match_prefix(hashes)
+    pool.add_request(1)
+    cache.reuse_prefix(1, hit)
+    assert pool.seq_len(1) == 12
+    with pytest.raises(RequestStateError, match="already holds"):
+        cache.reuse_prefix(1, hit)
+    with pytest.raises(RequestStateError):
+        cache.commit(1, hashes, 13)  # past its reserved length
+    for name in hit.pages:
+        assert held_pages(pool, 1, name) == list(hit.pages[name])

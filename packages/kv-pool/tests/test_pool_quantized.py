@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_pool import HybridKVPool
+from kv_pool import HybridKVPool, required_bytes
 from kv_protocol import (
     CacheLayout,
     CacheStateError,
@@ -150,9 +150,7 @@ def test_a_budget_holds_the_real_byte_ratio_more_tokens(
     }
     assert tokens["packed"] / tokens["plain"] == pytest.approx(ratio, rel=0.02)
     required = [
-        HybridKVPool.required_bytes(
-            lay, max_context=1024, concurrency=8, page_size=16, kv_quantization=q
-        )
+        required_bytes(lay, max_context=1024, concurrency=8, page_size=16, kv_quantization=q)
         for q in (None, quant)
     ]
     assert required[1] * ratio == pytest.approx(required[0], rel=0.02)

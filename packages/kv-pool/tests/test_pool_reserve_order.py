@@ -1,10 +1,9 @@
-"""can_reserve and reserve_batch when one request's release would make another's room.
+"""try_reserve_batch when one request's release would make another's room.
 
-Regression: ``can_reserve`` used to count the pages a sliding sub-pool releases for one
-request as room for *another* request's new pages. A caller that then reserved request by
-request (the decode engine: a prefill chunk now, the decode tokens a step later) hit
-``PoolExhaustedError`` after ``can_reserve`` said yes; ``reserve_batch`` applied each request's
-release and allocation in turn and so could fail the same way after its own room check passed.
+One reservation per step decides for the whole batch: what a sliding sub-pool releases for one
+request is room for another's new pages, so every release is applied before any allocation
+when the requests' own order would run dry. Regression: an earlier room check counted one
+request's releases for another and a reservation request by request then ran out of pages.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_pool import HybridKVPool
+from kv_pool._inspect import allocator, num_free_pages, page_table, sub_pool_names
 from kv_protocol import CacheLayout, LayerKind, LayerSpec, PoolExhaustedError
 
 
@@ -48,34 +48,50 @@ def crossing_pair() -> HybridKVPool:
     for rid, n in ((0, 4), (1, 5)):
         pool.add_request(rid)
         pool.reserve(rid, n)
-    assert pool.num_free_pages("sliding-w4") == 0
+    assert num_free_pages(pool, "sliding-w4") == 0
     return pool
 
 
-def test_another_requests_release_is_no_room_for_can_reserve() -> None:
+def test_another_requests_release_is_room_in_one_batch() -> None:
     pool = crossing_pair()
-    # Request 0 reserving first would find no page, whatever request 1 releases later.
-    assert not pool.can_reserve({0: 1, 1: 1})
+    # Request 0 alone finds no page; request 1's release in the same batch makes it room.
     with pytest.raises(PoolExhaustedError):
         pool.reserve(0, 1)
-    assert pool.can_reserve({1: 1}) and not pool.can_reserve({0: 1})
-    pool.reserve(1, 1)
-    assert pool.can_reserve({0: 1})
-    pool.reserve(0, 1)
+    assert pool.try_reserve_batch({0: 1}) is None
+    got = pool.try_reserve_batch({0: 1, 1: 1})
+    assert got is not None and got.lengths == (5, 6)
+    assert num_free_pages(pool, "sliding-w4") == 0
 
 
 @pytest.mark.parametrize("order", [[0, 1], [1, 0]])
-def test_reserve_batch_releases_before_it_allocates(order: list[int]) -> None:
+def test_a_batch_releases_before_it_allocates(order: list[int]) -> None:
     pool = crossing_pair()
     twin = crossing_pair()
-    got = pool.reserve_batch(order, 1)
+    got = pool.try_reserve_batch(dict.fromkeys(order, 1))
+    assert got is not None
     want = {rid: twin.reserve(rid, 1) for rid in (1, 0)}
-    for name in pool.sub_pool_names:
-        assert tl(got[name]) == [tl(want[rid][name]) for rid in order]
+    for name in sub_pool_names(pool):
+        assert tl(got.slots[name]) == [s for rid in order for s in tl(want[rid].slots[name])]
         for rid in (0, 1):
-            assert tl(pool.page_table(rid, name)) == tl(twin.page_table(rid, name))
-    assert pool.num_free_pages("sliding-w4") == 0
+            assert tl(page_table(pool, rid, name)) == tl(page_table(twin, rid, name))
+    assert num_free_pages(pool, "sliding-w4") == 0
     assert [pool.seq_len(r) for r in (0, 1)] == [5, 6]
+
+
+def _room(pool: HybridKVPool, lengths: list[int], wanted: dict[int, int], window: int) -> bool:
+    """Plain arithmetic: new pages against free pages plus those the batch releases."""
+    for spec in pool.sub_pools:
+        size, sliding = spec.page_size, spec.window is not None
+        new = released = 0
+        for rid, n in wanted.items():
+            table: list[int] = tl(page_table(pool, rid, spec.name))
+            new += -(-(lengths[rid] + n) // size) - len(table)
+            if sliding:
+                first = max(0, lengths[rid] - window + 1)
+                released += sum(1 for p in table[: first // size] if p)
+        if new > num_free_pages(pool, spec.name) + released:
+            return False
+    return True
 
 
 @given(
@@ -86,7 +102,7 @@ def test_reserve_batch_releases_before_it_allocates(order: list[int]) -> None:
     spare=st.integers(0, 2),
     order_seed=st.integers(0, 2**16),
 )
-def test_can_reserve_means_any_order_fits(
+def test_a_batch_fits_exactly_when_its_pages_are_there(
     window: int,
     page_size: int,
     lengths: list[int],
@@ -99,7 +115,7 @@ def test_can_reserve_means_any_order_fits(
         probe.add_request(rid)
         probe.reserve(rid, n)
     # A roomy full sub-pool; a sliding one whose current pages leave `spare` free pages.
-    used = probe.allocator(f"sliding-w{window}").num_used
+    used = allocator(probe, f"sliding-w{window}").num_used
     counts = {"full": 1000, f"sliding-w{window}": max(2, used + 1 + spare)}
 
     def build() -> HybridKVPool:
@@ -109,16 +125,32 @@ def test_can_reserve_means_any_order_fits(
             pool.reserve(rid, n)
         return pool
 
-    pool = build()
-    wanted = {rid: demands[rid] for rid in range(len(lengths))}
-    if not pool.can_reserve(wanted):
-        return
-    order = list(wanted)
+    def tables(pool: HybridKVPool) -> list[Any]:
+        return [tl(page_table(pool, r, n)) for r in range(len(lengths)) for n in counts]
+
+    order = list(range(len(lengths)))
     random.Random(order_seed).shuffle(order)
-    for rid in order:
-        pool.reserve(rid, wanted[rid])
-    if len(set(demands[: len(lengths)])) == 1:
-        batch = build()
-        batch.reserve_batch(order, demands[0])
-        for name in pool.sub_pool_names:
-            assert batch.num_free_pages(name) == pool.num_free_pages(name)
+    wanted = {rid: demands[rid] for rid in order}
+    pool = build()
+    room = _room(pool, lengths, wanted, window)
+    # One by one in some order: when that fits, one batch fits too, with the same pages.
+    alone = build()
+    fits_alone = True
+    try:
+        for rid in order:
+            alone.reserve(rid, wanted[rid])
+    except PoolExhaustedError:
+        fits_alone = False
+    got = pool.try_reserve_batch(wanted)
+    assert (got is not None) == room
+    if fits_alone:
+        assert got is not None
+        for name in counts:
+            assert num_free_pages(pool, name) == num_free_pages(alone, name)
+    if got is None:
+        assert tables(pool) == tables(build())
+        assert [pool.seq_len(r) for r in range(len(lengths))] == lengths
+    else:
+        assert [pool.seq_len(r) for r in order] == [lengths[r] + wanted[r] for r in order]
+        pool.rollback(got)
+        assert [pool.seq_len(r) for r in range(len(lengths))] == lengths

@@ -15,7 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_pool import HybridKVPool, KVStorage
+from kv_pool import HybridKVPool
+from kv_pool._inspect import batch_slots
+from kv_pool._storage import KVStorage
 from kv_protocol import CacheLayout, LayerKind, LayerSpec, RequestStateError, ShapeMismatchError
 
 
@@ -33,7 +35,7 @@ def filled_pool() -> HybridKVPool:
     """Page size 2, 6 pages (slots 0..11, null page = slots 0, 1); request 0 holds 3 tokens."""
     pool = HybridKVPool(layout(), num_pages=6, page_size=2)
     pool.add_request(0)
-    slots = pool.reserve(0, 3)
+    slots = pool.reserve(0, 3).slots
     for layer in (0, 1):
         kv = mx.arange(3 * 2 * 4, dtype=mx.float32).reshape(3, 2, 4) + 100 * layer
         pool.set_kv(layer, slots[pool.sub_pool_of(layer)], kv, -kv)
@@ -123,15 +125,16 @@ def test_issued_slots_skip_the_host_check(monkeypatch: pytest.MonkeyPatch) -> No
     pool.add_request(0)
     pool.add_request(1)
     for step in range(3):
-        reserved = pool.reserve(0, 2)
-        batch = pool.reserve_batch([1], 1)
+        reserved = pool.reserve(0, 2).slots
+        batch = pool.try_reserve_batch({1: 1})
+        assert batch is not None
         for layer in (0, 1):
             name = pool.sub_pool_of(layer)
             pool.set_kv(layer, reserved[name], kv(2), kv(2))
             pool.get_kv(layer, pool.token_slots(0, layer, 2 * step, 2 * step + 2))
-            pool.set_kv(layer, pool.batch_slots([0, 1], name, [2 * step, step]), kv(2), kv(2))
+            pool.set_kv(layer, batch_slots(pool, [0, 1], name, [2 * step, step]), kv(2), kv(2))
             pool.set_kv(layer, pool.token_slots(1, layer, step, step + 1), kv(1), kv(1))
-            assert batch[name].shape == (1, 1)
+            assert batch.slots[name].shape == (1,)
     assert checked == []
     # A foreign array is read once; a checked array is then trusted like an issued one.
     foreign = mx.array([4, 5], dtype=mx.int32)
@@ -146,8 +149,9 @@ def test_issued_slots_skip_the_host_check(monkeypatch: pytest.MonkeyPatch) -> No
 def test_issued_slots_still_write_where_reserved() -> None:
     pool = filled_pool()
     pool.add_request(1)
-    got = pool.reserve_batch([0, 1], 1)
-    pool.set_kv(1, got["full"].reshape(2), kv(2) * 0 + 5.0, kv(2))
+    got = pool.try_reserve_batch({0: 1, 1: 1})
+    assert got is not None
+    pool.set_kv(1, got.slots["full"], kv(2) * 0 + 5.0, kv(2))
     k, _ = pool.get_kv(1, pool.token_slots(1, 1, 0, 1))
     assert np.all(np.array(k) == 5.0)
     k, _ = pool.get_kv(1, pool.token_slots(0, 1, 3, 4))

@@ -11,6 +11,7 @@ call changes nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,14 @@ from hypothesis.stateful import (
 )
 
 from kv_pool import HybridKVPool
+from kv_pool._inspect import (
+    allocator,
+    held_pages,
+    num_free_pages,
+    page_table,
+    request_ids,
+    sub_pool_names,
+)
 from kv_protocol import (
     CacheLayout,
     CacheStateError,
@@ -76,6 +85,10 @@ class MReq:
     trimmed: bool = False
 
 
+def _assert(condition: bool) -> None:
+    assert condition
+
+
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -115,11 +128,11 @@ class PoolMachine(RuleBasedStateMachine):
     def snapshot(self) -> Any:
         pool = self.pool
         tables = {
-            rid: (pool.seq_len(rid), {n: tl(pool.page_table(rid, n)) for n in NAMES})
-            for rid in pool.request_ids
+            rid: (pool.seq_len(rid), {n: tl(page_table(pool, rid, n)) for n in NAMES})
+            for rid in request_ids(pool)
         }
         refs = {
-            n: [pool.allocator(n).refcount(p) for p in range(NUM[n])] + [pool.num_free_pages(n)]
+            n: [allocator(pool, n).refcount(p) for p in range(NUM[n])] + [num_free_pages(pool, n)]
             for n in NAMES
         }
         return tables, refs
@@ -130,7 +143,7 @@ class PoolMachine(RuleBasedStateMachine):
             call()
         assert self.snapshot() == before
 
-    def write(self, rid: int, slots: dict[str, mx.array], start: int, n: int) -> None:
+    def write(self, rid: int, slots: Mapping[str, mx.array], start: int, n: int) -> None:
         req = self.model[rid]
         codes = []
         for pos in range(start, start + n):
@@ -148,7 +161,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @initialize()
     def start(self) -> None:
-        assert self.pool.sub_pool_names == tuple(NAMES)
+        assert sub_pool_names(self.pool) == tuple(NAMES)
         for rid in (0, 1):
             self.pool.add_request(rid)
             self.model[rid] = MReq()
@@ -168,8 +181,10 @@ class PoolMachine(RuleBasedStateMachine):
         req = self.model[rid]
         plan = self.reserve_plan(req, n)
         short = [name for name in NAMES if plan[name][1] > self.model_free(name) + plan[name][2]]
-        assert self.pool.can_reserve({rid: n}) == (not short)
         if short:
+            self.expect_unchanged(
+                AssertionError, lambda: _assert(self.pool.try_reserve_batch({rid: n}) is not None)
+            )
             before = self.snapshot()
             with pytest.raises(PoolExhaustedError) as info:
                 self.pool.reserve(rid, n)
@@ -179,7 +194,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         start = req.seq_len
-        slots = self.pool.reserve(rid, n)
+        slots = self.pool.reserve(rid, n).slots
         if any(plan[name][0] for name in NAMES if WINDOW[name]):
             event("reserve: sliding pages released")
         for name in NAMES:
@@ -228,7 +243,7 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.model))
     @rule(n=st.integers(min_value=0, max_value=3))
     def decode_batch(self, n: int) -> None:
-        """All live requests at once through reserve_batch: atomic over the batch."""
+        """All live requests at once through one try_reserve_batch: atomic over the batch."""
         rids = sorted(self.model)
         plans = {rid: self.reserve_plan(self.model[rid], n) for rid in rids}
         short = [
@@ -238,11 +253,17 @@ class PoolMachine(RuleBasedStateMachine):
             > self.model_free(name) + sum(plans[r][name][2] for r in rids)
         ]
         if short:
-            event("reserve_batch: pool exhausted")
-            self.expect_unchanged(PoolExhaustedError, lambda: self.pool.reserve_batch(rids, n))
+            event("try_reserve_batch: pool exhausted")
+            self.expect_unchanged(
+                AssertionError,
+                lambda: _assert(self.pool.try_reserve_batch(dict.fromkeys(rids, n)) is not None),
+            )
             return
         starts = {rid: self.model[rid].seq_len for rid in rids}
-        slots = self.pool.reserve_batch(rids, n)
+        got = self.pool.try_reserve_batch(dict.fromkeys(rids, n))
+        assert got is not None
+        assert got.request_ids == tuple(rids) and got.start_lengths == tuple(starts.values())
+        slots = got.slots
         for b, rid in enumerate(rids):
             req = self.model[rid]
             for name in NAMES:
@@ -256,15 +277,16 @@ class PoolMachine(RuleBasedStateMachine):
             req.last_n = n
             req.trimmed = False
             if n:
-                row = {name: slots[name][b] for name in NAMES}
+                row = {name: slots[name][b * n : (b + 1) * n] for name in NAMES}
                 for name in NAMES:
-                    assert slots[name].shape == (len(rids), n)
+                    assert slots[name].shape == (len(rids) * n,)
                     expected = self.pool.token_slots(rid, LAYERS[name][0], starts[rid], req.seq_len)
                     assert tl(row[name]) == tl(expected)
                 self.write(rid, row, starts[rid], n)
         if len(rids) > 1:
             self.expect_unchanged(
-                RequestStateError, lambda: self.pool.reserve_batch([rids[0], rids[0]], 1)
+                RequestStateError,
+                lambda: self.pool.try_reserve_batch({rids[0]: 1}, headroom={rids[0]: 1}),
             )
 
     @rule(parent=RIDS, child=RIDS, frac=st.floats(min_value=0, max_value=1))
@@ -376,12 +398,21 @@ class PoolMachine(RuleBasedStateMachine):
         """A reservation trimmed right away (a failed engine step) leaves no trace."""
         rid = data.draw(st.sampled_from(sorted(self.model)))
         req = self.model[rid]
-        if not self.pool.can_reserve({rid: n}):
-            return
         before_len = req.seq_len
-        self._reserve(rid, n)
-        self.pool.trim_request(rid, n)
+        got = self.pool.try_reserve_batch({rid: n})
+        if got is None:
+            return
+        self.pool.rollback(got)
+        self.pool.rollback(got)  # a second rollback finds nothing to undo
+        # The model: the reservation's sliding releases stay, its new pages go.
+        plan = self.reserve_plan(req, n)
+        for name in NAMES:
+            for j in range(plan[name][0]):
+                req.pages[name][j] = None
+        req.seq_len += n
         self.model_trim(req, before_len)
+        # The next reservation from the same length is served as if nothing happened.
+        self._reserve(rid, 1)
         # The next reservation from the same length is served as if nothing happened.
         self._reserve(rid, 1)
 
@@ -413,12 +444,12 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(NAMES), data=st.data())
     def bad_page_free(self, name: str, data: st.DataObject) -> None:
-        alloc = self.pool.allocator(name)
+        alloc = allocator(self.pool, name)
         owners = self.owners(name)
         held = {
-            self.pool.held_pages(rid, name)[0]
+            held_pages(self.pool, rid, name)[0]
             for rid in self.model
-            if self.pool.held_pages(rid, name)
+            if held_pages(self.pool, rid, name)
         }
         free_pages = [p for p in range(1, NUM[name]) if alloc.refcount(p) == 0]
         choices: list[list[int]] = [[0], [NUM[name]], [-1]]
@@ -464,15 +495,15 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def pages_agree_with_model(self) -> None:
-        assert set(self.pool.request_ids) == set(self.model)
+        assert set(request_ids(self.pool)) == set(self.model)
         for name in NAMES:
-            alloc = self.pool.allocator(name)
+            alloc = allocator(self.pool, name)
             size = PAGE[name]
             prov_to_page: dict[int, int] = {}
             page_count: dict[int, int] = {}
             for rid, req in self.model.items():
                 assert self.pool.seq_len(rid) == req.seq_len
-                table = tl(self.pool.page_table(rid, name))
+                table = tl(page_table(self.pool, rid, name))
                 assert len(table) == math.ceil(req.seq_len / size) == len(req.pages[name])
                 for phys, prov in zip(table, req.pages[name], strict=True):
                     if prov is None:

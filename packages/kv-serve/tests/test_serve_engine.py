@@ -4,30 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
-from kv_pool import HybridKVPool
+from kv_pool import HybridKVPool, required_bytes
 from kv_protocol import KVCacheError, LayoutError, RequestStateError, layout_from_model
 from kv_serve import TextStream, build_engine, build_pool
 from kv_serve._cli import main, parser
 from kv_serve._server_worker import pool_pages
-from kv_testing import build_tiny_model
+from kv_testing import build_tiny_model, mlx_lm_greedy
 
 VOCAB = 64
-
-
-def greedy(model: nn.Module, prompt: list[int], n: int) -> list[int]:
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)
-    out: list[int] = []
-    for _ in range(n):
-        token = int(mx.argmax(logits[0, -1]))
-        out.append(token)
-        logits = model(mx.array([[token]]), cache=cache)
-    return out
 
 
 PROMPTS = [[(3 * i + 7 * j + 1) % VOCAB for j in range(n)] for i, n in enumerate((1, 9, 23, 40))]
@@ -37,22 +23,20 @@ PROMPTS = [[(3 * i + 7 * j + 1) % VOCAB for j in range(n)] for i, n in enumerate
 @pytest.mark.parametrize("arch", ["gpt_oss", "gemma3_text", "cohere2"])
 def test_build_engine_equals_mlx_lm(arch: str, fused_rope: str) -> None:
     model = build_tiny_model(arch, window=8, num_layers=4, vocab_size=VOCAB)
-    want = [greedy(model, p, 12) for p in PROMPTS]
+    want = [mlx_lm_greedy(model, p, 12) for p in PROMPTS]
     engine = build_engine(
         model, max_running=3, max_context=64, page_size=4, prefill_chunk=16, fused_rope=fused_rope
     )
     ids = [engine.submit(p, 12) for p in PROMPTS]
     out = engine.run()
     assert [out[i] for i in ids] == want
-    assert all(n == 0 for n in (engine.pages_in_use() or {}).values())
+    assert all(n == 0 for n in (engine.memory_report().pages_used or {}).values())
 
 
 def test_build_pool_sizes_for_the_workload() -> None:
     layout = layout_from_model(build_tiny_model("gpt_oss", window=8, num_layers=4))
     sized = build_pool(layout, max_running=3, max_context=40, page_size=4, prefill_chunk=8)
-    need = HybridKVPool.required_bytes(
-        layout, max_context=40, concurrency=3, page_size=4, prefill_chunk=8
-    )
+    need = required_bytes(layout, max_context=40, concurrency=3, page_size=4, prefill_chunk=8)
     assert sum(s.num_pages * s.bytes_per_page for s in sized.sub_pools) == need
     budget = build_pool(layout, kv_budget_bytes=2 * need, max_context=40, page_size=4)
     assert sum(s.num_pages * s.bytes_per_page for s in budget.sub_pools) <= 2 * need
@@ -162,7 +146,10 @@ def test_build_engine_quantizes_the_pool_it_builds_and_reports_it() -> None:
     # The sliding sub-pool is plain in both; a full row of 32 fp32 values (128 bytes) is
     # stored as 32 bytes of 8-bit data plus one fp32 scale and one bias (40 bytes).
     assert quantized.sub_pools[0].bytes_per_page == unquantized.sub_pools[0].bytes_per_page
-    assert pool_pages(engine)[2] == {"sliding-w8": 0, "full": 8}  # what /metrics reports
+    assert pool_pages(engine.pool.memory_report())[2] == {
+        "sliding-w8": 0,
+        "full": 8,
+    }  # what /metrics reports
     assert quantized.sub_pools[1].bytes_per_page * 128 == (
         unquantized.sub_pools[1].bytes_per_page * 40
     )

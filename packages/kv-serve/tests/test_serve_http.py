@@ -26,7 +26,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from kv_batching import DecodeEngine
 from kv_pool import HybridKVPool
-from kv_protocol import KVCache, KVPool, LayoutError, layout_from_model
+from kv_protocol import KVCache, KVPool, LayoutError, Reservation, layout_from_model
 from kv_serve import build_engine, build_kernels, generate, pool_backed_cache, stop_token_ids
 from kv_serve._server import KVServer, RunningServer
 from kv_serve._server_text import CompletionText, IncrementalDecoder
@@ -465,11 +465,11 @@ class Poison:
 
         return gated_step
 
-    def factory(self, pool: KVPool, request_id: int, layer_id: int) -> KVCache:
+    def factory(self, pool: KVPool, reservation: Reservation, layer_id: int) -> KVCache:
         if self.armed.is_set():
             self.armed.clear()
             raise RuntimeError("injected prefill failure")
-        return pool_backed_cache(pool, request_id, layer_id)
+        return pool_backed_cache(pool, reservation, layer_id)
 
 
 SMALL_PAGES = 80  # 79 usable pages of 4 tokens per sub-pool: at most 316 tokens of full context

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -113,25 +113,18 @@ class BatchedAttention(nn.Module):
         q, k, v = project_qkv(inner, spec, x)
 
         rope_kernel = kernels.rope
-        config = spec.rope_config
-        k_buffer = pool.get_key_buffer(pool_layer) if layer.fused_rope else None
-        v_buffer = pool.get_value_buffer(pool_layer) if layer.fused_rope else None
-        if (
-            isinstance(k_buffer, mx.array)  # a quantized layer's pages: only set_kv writes
-            and isinstance(v_buffer, mx.array)
-            and rope_kernel is not None
-            and config is not None
-            and rope_kernel.supports(config)
-        ):
+        if layer.route == "fused" and rope_kernel is not None and spec.rope_config is not None:
+            # Decided when the engine was built: a FULL layer on plain pages whose RoPE the
+            # kernel implements.
             q, _, k_pool, v_pool = rope_kernel(
                 q,
                 k,
                 v,
                 ctx.offsets,
                 layer.new_token_slots,
-                k_buffer,
-                v_buffer,
-                rope=config,
+                cast(mx.array, pool.get_key_buffer(pool_layer)),
+                cast(mx.array, pool.get_value_buffer(pool_layer)),
+                rope=spec.rope_config,
             )
             pool.replace_buffers(pool_layer, k_pool, v_pool)
             q4 = q[:, :, None, :]

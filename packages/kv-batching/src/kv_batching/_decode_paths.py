@@ -1,11 +1,12 @@
-"""Which decode path each attention layer takes, and the build-time check that both work.
+"""Which decode route each attention layer takes, and the build-time check that they work.
 
-The patched fast path (fused RoPE + scatter, paged attention kernels) serves an attention
-module that the wrapper's probe reproduces exactly; every other attention layer takes the
-universal path (:class:`~kv_batching.PoolDecodeCache` handed to the unmodified module).
+The patched fast path serves an attention module that the wrapper's probe reproduces exactly:
+route ``fused`` where the kernels' fused RoPE + scatter can address the layer (a FULL layer on
+plain pages whose RoPE the kernel implements), ``unfused`` otherwise. Every other attention
+layer takes the ``universal`` route (a pool-backed cache handed to the unmodified module).
 :func:`check_batched_decode` then runs one ragged batched decode step through the pool and
-compares it with prefilling the same tokens, so a model that neither path serves is refused
-when the engine is built, with the reason, never at decode time.
+compares it with prefilling the same tokens, so a model that no route serves is refused when
+the engine is built, with the reason, never at decode time.
 """
 
 from __future__ import annotations
@@ -30,8 +31,14 @@ from kv_protocol import (
 )
 
 from ._cache_nesting import CacheNesting
+from ._decode_step import DecodeRoute, PoolAddressing
 from ._model_runner import ModelRunner
-from ._patching import patch_model_attention, unpatch_model_attention, wrap_attention_layer
+from ._patching import (
+    patch_model_attention,
+    unpatch_model_attention,
+    wrap_attention_layer,
+    wrapped_attention,
+)
 from ._state_cache import StateCacheFactory, request_caches
 
 __all__ = [
@@ -39,6 +46,7 @@ __all__ = [
     "DecodePlan",
     "check_batched_decode",
     "choose_decode_paths",
+    "fuse_routes",
     "plan_decode_paths",
 ]
 
@@ -55,25 +63,44 @@ _PROBE_LENGTHS = (3, 6)
 
 @dataclass(frozen=True, kw_only=True)
 class DecodePlan:
-    """The decode path of every attention layer, and why a layer is not on the fast path."""
+    """The decode route of every attention layer, and why a layer is not on the fast path.
 
-    paths: Mapping[int, str]
+    ``paths`` says the same per layer in two words: ``fast`` (``fused`` or ``unfused``: the
+    wrapped module) or ``universal``.
+    """
+
+    routes: Mapping[int, DecodeRoute]
     reasons: Mapping[int, str] = field(default_factory=dict)
 
     @property
+    def paths(self) -> Mapping[int, str]:
+        """Attention layer id -> ``"fast"`` (wrapped module) or ``"universal"``."""
+        return MappingProxyType(
+            {i: "universal" if r == "universal" else "fast" for i, r in self.routes.items()}
+        )
+
+    @property
     def universal_layers(self) -> frozenset[int]:
-        """Attention layers on the universal path."""
-        return frozenset(i for i, path in self.paths.items() if path == "universal")
+        """Attention layers on the universal route."""
+        return frozenset(i for i, route in self.routes.items() if route == "universal")
 
     @property
     def fast_layers(self) -> frozenset[int]:
-        """Attention layers on the patched fast path."""
-        return frozenset(i for i, path in self.paths.items() if path == "fast")
+        """Attention layers whose module is wrapped (routes ``fused`` and ``unfused``)."""
+        return frozenset(i for i, route in self.routes.items() if route != "universal")
+
+    @property
+    def fused_layers(self) -> frozenset[int]:
+        """Attention layers whose RoPE and K/V write go through the fused kernel."""
+        return frozenset(i for i, route in self.routes.items() if route == "fused")
 
     def describe(self) -> str:
-        """One line: how many layers take each path (and the first reason, if any)."""
-        fast, universal = len(self.fast_layers), len(self.universal_layers)
-        line = f"decode paths: {fast} fast (patched), {universal} universal"
+        """One line: how many layers take each route (and the first reason, if any)."""
+        fused, fast = len(self.fused_layers), len(self.fast_layers)
+        line = (
+            f"decode paths: {fast} fast (patched; {fused} with fused RoPE), "
+            f"{len(self.universal_layers)} universal"
+        )
         if self.reasons:
             layer_id, reason = next(iter(sorted(self.reasons.items())))
             line += f"; e.g. layer {layer_id}: {reason}"
@@ -106,11 +133,11 @@ def plan_decode_paths(
             raise UnsupportedModelError(nesting.describe())
         ids = [i for i in layout.attention_layer_ids]
         return DecodePlan(
-            paths=MappingProxyType(dict.fromkeys(ids, "universal")),
+            routes=MappingProxyType(dict.fromkeys(ids, "universal")),
             reasons=MappingProxyType(dict.fromkeys(ids, nesting.describe())),
         )
     layers = find_layers(model)
-    paths: dict[int, str] = {}
+    paths: dict[int, DecodeRoute] = {}
     reasons: dict[int, str] = {}
     for layer_id in layout.attention_layer_ids:
         if layout.kind(layer_id) is LayerKind.STATE:
@@ -127,8 +154,41 @@ def plan_decode_paths(
             paths[layer_id] = "universal"
             reasons[layer_id] = str(refusal)
         else:
-            paths[layer_id] = "fast"
-    return DecodePlan(paths=MappingProxyType(paths), reasons=MappingProxyType(reasons))
+            paths[layer_id] = "unfused"
+    return DecodePlan(routes=MappingProxyType(paths), reasons=MappingProxyType(reasons))
+
+
+def fuse_routes(model: nn.Module, pool: KVPool, kernels: KernelSet, plan: DecodePlan) -> DecodePlan:
+    """``plan`` with each wrapped FULL layer the fused RoPE + scatter kernel serves on ``fused``.
+
+    The kernel writes plain pages at the layer's full-pool index, in the RoPE variant it
+    implements: a layer on quantized pages (only the pool's ``set_kv`` writes those) or with
+    a RoPE the kernel does not compute stays ``unfused``; the quantized ones are logged once.
+    """
+    rope = kernels.rope
+    if rope is None:
+        return plan
+    full = pool.layout.full_attention_layer_id_mapping
+    specs = {w.spec.layer_id: w.spec for w in wrapped_attention(model)}
+    routes = dict(plan.routes)
+    quantized: list[int] = []
+    for layer_id, route in plan.routes.items():
+        if route != "unfused" or layer_id not in full or layer_id not in specs:
+            continue
+        if pool.kv_quantization(layer_id) is not None:
+            quantized.append(layer_id)
+            continue
+        config = specs[layer_id].rope_config
+        if config is not None and rope.supports(config):
+            routes[layer_id] = "fused"
+    if quantized:
+        logger.info(
+            "fused RoPE + scatter kernel %r not used for layers %s: their pages are "
+            "quantized, which only the pool's set_kv writes",
+            rope.name,
+            quantized,
+        )
+    return DecodePlan(routes=MappingProxyType(routes), reasons=plan.reasons)
 
 
 def _tolerance(dtype: mx.Dtype, quantized: bool = False) -> float:
@@ -169,7 +229,7 @@ def check_batched_decode(
         model,
         pool,
         kernels,
-        universal_layers=plan.universal_layers,
+        addressing=PoolAddressing.from_pool(pool, plan.routes),
         state_layer_ids=state_layer_ids,
         nesting=nesting,
     )
@@ -183,13 +243,13 @@ def check_batched_decode(
         pool.add_request(rid)
         added.append(rid)
         own = states[rid] = state_caches() if state_caches is not None else []
+        reservation = pool.reserve(rid, len(tokens))
         caches = request_caches(
             num_layers,
             state_layer_ids,
             own,
-            lambda layer_id: make_prefill_cache(pool, rid, layer_id),
+            lambda layer_id: make_prefill_cache(pool, reservation, layer_id),
         )
-        pool.reserve(rid, len(tokens))
         logits = runner.prefill(tokens, caches)[:, -1, :]
         mx.eval(logits)
         return logits
@@ -197,7 +257,11 @@ def check_batched_decode(
     try:
         for rid, prompt in zip(_PROBE_IDS, prompts, strict=True):
             prefill(rid, prompt)
-        batched = runner.decode(_PROBE_IDS, nexts, [states[rid] for rid in _PROBE_IDS]).logits
+        step = pool.try_reserve_batch(dict.fromkeys(_PROBE_IDS, 1))
+        if step is None:
+            logger.warning("the pool is too small for the build-time decode check; skipped")
+            return None
+        batched = runner.decode(step, nexts, [states[rid] for rid in _PROBE_IDS]).logits
         mx.eval(batched)
         for rid in list(added):
             pool.free_request(rid)
@@ -257,6 +321,7 @@ def choose_decode_paths(
     """
     plan = plan_decode_paths(model, pool.layout, decode_path, nesting=nesting)
     patch_model_attention(model, pool.layout, layers=plan.fast_layers)
+    plan = fuse_routes(model, pool, kernels, plan)
     problem = check_batched_decode(
         model,
         pool,
@@ -292,7 +357,9 @@ def choose_decode_paths(
                 problem,
             )
             reason = f"the fast path failed the build-time check: {problem}"
-            return DecodePlan(paths=fallback.paths, reasons={i: reason for i in fallback.paths})
+            return DecodePlan(
+                routes=fallback.routes, reasons=dict.fromkeys(fallback.routes, reason)
+            )
         problem = retry
     if problem is not None:
         unpatch_model_attention(model)

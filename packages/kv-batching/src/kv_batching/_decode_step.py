@@ -1,19 +1,20 @@
 """One batched decode step through a pool, and each attention layer's own view of it.
 
-:class:`PoolAddressing` holds what never changes for a pool (each attention layer's sub-pool,
-page size, window and full-pool index). :class:`DecodeStep` is one step: the padding
-arithmetic (:class:`BatchedDecodeContext`), the pool, the kernels, and per sub-pool the
-step's new-token slots and page table. :meth:`DecodeStep.layer` hands each attention layer a
-:class:`LayerStep` with everything its cache or wrapper reads, so no layer looks anything up
-through optional fields.
+:class:`PoolAddressing` holds what never changes for an engine's pool (each attention layer's
+sub-pool, page size, window, full-pool index and decode route). :class:`DecodeStep` is one
+step, built from the scheduler's :class:`kv_protocol.Reservation` of one token per request:
+the padding arithmetic (:class:`BatchedDecodeContext`), the pool, the kernels, and per
+sub-pool the step's new-token slots and page table. :meth:`DecodeStep.layer` hands each
+attention layer a :class:`LayerStep` with everything its cache or wrapper reads, so no layer
+looks anything up through optional fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import cast
+from typing import Literal
 
 import mlx.core as mx
 
@@ -25,23 +26,39 @@ from kv_protocol import (
     KVPool,
     LayerKindError,
     MaskSpec,
-    PoolExhaustedError,
     RequestStateError,
+    Reservation,
 )
 
 from ._context import BatchedDecodeContext
 
-__all__ = ["DecodeStep", "LayerAddress", "LayerStep", "PoolAddressing", "SubPoolStep"]
+__all__ = [
+    "DECODE_ROUTES",
+    "DecodeRoute",
+    "DecodeStep",
+    "LayerAddress",
+    "LayerStep",
+    "PoolAddressing",
+    "SubPoolStep",
+]
+
+#: How one attention layer decodes, decided once when the engine is built:
+#: ``fused``: wrapped module, the fused RoPE + pool-scatter kernel, paged attention;
+#: ``unfused``: wrapped module, ``mx.fast.rope`` and the pool's ``set_kv``, paged attention;
+#: ``universal``: the unmodified module on a :class:`~kv_batching.PoolDecodeCache`.
+DecodeRoute = Literal["fused", "unfused", "universal"]
+DECODE_ROUTES: tuple[DecodeRoute, ...] = ("fused", "unfused", "universal")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LayerAddress:
-    """Where one attention layer's K/V live in a pool; fixed for the life of the pool.
+    """Where one attention layer's K/V live in a pool and how it decodes; fixed per engine.
 
     ``full_pool_index`` is the layer's dense index among FULL layers (the only way the fused
     RoPE + scatter kernel is addressed), ``None`` on a sliding layer. ``quantized`` says the
-    layer's pages are stored quantized (only the pool's ``set_kv`` writes them, so the fused
-    RoPE + scatter kernel, which writes plain pages, is not used for the layer).
+    layer's pages are stored quantized (only the pool's ``set_kv`` writes them). ``route`` is
+    the layer's :data:`DecodeRoute`; the wrapper, the step and the runner read it and nothing
+    else to decide how the layer decodes.
     """
 
     layer_id: int
@@ -50,6 +67,7 @@ class LayerAddress:
     window: int | None
     full_pool_index: int | None
     quantized: bool = False
+    route: DecodeRoute = "unfused"
 
 
 @dataclass(frozen=True)
@@ -65,8 +83,14 @@ class PoolAddressing:
     layers: Mapping[int, LayerAddress]
 
     @classmethod
-    def from_pool(cls, pool: KVPool) -> PoolAddressing:
-        """Ask ``pool`` once for the sub-pool and page size of each attention layer."""
+    def from_pool(
+        cls, pool: KVPool, routes: Mapping[int, DecodeRoute] | None = None
+    ) -> PoolAddressing:
+        """Ask ``pool`` once for the sub-pool and page size of each attention layer.
+
+        ``routes`` gives each attention layer its decode route (``"unfused"`` where absent).
+        """
+        routes = routes or {}
         layout = pool.layout
         full_index = layout.full_attention_layer_id_mapping
         layers: dict[int, LayerAddress] = {}
@@ -80,10 +104,19 @@ class PoolAddressing:
                 window=layout.spec(layer_id).window,
                 full_pool_index=full_index.get(layer_id),
                 quantized=pool.kv_quantization(layer_id) is not None,
+                route=routes.get(layer_id, "unfused"),
             )
             if name not in names:
                 names.append(name)
         return cls(layout=layout, sub_pools=tuple(names), layers=MappingProxyType(layers))
+
+    def route_of(self, layer_id: int) -> DecodeRoute:
+        """The decode route of attention layer ``layer_id``."""
+        return self.layers[layer_id].route
+
+    def layers_on(self, route: DecodeRoute) -> frozenset[int]:
+        """The attention layers that decode on ``route``."""
+        return frozenset(i for i, a in self.layers.items() if a.route == route)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -103,10 +136,8 @@ class SubPoolStep:
 class LayerStep:
     """What one attention layer reads during one batched decode step.
 
-    ``pool_layer`` is the id under which the pool addresses the layer; ``fused_rope`` says
-    whether the step's kernels have a fused RoPE + scatter kernel that may address this
-    layer (a FULL layer); whether a module's RoPE is one the kernel implements is the
-    wrapper's question.
+    ``pool_layer`` is the id under which the pool addresses the layer; ``route`` is how it
+    decodes (see :data:`DecodeRoute`).
     """
 
     step: DecodeStep
@@ -117,7 +148,7 @@ class LayerStep:
     window: int | None
     new_token_slots: mx.array
     page_table: mx.array
-    fused_rope: bool
+    route: DecodeRoute
 
     @property
     def context(self) -> BatchedDecodeContext:
@@ -166,6 +197,7 @@ class DecodeStep:
     Every field is set: the step's padding arithmetic, the pool, the kernels, the pool's
     addressing and, per sub-pool, the step's slots and page table (:class:`SubPoolStep`).
     :meth:`layer` gives each attention layer its :class:`LayerStep`, built once per step.
+    Build it with :meth:`from_reservation`.
     """
 
     context: BatchedDecodeContext
@@ -182,10 +214,8 @@ class DecodeStep:
         if missing:
             raise CacheStateError(
                 f"a DecodeStep needs the slots and page table of every sub-pool; missing "
-                f"{missing} (build it with DecodeStep.from_pool)"
+                f"{missing} (build it with DecodeStep.from_reservation)"
             )
-        fused = self.kernels.rope is not None
-        full_map = self.context.full_kv_pool_index_by_layer
         layers: dict[int, LayerStep] = {}
         for layer_id, address in self.addressing.layers.items():
             sub = self.sub_pools[address.sub_pool]
@@ -198,83 +228,53 @@ class DecodeStep:
                 window=address.window,
                 new_token_slots=sub.new_token_slots,
                 page_table=sub.page_table,
-                fused_rope=fused and layer_id in full_map and not address.quantized,
+                route=address.route,
             )
         setter(self, "layers", MappingProxyType(layers))
         setter(self, "_gather_by_key", {})
 
     @classmethod
-    def from_pool(
+    def from_reservation(
         cls,
+        reservation: Reservation,
         pool: KVPool,
-        request_ids: Sequence[int],
         kernels: KernelSet,
-        *,
-        reserve: bool = True,
-        addressing: PoolAddressing | None = None,
+        addressing: PoolAddressing,
     ) -> DecodeStep:
-        """Build the decode step of ``request_ids`` from ``pool``.
+        """The decode step of the requests ``reservation`` reserved one token each for.
 
-        ``seq_lens`` are read from the pool *before* the new token is reserved. With
-        ``reserve`` (the default) one token is reserved for every request first, with one
-        atomic ``reserve_batch`` whose slots become the new-token slots: if the pool cannot
-        grant all of them a ``CacheStateError`` is raised and nothing is reserved. Then, per
-        sub-pool, the page table of the batch is fetched once. ``addressing`` (from
-        :meth:`PoolAddressing.from_pool`) saves re-asking the pool its static layout each
-        step. O(B) host work, no sync.
+        ``seq_lens`` are the reservation's start lengths, the new-token slots and page tables
+        its own: nothing is asked of the pool, nothing goes through the host. O(B), no sync.
         """
-        ids = list(request_ids)
+        ids = list(reservation.request_ids)
         if not ids:
             raise RequestStateError(
                 "BatchedDecodeContext needs at least one request; got an empty batch"
             )
-        plan = addressing if addressing is not None else PoolAddressing.from_pool(pool)
-        seq_lens = [pool.seq_len(rid) for rid in ids]
+        if any(n != 1 for n in reservation.n_tokens):
+            raise CacheStateError(
+                f"a decode step takes one reserved token per request; the reservation holds "
+                f"{list(reservation.n_tokens)}"
+            )
         context = BatchedDecodeContext(
             request_ids=tuple(ids),
-            seq_lens=tuple(seq_lens),
-            layout=plan.layout,
+            seq_lens=reservation.start_lengths,
+            layout=addressing.layout,
             aot=kernels,
-            full_kv_pool_index_by_layer=plan.layout.full_attention_layer_id_mapping,
+            full_kv_pool_index_by_layer=addressing.layout.full_attention_layer_id_mapping,
         )
-        if reserve:
-            try:
-                reserved = pool.reserve_batch(ids, 1)
-            except PoolExhaustedError as err:
-                raise CacheStateError(
-                    f"the pool cannot hold one more token for each of the {len(ids)} requests "
-                    f"{ids}; finish or preempt requests first (nothing was reserved)"
-                ) from err
-            try:
-                # (B, 1) -> (B,) rebuilt from host values, not a lazy reshape: a pool that
-                # checks slot arrays it did not issue then reads host data, never device
-                # results.
-                subs = {
-                    name: SubPoolStep(
-                        name=name,
-                        new_token_slots=mx.array(
-                            [row[0] for row in cast(list[list[int]], reserved[name].tolist())],
-                            dtype=mx.int32,
-                        ),
-                        page_table=pool.batch_page_table(ids, name),
-                    )
-                    for name in plan.sub_pools
-                }
-            except BaseException:
-                # Whatever interrupts the step's setup, the token reserved above goes back.
-                for rid in ids:
-                    pool.trim_request(rid, 1)
-                raise
-        else:
-            subs = {
-                name: SubPoolStep(
-                    name=name,
-                    new_token_slots=pool.batch_slots(ids, name, seq_lens),
-                    page_table=pool.batch_page_table(ids, name),
-                )
-                for name in plan.sub_pools
-            }
-        return cls(context=context, pool=pool, kernels=kernels, addressing=plan, sub_pools=subs)
+        subs = {
+            name: SubPoolStep(
+                name=name,
+                new_token_slots=reservation.slots[name],
+                page_table=reservation.page_tables[name],
+            )
+            for name in addressing.sub_pools
+            if name in reservation.slots
+        }
+        return cls(
+            context=context, pool=pool, kernels=kernels, addressing=addressing, sub_pools=subs
+        )
 
     def layer(self, layer_id: int) -> LayerStep:
         """The view of attention layer ``layer_id`` for this step."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -23,6 +23,7 @@ from kv_protocol import (
     KVPrefixCache,
     LayoutError,
     RequestStateError,
+    Reservation,
     UnsupportedModelError,
     check_int,
     check_int_sequence,
@@ -31,14 +32,9 @@ from kv_protocol import (
 )
 
 from ._cache_nesting import CacheNesting
-from ._decode_paths import choose_decode_paths
-from ._engine_stats import (
-    DEFAULT_STATS_WINDOW,
-    EngineMemoryReport,
-    EngineStats,
-    pages_in_use,
-    pool_bytes,
-)
+from ._decode_paths import DecodePlan, choose_decode_paths
+from ._decode_step import PoolAddressing
+from ._engine_stats import DEFAULT_STATS_WINDOW, EngineMemoryReport, EngineStats
 from ._model_forward import last_position_forward, vocabulary_size
 from ._model_runner import ModelRunner
 from ._patching import unpatch_model_attention
@@ -59,8 +55,11 @@ __all__ = ["DecodeEngine", "PrefillCacheFactory"]
 
 logger = logging.getLogger(__name__)
 
-#: ``make_prefill_cache(pool, request_id, layer_id)`` -> a per-request, per-layer cache.
-PrefillCacheFactory = Callable[[KVPool, int, int], KVCache]
+#: ``make_prefill_cache(pool, reservation, layer_id)`` -> the cache of one layer for one
+#: prefill chunk: ``reservation`` holds the chunk's request (alone), its start length and the
+#: chunk's reserved slots; the cache writes the chunk's K/V there (see
+#: ``kv_caches.PoolBackedKVCache``) and reads what attention needs.
+PrefillCacheFactory = Callable[[KVPool, Reservation, int], KVCache]
 
 
 def _check_layouts(model_layout: CacheLayout, pool_layout: CacheLayout) -> None:
@@ -87,9 +86,10 @@ def _check_layouts(model_layout: CacheLayout, pool_layout: CacheLayout) -> None:
 class DecodeEngine:
     """Serve many generation requests on one model through a paged KV pool.
 
-    ``make_prefill_cache(pool, request_id, layer_id)`` builds the per-layer caches a new
-    request's prompt is prefilled through (the original model path, in chunks of at most
-    ``prefill_chunk`` tokens per step); their K/V land in ``pool``. Then all running
+    ``make_prefill_cache(pool, reservation, layer_id)`` builds the per-layer caches a prompt
+    chunk is prefilled through (the original model path, in chunks of at most
+    ``prefill_chunk`` tokens per step); their K/V land in ``pool``, at the slots the chunk's
+    reservation holds. Then all running
     requests (at most ``max_running``) decode together: one model call per step on a ``(B,
     1)`` batch whose attention modules are patched to read and write ``pool`` through
     ``kernels``. A request that does not fit waits in the queue; when the running requests
@@ -111,12 +111,13 @@ class DecodeEngine:
     rollback with every request as it was; the tokens the step had produced by then are
     returned by the next :meth:`step`. The engine goes on serving after either.
 
-    Decode paths (``decode_path``): each attention layer takes the patched fast path (its
-    module wrapped in place by :func:`patch_model_attention`: fused RoPE + scatter, paged
-    attention kernels) where the wrapper's probe reproduces the module exactly, and the
-    universal path (:class:`PoolDecodeCache` handed to the unmodified module) otherwise;
-    ``"universal"`` puts every layer there, ``"fast"`` refuses a module the probe rejects.
-    :attr:`decode_paths` reports the choice. Building the engine runs one ragged batched
+    Decode routes (``decode_path``): each attention layer takes the patched fast path (its
+    module wrapped in place by :func:`patch_model_attention`: paged attention, and the
+    fused RoPE + scatter kernel where it serves the layer) where the wrapper's probe
+    reproduces the module exactly, and the universal path (a pool-backed cache handed to the
+    unmodified module) otherwise; ``"universal"`` puts every layer there, ``"fast"`` refuses
+    a module the probe rejects. :attr:`decode_plan` reports each layer's route (``fused``,
+    ``unfused``, ``universal``), decided once here. Building the engine runs one ragged batched
     decode step through the pool against prefill of the same tokens, so a model neither
     path serves is refused here with ``UnsupportedModelError``, never at decode time.
     Building **modifies the model** (the fast layers' attention modules are wrapped);
@@ -133,6 +134,11 @@ class DecodeEngine:
     With ``prefill_last_logits`` (the default) prefill chunks project only their last
     position onto the vocabulary when :func:`last_position_forward` proves that exact for
     this model; otherwise the model runs whole.
+
+    The scheduler makes one pool reservation per decode batch and per prefill chunk
+    (``try_reserve_batch``) and rolls it back if the step fails; the decode step and the
+    prefill caches take their slots from it. With prefix caching, each request's block
+    hashes are computed once, kept with the request and extended as it decodes.
 
     Bounded memory for long-running callers (a server): the engine keeps every request it was
     given until :meth:`release` forgets a finished one (its output is read once, then
@@ -188,7 +194,7 @@ class DecodeEngine:
         self._prefill_forward = (
             last_position_forward(model, vocab_size) if prefill_last_logits else None
         )
-        self.decode_plan = choose_decode_paths(
+        self._decode_plan = choose_decode_paths(
             model,
             pool,
             kernels,
@@ -200,32 +206,30 @@ class DecodeEngine:
             state_layer_ids=self._state_layer_ids,
             nesting=nesting,
         )
-        self.make_state_caches = make_state_caches
-        self.model = model
-        self.pool = pool
-        self.kernels = kernels
-        self.make_prefill_cache = make_prefill_cache
-        self.prefill_budget = prefill_budget
-        self.record_pages = record_pages
-        self.vocab_size = vocab_size
-        self.stats = EngineStats(window=stats_window)
-        self.runner = ModelRunner(
+        self._make_state_caches = make_state_caches
+        self._model = model
+        self._pool = pool
+        self._make_prefill_cache = make_prefill_cache
+        self._prefill_budget = prefill_budget
+        self._record_pages = record_pages
+        self._vocab_size = vocab_size
+        self._stats = EngineStats(window=stats_window)
+        self._runner = ModelRunner(
             model,
             pool,
             kernels,
-            universal_layers=self.decode_plan.universal_layers,
+            addressing=PoolAddressing.from_pool(pool, self._decode_plan.routes),
             state_layer_ids=self._state_layer_ids,
             nesting=nesting,
             prefill_forward=self._prefill_forward,
         )
-        self.runner.say_unfused_layers()
-        self.scheduler = Scheduler(
-            pool, self.stats, max_running=max_running, state_budget_bytes=state_budget_bytes
+        self._scheduler = Scheduler(
+            pool, self._stats, max_running=max_running, state_budget_bytes=state_budget_bytes
         )
         if self._state_layer_ids:
             # Known before the first admission, so a state budget holds from the start.
-            self.scheduler.state_bytes_per_request = request_state_bytes(model, model_layout)
-        self.sampler = Sampler(seed)
+            self._scheduler.state_bytes_per_request = request_state_bytes(model, model_layout)
+        self._sampler = Sampler(seed)
         self._prefix_cache = self._choose_prefix_cache(pool, prefix_caching)
         self._num_layers = model_layout.num_layers
         self._requests = RequestTable()
@@ -235,30 +239,45 @@ class DecodeEngine:
     # ------------------------------------------------------------------ configuration
 
     def _choose_prefix_cache(self, pool: KVPool, wanted: bool | None) -> KVPrefixCache | None:
-        """The pool's prefix cache if it has one that is on and the model can use it."""
-        capable = isinstance(pool, KVPrefixCache) and pool.prefix_caching
-        if wanted is False or (wanted is None and not capable):
+        """The pool's prefix cache if it has one and the model can use it."""
+        cache = pool.prefix_cache
+        if wanted is False or (wanted is None and cache is None):
             return None
-        if not capable:
+        if cache is None:
             raise UnsupportedModelError(
-                "prefix_caching=True needs a pool built with prefix caching on (a "
-                "kv_protocol.KVPrefixCache whose prefix_caching is True)"
+                "prefix_caching=True needs a pool built with prefix caching on (a pool whose "
+                "prefix_cache is not None)"
             )
         if self._state_layer_ids:
             # A reused prefix would need each request's recurrent state at that length,
             # which is not kept: such models prefill every prompt whole.
             if wanted:
                 raise UnsupportedModelError(
-                    f"prefix caching is not available for {type(self.model).__name__}: its "
+                    f"prefix caching is not available for {type(self._model).__name__}: its "
                     f"STATE layers {list(self._state_layer_ids)} keep no state per prefix"
                 )
             return None
-        return cast(KVPrefixCache, pool)
+        return cache
 
     @property
-    def prefill_chunk(self) -> int:
-        """The most prompt tokens one step prefills (the prefill budget's ceiling)."""
-        return self.prefill_budget.prefill_chunk
+    def pool(self) -> KVPool:
+        """The pool the engine's requests hold their K/V in (read it; the engine drives it)."""
+        return self._pool
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters, aggregates and bounded per-step series of this engine."""
+        return self._stats
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are ``0 .. vocab_size - 1``."""
+        return self._vocab_size
+
+    @property
+    def decode_plan(self) -> DecodePlan:
+        """Each attention layer's decode route (``fused``, ``unfused``, ``universal``), and why."""
+        return self._decode_plan
 
     @property
     def prefix_caching(self) -> bool:
@@ -268,21 +287,16 @@ class DecodeEngine:
     @property
     def max_running(self) -> int:
         """The most requests that decode together."""
-        return self.scheduler.max_running
+        return self._scheduler.max_running
 
     @property
     def state_budget_bytes(self) -> int | None:
         """Bytes of recurrent state the running requests may hold together (``None``: no cap)."""
-        return self.scheduler.state_budget_bytes
+        return self._scheduler.state_budget_bytes
 
     @state_budget_bytes.setter
     def state_budget_bytes(self, value: int | None) -> None:
-        self.scheduler.state_budget_bytes = value
-
-    @property
-    def state_bytes_per_request(self) -> int | None:
-        """Bytes of one request's recurrent state (largest seen; ``None`` until one is known)."""
-        return self.scheduler.state_bytes_per_request
+        self._scheduler.state_budget_bytes = value
 
     # ------------------------------------------------------------------ requests
 
@@ -307,7 +321,7 @@ class DecodeEngine:
         not bools or floats, finite numbers); a bad one raises ``RequestStateError`` (a
         ``ValueError``) and nothing is queued, no request id is used.
         """
-        top = self.vocab_size - 1
+        top = self._vocab_size - 1
         prompt = check_int_sequence(
             _host_tokens(prompt_tokens, "prompt_tokens"), "prompt_tokens", minimum=0, maximum=top
         )
@@ -331,7 +345,7 @@ class DecodeEngine:
             seed,
         )
         self._requests.add(request)
-        self.scheduler.enqueue(request)
+        self._scheduler.enqueue(request)
         return request.rid
 
     def release(self, request_id: int) -> RequestOutput:
@@ -367,28 +381,23 @@ class DecodeEngine:
         request = self._requests.get(request_id)
         if request.status is RequestStatus.FINISHED:
             return False
-        self.scheduler.finish(request, "aborted")
-        self.stats.aborted += 1
+        self._scheduler.finish(request, "aborted")
+        self._stats.aborted += 1
         return True
 
     def output(self, request_id: int) -> RequestOutput:
         """The request's prompt, generated tokens so far, status and finish reason."""
         return self._requests.get(request_id).output()
 
-    @property
-    def decode_paths(self) -> Mapping[int, str]:
-        """Attention layer id -> ``"fast"`` (patched kernels) or ``"universal"`` (pool cache)."""
-        return self.decode_plan.paths
-
     def close(self) -> None:
         """Abort what still runs and put the model's original attention modules back.
 
         The engine must not step after this; the model is as it was before the engine.
         """
-        for request in self.scheduler.active():
-            self.scheduler.finish(request, "aborted")
-            self.stats.aborted += 1
-        unpatch_model_attention(self.model)
+        for request in self._scheduler.active():
+            self._scheduler.finish(request, "aborted")
+            self._stats.aborted += 1
+        unpatch_model_attention(self._model)
 
     def __enter__(self) -> DecodeEngine:
         return self
@@ -399,37 +408,27 @@ class DecodeEngine:
     @property
     def has_work(self) -> bool:
         """True while any request is queued, prefilling or running."""
-        return self.scheduler.has_work
+        return self._scheduler.has_work
 
     @property
     def num_running(self) -> int:
         """Requests decoding now."""
-        return len(self.scheduler.running)
+        return len(self._scheduler.running)
 
     @property
     def num_queued(self) -> int:
         """Requests waiting for admission (preempted ones included)."""
-        return len(self.scheduler.queue)
-
-    def state_bytes_in_use(self) -> int:
-        """Bytes of recurrent state the engine holds now (running and prefilling requests)."""
-        return self.scheduler.state_bytes_in_use()
-
-    def pages_in_use(self) -> Mapping[str, int] | None:
-        """Pages in use per sub-pool now, if the pool can tell."""
-        return pages_in_use(self.pool)
+        return len(self._scheduler.queue)
 
     def memory_report(self) -> EngineMemoryReport:
-        """The pool's bytes and the recurrent states' bytes the engine holds now."""
-        total, used = pool_bytes(self.pool)
-        prefix_stats = getattr(self.pool, "prefix_cache_stats", None)
+        """What the engine holds now: the pool's pages and bytes, the recurrent states' bytes."""
+        report = self._pool.memory_report()
+        scheduler = self._scheduler
         return EngineMemoryReport(
-            pool_bytes_total=total,
-            pool_bytes_used=used,
-            state_bytes_in_use=self.state_bytes_in_use(),
-            state_bytes_per_request=self.state_bytes_per_request,
-            state_budget_bytes=self.state_budget_bytes,
-            prefix_cache=prefix_stats() if callable(prefix_stats) else None,
+            pool=report,
+            state_bytes_in_use=scheduler.state_bytes_in_use(),
+            state_bytes_per_request=scheduler.state_bytes_per_request,
+            state_budget_bytes=scheduler.state_budget_bytes,
         )
 
     # ------------------------------------------------------------------ driving
@@ -445,7 +444,7 @@ class DecodeEngine:
         start = time.perf_counter()
         middle = start
         try:
-            decoded = bool(self.scheduler.running)
+            decoded = bool(self._scheduler.running)
             if decoded:
                 self._decode(produced)
             middle = time.perf_counter()
@@ -455,10 +454,10 @@ class DecodeEngine:
             raise
         finally:
             end = time.perf_counter()
-            stats = self.stats
+            stats = self._stats
             stats.prefill_seconds += end - middle
-            pages = pages_in_use(self.pool) if self.record_pages else None
-            stats.record_step(len(self.scheduler.queue), len(self.scheduler.running), pages)
+            pages = self._pool.memory_report().pages_used if self._record_pages else None
+            stats.record_step(len(self._scheduler.queue), len(self._scheduler.running), pages)
         return produced
 
     def stream(self) -> Iterator[tuple[int, int]]:
@@ -476,12 +475,13 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ internals
 
-    def _commit(self, request: EngineRequest, tokens: Sequence[int]) -> None:
-        """Tell the prefix cache the request's next positions hold these tokens' K/V."""
-        if self._prefix_cache is None:
+    def _commit(self, request: EngineRequest, length: int) -> None:
+        """Tell the prefix cache the request's positions below ``length`` hold their K/V."""
+        cache, hashes = self._prefix_cache, request.hashes
+        if cache is None or hashes is None:
             return
         try:
-            self._prefix_cache.commit_tokens(request.rid, tokens)
+            cache.commit(request.rid, hashes, length)
         except Exception as error:  # the cache only loses an entry; the request goes on
             logger.warning("prefix cache: commit for request %d failed: %r", request.rid, error)
 
@@ -490,71 +490,101 @@ class DecodeEngine:
         cache = self._prefix_cache
         if cache is None:
             return
-        tokens = request.prefill_tokens()
         try:
-            hit = cache.match_prefix(tokens)
-            if hit:
-                cache.reuse_prefix(request.rid, tokens, hit)
+            if request.hashes is None:
+                # Once per request: its tokens' hashes then grow with what it decodes.
+                request.hashes = cache.hash_tokens(request.prefill_tokens())
+            hit = cache.match_prefix(request.hashes)
+            cache.reuse_prefix(request.rid, hit)
         except Exception as error:  # nothing was reused; prefill computes everything
             logger.warning("prefix cache: reuse for request %d failed: %r", request.rid, error)
             return
         if hit:
-            request.prefilled = hit
-            self.stats.prefix_hit_tokens += hit
+            request.prefilled = hit.length
+            self._stats.prefix_hit_tokens += hit.length
 
     def _emit(self, request: EngineRequest, token: int, produced: dict[int, list[int]]) -> None:
         request.generated.append(token)
         produced.setdefault(request.rid, []).append(token)
         if token in request.stop_tokens:
-            self.scheduler.finish(request, "stop")
+            self._scheduler.finish(request, "stop")
         elif len(request.generated) >= request.max_tokens:
-            self.scheduler.finish(request, "length")
+            self._scheduler.finish(request, "length")
 
-    def _decode_batch(self, batch: Sequence[EngineRequest]) -> list[int]:
-        """One batched decode of ``batch``: the sampled tokens, or a rollback and a raise."""
-        saved = self.sampler.save()
-        lengths = [self.pool.seq_len(r.rid) for r in batch]
+    def _decode_batch(self, batch: Sequence[EngineRequest], reservation: Reservation) -> list[int]:
+        """One batched decode of ``batch`` on its reservation; a rollback and a raise on error."""
+        saved = self._sampler.save()
         try:
-            out = self.runner.decode(
-                [r.rid for r in batch],
+            out = self._runner.decode(
+                reservation,
                 [r.generated[-1] for r in batch],
                 [r.states or [] for r in batch],
             )
-            sampled = self.sampler.sample(out.logits, [r.sampling_row() for r in batch])
+            sampled = self._sampler.sample(out.logits, [r.sampling_row() for r in batch])
             tic = time.perf_counter()
             # One evaluation for the tokens and the new states together.
             mx.eval(sampled, out.state_arrays())
             chosen = cast(list[int], sampled.tolist())
-            self.stats.decode_device_seconds += time.perf_counter() - tic
+            self._stats.decode_device_seconds += time.perf_counter() - tic
             out.split_states()
             return chosen
         except BaseException:
-            self.sampler.restore(saved)
-            self.scheduler.trim_back(batch, lengths)
+            self._sampler.restore(saved)
+            self._scheduler.rollback(reservation)
             raise
 
     def _decode(self, produced: dict[int, list[int]]) -> None:
         start = time.perf_counter()
-        self.scheduler.make_decode_room()
-        if not self.scheduler.running:
+        try:
+            reservation = self._scheduler.reserve_decode()
+        except Exception as error:
+            # The pool raised instead of granting or refusing: nothing was reserved, and
+            # each request is tried alone (the group's fallback).
+            logger.warning("the decode step's reservation raised %r", error)
+            reservation = None
+        batch = list(self._scheduler.running)
+        if not batch:
             return
-        batch = list(self.scheduler.running)
         if self._state_layer_ids:
             # Rows decode together only where their recurrent states stack (same shapes);
             # a state that grows with the text (an n-gram context) splits the batch early on.
             groups = group_by_state_shapes(batch, lambda r: r.states or [])
         else:
             groups = [batch]
-        for group in groups:
-            self._decode_group(group, produced)
-        self.stats.record_decode(time.perf_counter() - start, len(batch))
+        if len(groups) == 1:
+            self._decode_group(batch, reservation, produced)
+        else:
+            # The whole batch fits; each group takes its own part of that room.
+            if reservation is not None:
+                self._scheduler.rollback(reservation)
+            for group in groups:
+                self._decode_group(group, self._scheduler.reserve_rows(group), produced)
+        self._stats.record_decode(time.perf_counter() - start, len(batch))
 
-    def _decode_group(self, batch: list[EngineRequest], produced: dict[int, list[int]]) -> None:
+    def _advance(
+        self, request: EngineRequest, token: int, length: int, produced: dict[int, list[int]]
+    ) -> None:
+        """The request's decode step went through: commit what it wrote, emit its token."""
+        if request.hashes is not None:
+            request.hashes.extend(request.generated[-1:])
+            self._commit(request, length)
+        self._emit(request, token, produced)
+
+    def _decode_group(
+        self,
+        batch: list[EngineRequest],
+        reservation: Reservation | None,
+        produced: dict[int, list[int]],
+    ) -> None:
         try:
-            chosen = self._decode_batch(batch)
+            if reservation is None:
+                raise RequestStateError(
+                    f"the pool no longer holds room for requests {[r.rid for r in batch]}"
+                )
+            chosen = self._decode_batch(batch, reservation)
         except Exception as error:
             # Nothing of the batch was kept; find the request(s) that fail on their own.
-            self.stats.decode_fallbacks += 1
+            self._stats.decode_fallbacks += 1
             logger.warning(
                 "batched decode of %d requests failed (%r); retrying them one by one",
                 len(batch),
@@ -562,74 +592,77 @@ class DecodeEngine:
             )
             for request in batch:
                 try:
-                    token = self._decode_batch([request])[0]
-                except Exception as alone:
-                    self.scheduler.fail(request, alone)
+                    alone = self._scheduler.reserve_rows([request])
+                    if alone is None:
+                        raise RequestStateError(
+                            f"the pool no longer holds room for request {request.rid}"
+                        ) from error
+                    token = self._decode_batch([request], alone)[0]
+                except Exception as failure:
+                    self._scheduler.fail(request, failure)
                 else:
-                    self._commit(request, request.generated[-1:])
-                    self._emit(request, token, produced)
+                    self._advance(request, token, alone.lengths[0], produced)
         else:
-            for request, token in zip(batch, chosen, strict=True):
-                self._commit(request, request.generated[-1:])
-                self._emit(request, token, produced)
+            for request, token, length in zip(batch, chosen, reservation.lengths, strict=True):
+                self._advance(request, token, length, produced)
 
     def _prefill_chunk(
-        self, request: EngineRequest, tokens: list[int], n: int, produced: dict[int, list[int]]
+        self,
+        request: EngineRequest,
+        tokens: list[int],
+        reservation: Reservation,
+        produced: dict[int, list[int]],
     ) -> None:
-        """Prefill ``tokens[prefilled : prefilled + n]``: all of it, or nothing and a raise."""
-        begin = request.prefilled
+        """Prefill the chunk ``reservation`` holds: all of it, or nothing and a raise."""
+        begin, n = request.prefilled, reservation.n_tokens[0]
         started = time.perf_counter()
-        saved = self.sampler.save()
+        saved = self._sampler.save()
         first: int | None = None
         snapshot = StateSnapshot(request.states or [])
         try:
-            if request.states is None and self.make_state_caches is not None:
-                request.states = self.make_state_caches()
+            if request.states is None and self._make_state_caches is not None:
+                request.states = self._make_state_caches()
                 snapshot = StateSnapshot(request.states)
-            if request.caches is None:
-                # (Re)built at the pool's length, which is `begin` after any rollback.
-                request.caches = request_caches(
-                    self._num_layers,
-                    self._state_layer_ids,
-                    request.states or [],
-                    lambda layer_id: self.make_prefill_cache(self.pool, request.rid, layer_id),
-                )
-            self.pool.reserve(request.rid, n)
-            logits = self.runner.prefill(tokens[begin : begin + n], request.caches)
+            caches = request_caches(
+                self._num_layers,
+                self._state_layer_ids,
+                request.states or [],
+                lambda layer_id: self._make_prefill_cache(self._pool, reservation, layer_id),
+            )
+            logits = self._runner.prefill(tokens[begin : begin + n], caches)
             tic = time.perf_counter()
             if begin + n < len(tokens) or request.generated:
                 # No token is sampled from this chunk: evaluate what it wrote (the caches'
                 # state), not its logits, so the last layer's attention and MLP, which only
                 # the logits need, are never computed (mlx-lm's prefill does the same).
-                mx.eval(_written_state(request.caches))
+                mx.eval(_written_state(caches))
             else:
-                sampled = self.sampler.sample(logits[:, -1, :], [request.sampling_row()])
+                sampled = self._sampler.sample(logits[:, -1, :], [request.sampling_row()])
                 first = cast(list[int], sampled.tolist())[0]
             if request.states:
                 mx.eval([getattr(c, "cache", []) for c in request.states])
-            self.stats.prefill_device_seconds += time.perf_counter() - tic
+            self._stats.prefill_device_seconds += time.perf_counter() - tic
         except BaseException:
-            self.sampler.restore(saved)
-            # The caches' offsets may have moved past `begin`: rebuild them next time; the
-            # recurrent states go back to what they were before the chunk.
-            request.caches = None
+            self._sampler.restore(saved)
+            # The recurrent states go back to what they were before the chunk, the pool to
+            # the request's length before it.
             snapshot.restore()
-            self.scheduler.trim_back([request], [begin])
+            self._scheduler.rollback(reservation)
             raise
-        self.scheduler.note_state_bytes(request)
-        self._commit(request, tokens[begin : begin + n])
+        self._scheduler.note_state_bytes(request)
+        self._commit(request, begin + n)
         request.prefilled = begin + n
-        self.stats.record_prefill_chunk(n)
-        self.prefill_budget.note_prefill(n, time.perf_counter() - started)
+        self._stats.record_prefill_chunk(n)
+        self._prefill_budget.note_prefill(n, time.perf_counter() - started)
         if request.prefilled < len(tokens):
             return
-        self.scheduler.start_running(request)
+        self._scheduler.start_running(request)
         if first is not None:
             self._emit(request, first, produced)
 
     def _prefill(self, produced: dict[int, list[int]], decode_seconds: float | None) -> None:
-        scheduler = self.scheduler
-        budget = self.prefill_budget.tokens(decode_seconds)
+        scheduler = self._scheduler
+        budget = self._prefill_budget.tokens(decode_seconds)
         while budget > 0:
             request = scheduler.prefilling
             if request is None:
@@ -641,8 +674,13 @@ class DecodeEngine:
                     continue  # the head of the queue failed admission; try the next one
                 return
             tokens = request.prefill_tokens()
-            n = scheduler.fit_chunk(request, min(budget, len(tokens) - request.prefilled))
-            if n == 0:
+            wanted = min(budget, len(tokens) - request.prefilled)
+            try:
+                reservation = scheduler.reserve_chunk(request, wanted)
+            except Exception as error:  # the pool raised: nothing was reserved
+                scheduler.fail(request, error)
+                continue
+            if reservation is None:
                 if not scheduler.running:
                     # Nothing else holds pages: this request alone cannot fit.
                     scheduler.finish(request, "pool_exhausted")
@@ -651,10 +689,10 @@ class DecodeEngine:
                     scheduler.requeue_unstarted(request)
                 return
             try:
-                self._prefill_chunk(request, tokens, n, produced)
+                self._prefill_chunk(request, tokens, reservation, produced)
             except Exception as error:
                 scheduler.fail(request, error)
-            budget -= n
+            budget -= reservation.n_tokens[0]
 
 
 def _written_state(caches: Sequence[Any]) -> list[mx.array]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from kv_protocol import check_int
+from kv_protocol import PoolMemoryReport, PrefixCacheStats, check_int
 
-__all__ = ["DEFAULT_STATS_WINDOW", "EngineMemoryReport", "EngineStats", "pages_in_use"]
+__all__ = ["DEFAULT_STATS_WINDOW", "EngineMemoryReport", "EngineStats"]
 
 
 #: Steps of history an engine's :class:`EngineStats` series keep by default.
@@ -147,48 +146,38 @@ class EngineStats:
 class EngineMemoryReport:
     """What an engine holds now: the KV pool's pages and the requests' recurrent states.
 
-    ``pool_bytes_total`` / ``pool_bytes_used`` come from the pool's ``memory_report()``
-    (``None`` when the pool cannot tell); ``state_bytes_in_use`` is the recurrent state of the
+    ``pool`` is the pool's own :class:`kv_protocol.PoolMemoryReport` (pages and bytes per
+    sub-pool, prefix-cache statistics); ``state_bytes_in_use`` is the recurrent state of the
     running and prefilling requests, ``state_bytes_per_request`` one request's (the largest
     seen, measured when the engine was built), ``state_budget_bytes`` the admission cap.
     """
 
-    pool_bytes_total: int | None
-    pool_bytes_used: int | None
+    pool: PoolMemoryReport
     state_bytes_in_use: int
     state_bytes_per_request: int | None
     state_budget_bytes: int | None
-    #: The pool's ``prefix_cache_stats()`` (hits, cached pages, evictions), if it has one.
-    prefix_cache: Any | None = None
+
+    @property
+    def pool_bytes_total(self) -> int:
+        """Bytes of the pool's buffers."""
+        return self.pool.bytes_total
+
+    @property
+    def pool_bytes_used(self) -> int:
+        """Bytes of the pages requests hold."""
+        return self.pool.bytes_used
+
+    @property
+    def pages_used(self) -> dict[str, int]:
+        """Pages held per sub-pool."""
+        return self.pool.pages_used
+
+    @property
+    def prefix_cache(self) -> PrefixCacheStats | None:
+        """The pool's prefix-cache statistics (``None`` without prefix caching)."""
+        return self.pool.prefix_cache
 
     @property
     def bytes_in_use(self) -> int:
         """KV pages held by requests plus their recurrent states."""
-        return (self.pool_bytes_used or 0) + self.state_bytes_in_use
-
-
-def pool_bytes(pool: object) -> tuple[int | None, int | None]:
-    """``(bytes_total, bytes_used)`` of the pool's buffers, if it has a ``memory_report()``."""
-    report = getattr(pool, "memory_report", None)
-    if not callable(report):
-        return None, None
-    got = report()
-    total = getattr(got, "bytes_total", None)
-    used = getattr(got, "bytes_used", None)
-    return (
-        int(total) if isinstance(total, int) else None,
-        int(used) if isinstance(used, int) else None,
-    )
-
-
-def pages_in_use(pool: object) -> dict[str, int] | None:
-    """Pages in use per sub-pool, if the pool tells (``memory_report()`` / ``pages_in_use()``)."""
-    report = getattr(pool, "memory_report", None)
-    if callable(report):
-        subs = getattr(report(), "sub_pools", None)
-        if subs is not None:
-            return {str(s.name): int(s.pages_used) for s in subs}
-    direct = getattr(pool, "pages_in_use", None)
-    if callable(direct):
-        return {str(k): int(v) for k, v in dict(direct()).items()}
-    return None
+        return self.pool.bytes_used + self.state_bytes_in_use

@@ -15,7 +15,6 @@ Two decode paths, chosen per layer when the engine is built:
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import Any
 
 import mlx.core as mx
@@ -25,15 +24,11 @@ from kv_protocol import CacheStateError, MaskSpec, ShapeMismatchError, gather_sl
 from ._decode_step import DecodeStep, LayerStep
 
 __all__ = [
-    "DECODE_PATHS",
     "BatchedLayerCache",
     "PoolDecodeCache",
     "batched_layer_caches",
     "decode_mask",
 ]
-
-#: The decode path names: the wrapped fast path and the universal pool-backed cache.
-DECODE_PATHS = ("fast", "universal")
 
 
 def decode_mask(
@@ -175,21 +170,20 @@ class PoolDecodeCache(_LayerStepCache):
         return f"PoolDecodeCache(layer_id={self.layer_id}, batch={self.layer.context.batch_size})"
 
 
-def batched_layer_caches(step: DecodeStep, universal_layers: Collection[int] = ()) -> list[Any]:
+def batched_layer_caches(step: DecodeStep) -> list[Any]:
     """One cache per model layer, ready to pass as ``cache=`` for one batched decode step.
 
-    Attention layers in ``universal_layers`` get a :class:`PoolDecodeCache`, every other
+    Attention layers on the ``universal`` route get a :class:`PoolDecodeCache`, every other
     attention layer a :class:`BatchedLayerCache` (its attention must be wrapped), each with
     its own :class:`LayerStep`. STATE layers get ``None``: their stacked recurrent states go
-    there (:func:`~kv_batching.install_stacked_states`).
+    there (:func:`~kv_batching._state_cache.install_stacked_states`).
     """
-    universal = frozenset(universal_layers)
     caches: list[Any] = []
     for layer_id in range(step.context.layout.num_layers):
         view = step.layers.get(layer_id)
         if view is None:
             caches.append(None)
-        elif layer_id in universal:
+        elif view.route == "universal":
             caches.append(PoolDecodeCache(view))
         else:
             caches.append(BatchedLayerCache(view))

@@ -1,19 +1,19 @@
 """Running the model for the engine.
 
-A prefill chunk goes through one request's caches; a batched decode step through the pool.
+A prefill chunk goes through one request's caches; a batched decode step through the pool, on
+the token per request the scheduler's reservation holds.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kv_protocol import KernelSet, KVPool
+from kv_protocol import KernelSet, KVPool, Reservation
 
 from ._cache_nesting import CacheNesting
 from ._decode_step import DecodeStep, PoolAddressing
@@ -23,8 +23,6 @@ from ._patching import wrapped_attention
 from ._state_cache import StackedStateCache, install_stacked_states
 
 __all__ = ["DecodeOutput", "ModelRunner"]
-
-logger = logging.getLogger("kv_batching")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -53,9 +51,11 @@ class DecodeOutput:
 class ModelRunner:
     """Forward passes of one model over a paged pool, for the engine and its build check.
 
-    ``universal_layers`` take :class:`~kv_batching.PoolDecodeCache` in a batched decode and
-    every other attention layer :class:`~kv_batching.BatchedLayerCache` (its module must be
-    wrapped); ``state_layer_ids`` get each row's recurrent state, stacked; ``nesting`` puts
+    ``addressing`` says where each attention layer's K/V live and its decode route: the
+    ``universal`` layers take a :class:`~kv_batching._layer_cache.PoolDecodeCache` in a
+    batched decode, the others a :class:`~kv_batching._layer_cache.BatchedLayerCache` (their
+    modules must be wrapped); ``state_layer_ids`` get each row's recurrent state, stacked;
+    ``nesting`` puts
     the flat per-layer caches back into the model's own cache structure. ``prefill_forward``
     (from :func:`~kv_batching.last_position_forward`) projects only the last position of a
     prefill chunk when given. When ``kernels`` carry a ``prefill_attention``, the wrapped
@@ -68,7 +68,7 @@ class ModelRunner:
         pool: KVPool,
         kernels: KernelSet,
         *,
-        universal_layers: Collection[int],
+        addressing: PoolAddressing,
         state_layer_ids: Sequence[int] = (),
         nesting: CacheNesting | None = None,
         prefill_forward: LastPositionForward | None = None,
@@ -76,24 +76,12 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.kernels = kernels
-        self.universal_layers = frozenset(universal_layers)
         self.state_layer_ids = tuple(state_layer_ids)
         self.nesting = nesting if nesting is not None else CacheNesting.from_model(model)
         self.prefill_forward = prefill_forward
-        self.addressing = PoolAddressing.from_pool(pool)
+        self.addressing = addressing
         self.prefill_attention = getattr(kernels, "prefill_attention", None)
         self._wrappers = wrapped_attention(model) if self.prefill_attention is not None else []
-
-    def say_unfused_layers(self) -> None:
-        """Log once which layers the fused RoPE kernel skips because their pages are quantized."""
-        quantized = [a.layer_id for a in self.addressing.layers.values() if a.quantized]
-        if self.kernels.rope is not None and quantized:
-            logger.info(
-                "fused RoPE + scatter kernel %r not used for layers %s: their pages are "
-                "quantized, which only the pool's set_kv writes",
-                self.kernels.rope.name,
-                quantized,
-            )
 
     def prefill(self, tokens: Sequence[int], caches: list[Any]) -> mx.array:
         """Logits (lazy) of one request's ``tokens`` run through its per-layer ``caches``.
@@ -115,21 +103,19 @@ class ModelRunner:
 
     def decode(
         self,
-        request_ids: Sequence[int],
+        reservation: Reservation,
         last_tokens: Sequence[int],
         states: Sequence[Sequence[Any]],
     ) -> DecodeOutput:
         """One batched decode forward: each request's ``last_tokens`` entry at its position.
 
-        Reserves one token per request in the pool (atomically, see
-        :meth:`DecodeStep.from_pool`); ``states[b]`` are row ``b``'s recurrent state caches,
-        one per STATE layer. The caller trims the pool back if anything after fails.
+        ``reservation`` is the scheduler's reservation of one token per request (rows in its
+        order); ``states[b]`` are row ``b``'s recurrent state caches, one per STATE layer.
+        The caller rolls the reservation back if anything after fails.
         """
-        step = DecodeStep.from_pool(
-            self.pool, request_ids, self.kernels, addressing=self.addressing
-        )
+        step = DecodeStep.from_reservation(reservation, self.pool, self.kernels, self.addressing)
         tokens = mx.array([[t] for t in last_tokens], dtype=mx.int32)
-        caches = batched_layer_caches(step, self.universal_layers)
+        caches = batched_layer_caches(step)
         stacked = install_stacked_states(caches, self.state_layer_ids, states)
         logits = self.model(tokens, cache=self.nesting.nest(caches))
         return DecodeOutput(logits=logits[:, -1, :], step=step, states=stacked)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kv_protocol import RequestStateError, UnknownRequestError, as_int
+from kv_protocol import RequestStateError, TokenHashes, UnknownRequestError, as_int
 
 from ._sampling import SamplingRow
 
@@ -45,13 +45,13 @@ class RequestOutput:
 
 
 class EngineRequest:
-    """One request as the engine keeps it: prompt, sampling, tokens, where it is, its caches."""
+    """One request as the engine keeps it: prompt, sampling, tokens, where it is, its state."""
 
     __slots__ = (
-        "caches",
         "error",
         "finish_reason",
         "generated",
+        "hashes",
         "in_pool",
         "max_tokens",
         "prefilled",
@@ -86,8 +86,10 @@ class EngineRequest:
         self.status = RequestStatus.QUEUED
         self.finish_reason: str | None = None
         self.prefilled = 0
-        self.caches: list[Any] | None = None
         self.states: list[Any] | None = None
+        #: The prefix cache's hashes of the tokens whose K/V the request writes (prefix
+        #: caching only): made once at its first admission, extended as it decodes.
+        self.hashes: TokenHashes | None = None
         self.in_pool = False
         self.error: BaseException | None = None
 

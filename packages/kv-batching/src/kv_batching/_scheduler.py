@@ -1,7 +1,9 @@
 """Scheduling the engine's requests over the pool.
 
 Where each active request is (queued, prefilling, running) and what the pool lets them do
-next (admission, chunk sizes, room for a decode step, preemption).
+next (admission, chunk sizes, room for a decode step, preemption). The scheduler makes the
+step's one reservation per decode batch or prefill chunk (``try_reserve_batch``) and is the
+only place that rolls one back.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from kv_protocol import KVRequestBookkeeping, check_int
+from kv_protocol import KVRequestBookkeeping, Reservation, check_int
 
 from ._engine_stats import EngineStats
 from ._requests import EngineRequest, RequestStatus
@@ -24,7 +26,8 @@ logger = logging.getLogger("kv_batching._engine")
 class Scheduler:
     """The queue, the one request being prefilled and the running batch, over one pool.
 
-    It needs the pool's tensor-free bookkeeping only (:class:`kv_protocol.KVRequestBookkeeping`).
+    It needs the pool's bookkeeping only (:class:`kv_protocol.KVRequestBookkeeping`): it makes
+    the reservations and rolls them back, and never reads their slots.
 
     At most ``max_running`` requests run; a request is admitted when its pool entry can be
     made and (with ``state_budget_bytes``) one more request's recurrent state fits. When the
@@ -95,7 +98,6 @@ class Scheduler:
 
     def release(self, request: EngineRequest) -> None:
         """Give back every page the request holds in the pool (if it holds any)."""
-        request.caches = None
         request.states = None
         if request.in_pool:
             request.in_pool = False
@@ -145,36 +147,51 @@ class Scheduler:
     def start_running(self, request: EngineRequest) -> None:
         """The prefilling request has prefilled everything: it joins the running batch."""
         self.prefilling = None
-        request.caches = None
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
     # ------------------------------------------------------------------ decisions
 
-    def make_decode_room(self) -> None:
-        """Preempt (or finish) until the pool can hold one more token per running request."""
+    def reserve_decode(self) -> Reservation | None:
+        """The decode step's reservation: one more token for every running request.
+
+        Preempts (the prefilling request first, then the newest running one) or finishes a
+        lone request that cannot fit, until the pool grants the batch; ``None`` when no
+        request is left running.
+        """
         while self.running:
-            if self.pool.can_reserve({r.rid: 1 for r in self.running}):
-                return
+            reservation = self.pool.try_reserve_batch({r.rid: 1 for r in self.running})
+            if reservation is not None:
+                return reservation
             if self.prefilling is not None:
                 self.preempt(self.prefilling)
             elif len(self.running) == 1:
                 self.finish(self.running[0], "pool_exhausted")
             else:
                 self.preempt(self.running[-1])
+        return None
 
-    def fit_chunk(self, request: EngineRequest, n: int) -> int:
-        """The largest of ``n, n // 2, ...`` prefill tokens the pool can hold for ``request``.
+    def reserve_rows(self, batch: Sequence[EngineRequest]) -> Reservation | None:
+        """One more token for each request of ``batch`` (part of an earlier granted step)."""
+        return self.pool.try_reserve_batch({r.rid: 1 for r in batch})
 
-        Beside one more token of each running request; 0 when not even one fits.
+    def reserve_chunk(self, request: EngineRequest, n: int) -> Reservation | None:
+        """The largest of ``n, n // 2, ...`` prefill tokens the pool grants ``request``.
+
+        With room left for one more token of each running request (their next decode step);
+        ``None`` when not even one token fits.
         """
-        demands = {r.rid: 1 for r in self.running}
+        headroom = {r.rid: 1 for r in self.running}
         while n >= 1:
-            demands[request.rid] = n
-            if self.pool.can_reserve(demands):
-                return n
+            reservation = self.pool.try_reserve_batch({request.rid: n}, headroom=headroom)
+            if reservation is not None:
+                return reservation
             n //= 2
-        return 0
+        return None
+
+    def rollback(self, reservation: Reservation) -> None:
+        """Undo a reservation of a step that failed: its requests go back to where they were."""
+        self.pool.rollback(reservation)
 
     def state_room(self) -> bool:
         """Whether one more request's recurrent state fits ``state_budget_bytes``."""
@@ -204,16 +221,7 @@ class Scheduler:
             return None
         self.queue.popleft()
         request.in_pool = True
-        request.caches = None
         request.prefilled = 0
         request.status = RequestStatus.PREFILLING
         self.prefilling = request
         return request
-
-    def trim_back(self, batch: Sequence[EngineRequest], lengths: Sequence[int]) -> None:
-        """Trim each request of ``batch`` in the pool back to its length before a step."""
-        for request, length in zip(batch, lengths, strict=True):
-            if request.in_pool:
-                extra = self.pool.seq_len(request.rid) - length
-                if extra > 0:
-                    self.pool.trim_request(request.rid, extra)

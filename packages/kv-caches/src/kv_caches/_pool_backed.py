@@ -12,6 +12,7 @@ from kv_protocol import (
     LayerKind,
     LayerKindError,
     MaskSpec,
+    Reservation,
     ShapeMismatchError,
     UnknownRequestError,
     stored_arrays,
@@ -28,15 +29,26 @@ _NAME = "PoolBackedKVCache"
 class PoolBackedKVCache:
     """mlx-lm's cache protocol for one request and one layer, with the K/V in a ``KVPool``.
 
-    ``update_and_fetch`` reserves room in the pool when it is missing (so the first layer of
-    a forward reserves for all), writes the new tokens into the pool's slots, and reads back
-    exactly what attention needs: every token for a full layer, the last
-    ``min(offset, window - 1)`` old tokens plus the chunk for a sliding one. The cache keeps
-    no copy of the K/V; ``offset`` is absolute and defaults to the request's ``seq_len``.
+    ``update_and_fetch`` writes the new tokens into the pool's slots and reads back exactly
+    what attention needs: every token for a full layer, the last ``min(offset, window - 1)``
+    old tokens plus the chunk for a sliding one. The cache keeps no copy of the K/V;
+    ``offset`` is absolute.
+
+    Given the chunk's ``reservation`` (from the pool's ``try_reserve_batch``, one row for this
+    request), the cache starts at the reservation's start length and writes the chunk into the
+    reserved slots: it never reserves or asks the pool for the new slots. Without one,
+    ``offset`` defaults to the request's ``seq_len`` and ``update_and_fetch`` reserves the
+    room it is missing (so the first layer of a forward reserves for all).
     """
 
     def __init__(
-        self, pool: KVPool, request_id: int, layer_id: int, *, offset: int | None = None
+        self,
+        pool: KVPool,
+        request_id: int,
+        layer_id: int,
+        *,
+        offset: int | None = None,
+        reservation: Reservation | None = None,
     ) -> None:
         if not isinstance(pool, KVPool):
             raise TypeError(
@@ -50,6 +62,19 @@ class PoolBackedKVCache:
         if not pool.has_request(request_id):
             raise UnknownRequestError(f"{_NAME}: request {request_id!r} is not in the pool")
         seq_len = pool.seq_len(request_id)
+        self._reserved: tuple[int, int, mx.array] | None = None
+        if reservation is not None:
+            if not isinstance(reservation, Reservation) or reservation.request_ids != (request_id,):
+                raise CacheStateError(
+                    f"{_NAME}: the reservation must hold request {request_id!r} alone, got "
+                    f"{reservation!r}"
+                )
+            start = reservation.start_lengths[0]
+            if offset is None:
+                offset = start
+            slots = reservation.slots.get(pool.sub_pool_of(layer_id))
+            if slots is not None:
+                self._reserved = (start, reservation.n_tokens[0], slots)
         if offset is None:
             offset = seq_len
         offset = check_count("offset", offset)
@@ -118,11 +143,18 @@ class PoolBackedKVCache:
         pool, rid, layer = self._pool, self._request_id, self._layer_id
         n_new = keys.shape[2]
         stop = self._offset + n_new
-        missing = stop - pool.seq_len(rid)
-        if missing > 0:
-            pool.reserve(rid, missing)
+        reserved, self._reserved = self._reserved, None
+        missing = 0
+        if reserved is not None and reserved[:2] == (self._offset, n_new):
+            slots = reserved[2]
+        else:
+            missing = stop - pool.seq_len(rid)
+            if missing > 0:
+                pool.reserve(rid, missing)
+            slots = None
         try:
-            slots = pool.token_slots(rid, layer, self._offset, stop)
+            if slots is None:
+                slots = pool.token_slots(rid, layer, self._offset, stop)
             pool.set_kv(layer, slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
             read = pool.token_slots(rid, layer, self._read_start(self._offset), stop)
             out_k, out_v = pool.get_kv(layer, read)

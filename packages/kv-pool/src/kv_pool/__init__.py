@@ -1,41 +1,31 @@
-"""A paged hybrid KV pool: full and sliding-window sub-pools over a refcounted page allocator."""
+"""A paged hybrid KV pool: full and sliding-window sub-pools over a refcounted page allocator.
+
+:class:`HybridKVPool` is the pool (``kv_protocol.KVPool``); its prefix cache is a
+:class:`PrefixCache` (``kv_protocol.KVPrefixCache``) whose requests keep their own
+:class:`BlockHashes`. :func:`required_bytes`, :func:`pages_per_request` and
+:func:`sub_pool_groups` size a pool before it is built. The page tables, storage and
+allocator internals stay importable from their private modules for tests.
+"""
+
+from kv_protocol import PoolMemoryReport, PrefixCacheStats, SubPoolReport
 
 from ._allocator import PageAllocator
 from ._counter import LayerDoneCounter
-from ._page_tables import ForkPlan, PageTable, ReservePlan, SubPoolPages, block_hashes
-from ._pool import HybridKVPool, PrefixCacheStats
-from ._report import PoolMemoryReport, SubPoolReport
-from ._sizing import (
-    MAX_SLOTS_PER_LAYER,
-    SubPoolGroup,
-    SubPoolSpec,
-    budget_page_counts,
-    pages_per_request,
-    required_bytes,
-    sub_pool_groups,
-    sub_pool_specs,
-)
-from ._storage import KVStorage
+from ._pool import HybridKVPool
+from ._prefix import BlockHashes, PrefixCache
+from ._sizing import SubPoolSpec, pages_per_request, required_bytes, sub_pool_groups
 
 __all__ = [
-    "MAX_SLOTS_PER_LAYER",
-    "ForkPlan",
+    "BlockHashes",
     "HybridKVPool",
-    "KVStorage",
     "LayerDoneCounter",
     "PageAllocator",
-    "PageTable",
     "PoolMemoryReport",
+    "PrefixCache",
     "PrefixCacheStats",
-    "ReservePlan",
-    "SubPoolGroup",
-    "SubPoolPages",
     "SubPoolReport",
     "SubPoolSpec",
-    "block_hashes",
-    "budget_page_counts",
     "pages_per_request",
     "required_bytes",
     "sub_pool_groups",
-    "sub_pool_specs",
 ]

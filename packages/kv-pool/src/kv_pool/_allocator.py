@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kv_protocol import InvalidPageError, PoolExhaustedError, check_int, is_int
 
@@ -28,7 +28,8 @@ class PageAllocator:
     it, such a page is not freed but kept *cached*: refcount 0, counted as free, found by
     :meth:`cached_page`, given back to a new owner by :meth:`reuse`, and evicted (its hash
     forgotten) least recently released first when :meth:`alloc` runs out of plain free pages.
-    A page in use is never evicted.
+    A page in use is never evicted. ``on_forget`` (when set) is called with each block the
+    allocator stops holding: evicted, dropped, or forgotten because its page is rewritten.
     """
 
     def __init__(self, num_pages: int, *, name: str = "pool") -> None:
@@ -49,6 +50,8 @@ class PageAllocator:
         # Cached pages at refcount 0, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._evictions = 0
+        #: Called with every block hash the allocator forgets (see the class docstring).
+        self.on_forget: Callable[[Hashable], None] | None = None
 
     @property
     def name(self) -> str:
@@ -215,6 +218,8 @@ class PageAllocator:
         block = self._hash_of.pop(page, None)
         if block is not None:
             del self._page_of[block]
+            if self.on_forget is not None:
+                self.on_forget(block)
 
     # ------------------------------------------------------------------ prefix caching
 

@@ -9,7 +9,6 @@ coordinates one of these per sub-pool and keeps the requests' lengths.
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -18,25 +17,7 @@ from kv_protocol import CacheStateError, KVLifetime, PoolExhaustedError, Request
 
 from ._allocator import PageAllocator
 
-__all__ = ["ForkPlan", "PageTable", "ReservePlan", "SubPoolPages", "block_hashes"]
-
-
-def block_hashes(
-    tokens: Sequence[int], page_size: int, *, salt: bytes = b"", start: int = 0, parent: bytes = b""
-) -> list[bytes]:
-    """The chained content hashes of the complete pages of ``tokens`` from page ``start`` on.
-
-    Page ``j``'s hash covers its parent's hash (page ``j - 1``'s, ``parent`` for the first
-    one computed) and its own token ids, so equal hashes mean equal token prefixes; ``salt``
-    adds whatever else changes the K/V (a model or adapter id).
-    """
-    out: list[bytes] = []
-    previous = parent if start else salt
-    for j in range(start, len(tokens) // page_size):
-        block = array("q", tokens[j * page_size : (j + 1) * page_size]).tobytes()
-        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
-        out.append(previous)
-    return out
+__all__ = ["ForkPlan", "PageTable", "ReservePlan", "SubPoolPages"]
 
 
 class PageTable:
@@ -113,8 +94,6 @@ class SubPoolPages:
         self.lifetime = lifetime
         self.allocator = PageAllocator(num_pages, name=name)
         self._tables: dict[int, PageTable] = {}
-        # request id -> the hashes of its committed complete pages (prefix caching only)
-        self._hashes: dict[int, list[bytes]] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -129,7 +108,6 @@ class SubPoolPages:
     def free(self, request_id: int) -> None:
         """Release every page the request holds and forget its table."""
         held = self._tables.pop(request_id).held()
-        self._hashes.pop(request_id, None)
         if held:
             self.allocator.free(held)
 
@@ -200,22 +178,9 @@ class SubPoolPages:
                 )
         return keep
 
-    def trim(self, request_id: int, keep: int, new_len: int) -> None:
-        """Free the logical pages from ``keep`` on (from :meth:`trim_keep`).
-
-        ``new_len`` is the request's length after the trim.
-        """
-        new_full = new_len // self.page_size
+    def trim(self, request_id: int, keep: int) -> None:
+        """Free the logical pages from ``keep`` on (from :meth:`trim_keep`)."""
         table = self._tables[request_id]
-        hashes = self._hashes.get(request_id)
-        if hashes is not None and len(hashes) > new_full:
-            # A page kept in part will be written again from `new_len` on: it no longer
-            # holds its block. Whole pages given back keep theirs (their K/V are intact).
-            if new_len % self.page_size and new_full < keep:
-                page = table.pages[new_full]
-                if page and self.allocator.block_of(page) == hashes[new_full]:
-                    self.allocator.forget_hash(page)
-            del hashes[new_full:]
         extra = table.pages[keep:].tolist()
         if extra:
             self.allocator.free(extra)
@@ -259,72 +224,12 @@ class SubPoolPages:
         self._tables[child_id] = table
         return new_page
 
-    # ------------------------------------------------------------------ prefix caching
-
-    def commit(self, request_id: int, tokens: Sequence[int], *, salt: bytes) -> None:
-        """Register the request's newly complete pages under their block hashes.
-
-        ``tokens`` are every token whose K/V the request has written so far (positions
-        ``0 .. len(tokens) - 1``). A page that left the window before it was committed, or
-        whose block another page already holds, is not registered.
-        """
-        hashes = self._hashes.setdefault(request_id, [])
-        start = len(hashes)
-        if len(tokens) // self.page_size <= start:
-            return
-        new = block_hashes(
-            tokens,
-            self.page_size,
-            salt=salt,
-            start=start,
-            parent=hashes[-1] if hashes else b"",
-        )
+    def adopt(self, request_id: int, first_live: int, pages: Sequence[int]) -> None:
+        """Give the empty request ``pages`` (owned for it) from logical page ``first_live`` on."""
         table = self._tables[request_id]
-        for j, block in enumerate(new, start):
-            page = table.pages[j]
-            if page:
-                self.allocator.register_hash(page, block)
-        hashes.extend(new)
-
-    def inherit(self, parent_id: int, child_id: int, n_tokens: int) -> None:
-        """A fork's child holds the parent's committed blocks below ``n_tokens``."""
-        parent = self._hashes.get(parent_id)
-        if parent is not None:
-            self._hashes[child_id] = parent[: n_tokens // self.page_size]
-
-    def needed_blocks(self, length: int) -> range:
-        """The logical pages a request of ``length`` cached tokens needs (lifetime rule)."""
-        return range(
-            self.lifetime.first_live_page(length, self.page_size), length // self.page_size
-        )
-
-    def cached_blocks(self, hashes: Sequence[bytes]) -> list[bool]:
-        """For each block hash, whether a page holds that block now (held or cached)."""
-        cached = self.allocator.cached_page
-        return [cached(h) is not None for h in hashes]
-
-    def reuse(self, request_id: int, hashes: Sequence[bytes], length: int) -> None:
-        """Give the (empty) request the cached pages it needs to start at ``length`` tokens.
-
-        ``hashes`` are the block hashes of its tokens (at least ``length // page_size``).
-        Refused with ``CacheStateError`` (nothing changed) when a needed block is not cached.
-        """
-        needed = self.needed_blocks(length)
-        pages: list[int] = []
-        for j in needed:
-            page = self.allocator.cached_page(hashes[j])
-            if page is None:
-                raise CacheStateError(
-                    f"sub-pool {self.name!r} no longer holds block {j} of the prefix of "
-                    f"{length} tokens; match the prefix again"
-                )
-            pages.append(page)
-        self.allocator.reuse(pages)
-        table = self._tables[request_id]
-        table.pages = array("i", bytes(4 * needed.start))
+        table.pages = array("i", bytes(4 * first_live))
         table.pages.extend(pages)
-        table.first_live = needed.start
-        self._hashes[request_id] = list(hashes[: length // self.page_size])
+        table.first_live = first_live
 
     # ------------------------------------------------------------------ reading
 

@@ -1,17 +1,16 @@
 """The paged hybrid KV pool: one sub-pool per (lifetime, geometry) group of attention layers.
 
 :class:`HybridKVPool` is the coordinator: it keeps each request's length, makes every
-reservation one atomic decision over all sub-pools, and reports memory. The page tables
-and the lifetime rule of each sub-pool live in :mod:`._page_tables`, the tensors and slot
-trust in :mod:`._storage`, and the sizing arithmetic in :mod:`._sizing`.
+reservation one atomic decision over all sub-pools (:meth:`HybridKVPool.try_reserve_batch`),
+and reports memory. The page tables and the lifetime rule of each sub-pool live in
+:mod:`._page_tables`, the tensors and slot trust in :mod:`._storage`, the sizing arithmetic in
+:mod:`._sizing` and prefix caching in :mod:`._prefix`.
 """
 
 from __future__ import annotations
 
-import math
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
 
@@ -25,57 +24,21 @@ from kv_protocol import (
     LayerTransferCounter,
     LayoutError,
     PoolExhaustedError,
+    PoolMemoryReport,
     RequestStateError,
-    ShapeMismatchError,
+    Reservation,
+    SubPoolReport,
     UnknownRequestError,
     as_int,
     check_int,
 )
 
-from ._allocator import PageAllocator
-from ._page_tables import ForkPlan, ReservePlan, SubPoolPages, block_hashes
-from ._report import PoolMemoryReport, SubPoolReport
-from ._sizing import (
-    QuantizationArg,
-    SubPoolSpec,
-    budget_page_counts,
-    pages_per_request,
-    required_bytes,
-    sub_pool_groups,
-    sub_pool_specs,
-)
+from ._page_tables import ForkPlan, ReservePlan, SubPoolPages
+from ._prefix import PrefixCache
+from ._sizing import QuantizationArg, SubPoolSpec, budget_page_counts, sub_pool_specs
 from ._storage import KVStorage, int32_array
 
-__all__ = ["HybridKVPool", "PrefixCacheStats"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrefixCacheStats:
-    """What prefix caching did so far: lookups, tokens asked and reused, pages kept, evictions.
-
-    ``cached_pages`` counts pages no request holds that keep a block for reuse (they are also
-    free: an allocation evicts them, least recently released first); ``hashed_pages`` counts
-    every page registered under a block, held or not.
-    """
-
-    queries: int
-    query_tokens: int
-    hit_tokens: int
-    cached_pages: int
-    hashed_pages: int
-    evictions: int
-
-    @property
-    def hit_rate(self) -> float:
-        """Reused tokens per looked-up token."""
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-
-def _request_ids(request_ids: object, what: str) -> list[int]:
-    """``request_ids`` as a list, refusing a non-sequence (a bare id, a string, a mapping)."""
-    if isinstance(request_ids, str | bytes | Mapping) or not isinstance(request_ids, Iterable):
-        raise RequestStateError(f"{what} takes a sequence of request ids, got {request_ids!r}")
-    return list(request_ids)
+__all__ = ["HybridKVPool"]
 
 
 class HybridKVPool:
@@ -140,55 +103,8 @@ class HybridKVPool:
         self._lengths: dict[int, int] = {}
         if not isinstance(prefix_salt, bytes):
             raise RequestStateError(f"prefix_salt must be bytes, got {prefix_salt!r}")
-        self._prefix_caching = bool(prefix_caching)
-        self._salt = prefix_salt
-        # request id -> the tokens whose K/V it has written (prefix caching only)
-        self._tokens: dict[int, list[int]] = {}
-        self._queries = self._query_tokens = self._hit_tokens = 0
-
-    # ------------------------------------------------------------------ construction helpers
-
-    @staticmethod
-    def sub_pool_groups(layout: CacheLayout) -> dict[str, tuple[int, ...]]:
-        """The sub-pool names a pool for ``layout`` will have, each with its global layer ids."""
-        return {g.name: g.layer_ids for g in sub_pool_groups(layout)}
-
-    @staticmethod
-    def pages_per_request(
-        layout: CacheLayout,
-        *,
-        max_context: int,
-        page_size: int | Mapping[str, int] = 16,
-        prefill_chunk: int = 1,
-    ) -> dict[str, int]:
-        """Peak pages one request of ``max_context`` tokens holds in each sub-pool.
-
-        FULL: ``ceil(max_context / page_size)``. SLIDING: while a chunk of ``prefill_chunk``
-        tokens is reserved, the request holds positions ``L - W + 1 .. L + chunk - 1``, at
-        most ``ceil((W - 1 + chunk) / page_size) + 1`` pages (never more than the full count).
-        """
-        return pages_per_request(
-            layout, max_context=max_context, page_size=page_size, prefill_chunk=prefill_chunk
-        )
-
-    @staticmethod
-    def required_bytes(
-        layout: CacheLayout,
-        *,
-        max_context: int,
-        concurrency: int,
-        page_size: int | Mapping[str, int] = 16,
-        prefill_chunk: int = 1,
-        kv_quantization: QuantizationArg = None,
-    ) -> int:
-        """Bytes a pool needs so ``concurrency`` requests of ``max_context`` tokens all fit."""
-        return required_bytes(
-            layout,
-            max_context=max_context,
-            concurrency=concurrency,
-            page_size=page_size,
-            prefill_chunk=prefill_chunk,
-            kv_quantization=kv_quantization,
+        self._prefix = (
+            PrefixCache(self._pages, self._lengths, salt=prefix_salt) if prefix_caching else None
         )
 
     @classmethod
@@ -208,12 +124,13 @@ class HybridKVPool:
         """A pool whose buffers fit in ``budget_bytes``, split for a stated workload.
 
         Each sub-pool gets budget in proportion to what ``concurrency`` requests of
-        ``max_context`` tokens need in it at their peak (see :meth:`pages_per_request`), plus
-        its null page. With exactly :meth:`required_bytes` the workload fits; with more, every
-        sub-pool grows in the same proportion. A budget too small for two pages (null page
-        plus one) in some sub-pool raises ``PoolExhaustedError``. Quantized sub-pools
-        (``kv_quantization``, as for the constructor) are counted at their stored bytes, so
-        the same budget holds about 1.9x (8-bit) or 3.5x (4-bit, groups of 64) the tokens.
+        ``max_context`` tokens need in it at their peak (:func:`kv_pool.pages_per_request`),
+        plus its null page. With exactly :func:`kv_pool.required_bytes` the workload fits;
+        with more, every sub-pool grows in the same proportion. A budget too small for two
+        pages (null page plus one) in some sub-pool raises ``PoolExhaustedError``. Quantized
+        sub-pools (``kv_quantization``, as for the constructor) are counted at their stored
+        bytes, so the same budget holds about 1.9x (8-bit) or 3.5x (4-bit, groups of 64) the
+        tokens.
         """
         counts, sizes = budget_page_counts(
             layout,
@@ -242,13 +159,8 @@ class HybridKVPool:
 
     @property
     def sub_pools(self) -> tuple[SubPoolSpec, ...]:
-        """Every sub-pool's spec, in order of first layer id."""
+        """Every sub-pool's spec (name, layers, page size and count, ...), by first layer id."""
         return self._specs
-
-    @property
-    def sub_pool_names(self) -> tuple[str, ...]:
-        """Every sub-pool's name."""
-        return tuple(spec.name for spec in self._specs)
 
     def _pool_index(self, sub_pool: str) -> int:
         index = self._index_of_name.get(sub_pool)
@@ -258,18 +170,6 @@ class HybridKVPool:
             )
         return index
 
-    def sub_pool_spec(self, sub_pool: str) -> SubPoolSpec:
-        """The spec of the named sub-pool."""
-        return self._specs[self._pool_index(sub_pool)]
-
-    def allocator(self, sub_pool: str) -> PageAllocator:
-        """The page allocator of the named sub-pool (read it; mutate only through the pool)."""
-        return self._pages[self._pool_index(sub_pool)].allocator
-
-    def page_tables(self, sub_pool: str) -> SubPoolPages:
-        """The page tables of the named sub-pool (read them; mutate only through the pool)."""
-        return self._pages[self._pool_index(sub_pool)]
-
     def sub_pool_of(self, layer_id: int) -> str:
         """Name of the sub-pool that stores ``layer_id``."""
         return self._storage.spec_of(layer_id).name
@@ -277,6 +177,11 @@ class HybridKVPool:
     def page_size(self, layer_id: int) -> int:
         """Tokens per page in the sub-pool of ``layer_id``."""
         return self._storage.spec_of(layer_id).page_size
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache (``prefix_caching=True``), or ``None``."""
+        return self._prefix
 
     # ------------------------------------------------------------------ requests
 
@@ -288,11 +193,6 @@ class HybridKVPool:
         if length is None:
             raise UnknownRequestError(f"unknown request id {request_id!r}")
         return length
-
-    @property
-    def request_ids(self) -> tuple[int, ...]:
-        """Ids of the registered requests, in registration order."""
-        return tuple(self._lengths)
 
     def has_request(self, request_id: int) -> bool:
         """True while ``request_id`` is registered."""
@@ -306,142 +206,172 @@ class HybridKVPool:
         for pages in self._pages:
             pages.add(request_id)
         self._lengths[request_id] = 0
-        if self._prefix_caching:
-            self._tokens[request_id] = []
+        if self._prefix is not None:
+            self._prefix.request_added(request_id)
 
     def seq_len(self, request_id: int) -> int:
         """Token positions reserved so far for the request."""
         return self._length(request_id)
 
+    # ------------------------------------------------------------------ reserving
+
     def _plan(self, request_id: int, n_tokens: int) -> list[ReservePlan]:
         length = self._lengths[request_id]
         return [pages.plan(request_id, length, n_tokens) for pages in self._pages]
 
-    def _apply(self, request_id: int, plans: list[ReservePlan], n_tokens: int) -> None:
-        for pages, plan in zip(self._pages, plans, strict=True):
-            pages.release(request_id, plan)
-        self._grow(request_id, plans, n_tokens)
+    def _demands(self, demands: object, what: str) -> dict[int, int]:
+        """``demands`` checked: a mapping of distinct registered ids to counts ``>= 0``."""
+        if not isinstance(demands, Mapping):
+            raise RequestStateError(
+                f"{what} takes a mapping of request id -> tokens, got {demands!r}"
+            )
+        checked: dict[int, int] = {}
+        for request_id, n_tokens in demands.items():
+            self._length(request_id)
+            key = int(request_id)
+            if key in checked:
+                raise RequestStateError(f"{what} got request {key} twice")
+            checked[key] = check_int(n_tokens, "n_tokens", minimum=0)
+        return checked
 
-    def _grow(self, request_id: int, plans: list[ReservePlan], n_tokens: int) -> None:
-        for pages, plan in zip(self._pages, plans, strict=True):
-            pages.grow(request_id, plan)
-        self._lengths[request_id] += n_tokens
+    def _shortage(
+        self, plans: Sequence[list[ReservePlan]], extra_need: Sequence[int] | None = None
+    ) -> tuple[str, int, int] | None:
+        """``(sub-pool, pages asked, pages available)`` where ``plans`` do not fit, else ``None``.
 
-    def _fits_in_order(self, plans: list[list[ReservePlan]]) -> bool:
-        """True if applying ``plans`` one request after another never runs out of pages."""
+        Over the whole batch, what a request releases is room for any other's new pages;
+        ``extra_need`` adds pages per sub-pool that must stay free afterwards.
+        """
+        for i, pages in enumerate(self._pages):
+            asked = sum(plan[i].n_new for plan in plans)
+            available = pages.allocator.num_free + sum(plan[i].reclaim for plan in plans)
+            if extra_need is not None:
+                asked += extra_need[i]
+            if asked > available:
+                return pages.name, asked, available
+        return None
+
+    def _apply_all(
+        self, ids: Sequence[int], plans: Sequence[list[ReservePlan]], counts: Sequence[int]
+    ) -> None:
+        """Apply checked plans: request by request when that never runs dry, else releases first."""
         free = [pages.allocator.num_free for pages in self._pages]
+        in_order = True
         for plan in plans:
             for i, step in enumerate(plan):
                 free[i] += step.reclaim - step.n_new
-                if free[i] < 0:
-                    return False
-        return True
-
-    def _new_slots(self, index: int, request_id: int, old: int, n_tokens: int) -> mx.array:
-        """The issued slots of positions ``old .. old + n_tokens - 1`` in sub-pool ``index``."""
-        pages = self._pages[index]
-        if n_tokens == 0:
-            return mx.zeros((0,), dtype=mx.int32)
-        if n_tokens == 1:
-            slot, page = pages.slot(request_id, old)
-            return self._storage.issue(mx.array([slot], dtype=mx.int32), index, [page])
-        table = pages.table(request_id)
-        size = pages.page_size
-        slots = int32_array(table.slots(old, old + n_tokens, size))
-        return self._storage.issue(slots, index, table.pages_between(old, old + n_tokens, size))
-
-    def reserve(self, request_id: int, n_tokens: int) -> dict[str, mx.array]:
-        """Reserve ``n_tokens`` more positions, atomically over all sub-pools.
-
-        Returns the new tokens' int32 slots ``(n_tokens,)`` per sub-pool name. Sliding
-        sub-pools first release pages that no query of the new tokens can see. On shortage
-        raises ``PoolExhaustedError`` (sub-pool, pages asked, pages available counting the
-        pages this call would release) and nothing changes.
-        """
-        old = self._length(request_id)
-        request_id = int(request_id)
-        check_int(n_tokens, "n_tokens", minimum=0)
-        plans = self._plan(request_id, n_tokens)
-        for pages, plan in zip(self._pages, plans, strict=True):
-            pages.check_room(plan.n_new, plan.reclaim)
-        self._apply(request_id, plans, n_tokens)
-        return {
-            spec.name: self._new_slots(i, request_id, old, n_tokens)
-            for i, spec in enumerate(self._specs)
-        }
-
-    def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
-        """Reserve ``n_tokens`` more positions for each request, atomically over the batch.
-
-        The decode-step form of :meth:`reserve`: returns ``(B, n_tokens)`` int32 slots per
-        sub-pool, built with one array conversion per sub-pool. Either every request gets its
-        pages or ``PoolExhaustedError`` is raised (pages asked and available summed over the
-        batch) and nothing changes. Repeated ids are a ``RequestStateError``.
-        """
-        check_int(n_tokens, "n_tokens", minimum=0)
-        ids = _request_ids(request_ids, "reserve_batch")
-        olds = [self._length(r) for r in ids]
-        ids = [int(r) for r in ids]
-        if len(set(ids)) != len(ids):
-            raise RequestStateError(f"reserve_batch got repeated request ids: {list(request_ids)}")
-        plans = [self._plan(rid, n_tokens) for rid in ids]
-        for i, pages in enumerate(self._pages):
-            pages.check_room(sum(p[i].n_new for p in plans), sum(p[i].reclaim for p in plans))
-        if self._fits_in_order(plans):
-            # Request by request: the same pages as one reserve per request in batch order.
-            for rid, plan in zip(ids, plans, strict=True):
-                self._apply(rid, plan, n_tokens)
-        else:
-            # The room check counted what the whole batch releases, and an earlier request
-            # needs a later one's pages: every release goes before any allocation.
+                in_order = in_order and free[i] >= 0
+        if not in_order:
+            # An earlier request needs a later one's released pages: release everything first.
             for rid, plan in zip(ids, plans, strict=True):
                 for pages, step in zip(self._pages, plan, strict=True):
                     pages.release(rid, step)
-            for rid, plan in zip(ids, plans, strict=True):
-                self._grow(rid, plan, n_tokens)
-        out: dict[str, mx.array] = {}
-        batch = len(ids)
+        for rid, plan, n_tokens in zip(ids, plans, counts, strict=True):
+            for pages, step in zip(self._pages, plan, strict=True):
+                if in_order:
+                    pages.release(rid, step)
+                pages.grow(rid, step)
+            self._lengths[rid] += n_tokens
+
+    def _reservation(self, ids: list[int], olds: list[int], counts: list[int]) -> Reservation:
+        """The issued slots of the new positions and the page tables, per sub-pool."""
+        slots: dict[str, mx.array] = {}
+        tables: dict[str, mx.array] = {}
+        total = sum(counts)
         for i, pages in enumerate(self._pages):
-            if batch == 0 or n_tokens == 0:
-                out[pages.name] = mx.zeros((batch, n_tokens), dtype=mx.int32)
+            tables[pages.name] = self._page_tables(pages, ids)
+            if not total:
+                slots[pages.name] = mx.zeros((0,), dtype=mx.int32)
                 continue
             size = pages.page_size
             flat = array("i")
             held: list[int] = []
-            for rid, old in zip(ids, olds, strict=True):
-                if n_tokens == 1:
+            for rid, old, n in zip(ids, olds, counts, strict=True):
+                if n == 1:
                     slot, page = pages.slot(rid, old)
                     held.append(page)
                     flat.append(slot)
-                else:
+                elif n:
                     table = pages.table(rid)
-                    held.extend(table.pages_between(old, old + n_tokens, size))
-                    flat.extend(table.slots(old, old + n_tokens, size))
-            shaped = memoryview(flat).cast("B").cast("i", (batch, n_tokens))
-            out[pages.name] = self._storage.issue(int32_array(shaped), i, held)
-        return out
-
-    def can_reserve(self, demands: dict[int, int]) -> bool:
-        """True if reserving ``demands[request_id]`` more tokens for each request would fit.
-
-        True means one :meth:`reserve` per request succeeds in *any* order (and so does one
-        :meth:`reserve_batch` of them): pages a request would release make room for its own
-        new pages only, never for another request's, since that request may reserve first.
-        Released pages count only when no other request shares them.
-        """
-        if not isinstance(demands, Mapping):
-            raise RequestStateError(
-                f"can_reserve takes a mapping of request id -> tokens, got {demands!r}"
-            )
-        need = [0] * len(self._pages)
-        for request_id, n_tokens in demands.items():
-            self._length(request_id)
-            check_int(n_tokens, "n_tokens", minimum=0)
-            for i, step in enumerate(self._plan(int(request_id), n_tokens)):
-                need[i] += max(0, step.n_new - step.reclaim)
-        return all(
-            n <= pages.allocator.num_free for n, pages in zip(need, self._pages, strict=True)
+                    held.extend(table.pages_between(old, old + n, size))
+                    flat.extend(table.slots(old, old + n, size))
+            slots[pages.name] = self._storage.issue(int32_array(flat), i, held)
+        return Reservation(
+            request_ids=tuple(ids),
+            start_lengths=tuple(olds),
+            n_tokens=tuple(counts),
+            slots=slots,
+            page_tables=tables,
         )
+
+    def try_reserve_batch(
+        self, demands: Mapping[int, int], *, headroom: Mapping[int, int] | None = None
+    ) -> Reservation | None:
+        """Reserve ``demands[request_id]`` more positions for each request, or nothing.
+
+        One atomic decision over every request and every sub-pool. Sliding sub-pools first
+        release the pages no new query can see, and what one request of the batch releases is
+        room for another's new pages. Returns the :class:`kv_protocol.Reservation` (rows in
+        ``demands``' order, its slots issued for writes) or ``None``, with nothing changed,
+        when the pages are not there. ``headroom`` (requests not in ``demands``) must also
+        still fit as one batch afterwards; it is checked, not reserved. A bad mapping, an
+        unknown, repeated or non-int id or a bad count raises and changes nothing.
+        """
+        wanted = self._demands(demands, "try_reserve_batch")
+        extra: list[int] | None = None
+        if headroom is not None:
+            spare = self._demands(headroom, "try_reserve_batch's headroom")
+            both = set(spare) & set(wanted)
+            if both:
+                raise RequestStateError(
+                    f"try_reserve_batch: requests {sorted(both)} are both reserved and headroom"
+                )
+            extra = [0] * len(self._pages)
+            for rid, n_tokens in spare.items():
+                for i, step in enumerate(self._plan(rid, n_tokens)):
+                    extra[i] += step.n_new - step.reclaim
+        ids = list(wanted)
+        counts = list(wanted.values())
+        plans = [self._plan(rid, n) for rid, n in wanted.items()]
+        if self._shortage(plans) is not None:
+            return None
+        if extra is not None and self._shortage(plans, extra) is not None:
+            return None
+        olds = [self._lengths[rid] for rid in ids]
+        self._apply_all(ids, plans, counts)
+        return self._reservation(ids, olds, counts)
+
+    def reserve(self, request_id: int, n_tokens: int) -> Reservation:
+        """Reserve ``n_tokens`` more positions for one request, atomically over all sub-pools.
+
+        :meth:`try_reserve_batch` for one request, raising ``PoolExhaustedError`` (the
+        sub-pool, pages asked, pages available counting the pages this call would release)
+        on shortage instead of returning ``None``; nothing changes then.
+        """
+        self._length(request_id)
+        request_id = int(request_id)
+        n_tokens = check_int(n_tokens, "n_tokens", minimum=0)
+        short = self._shortage([self._plan(request_id, n_tokens)])
+        if short is not None:
+            name, asked, available = short
+            raise PoolExhaustedError(sub_pool=name, pages_requested=asked, pages_free=available)
+        reservation = self.try_reserve_batch({request_id: n_tokens})
+        assert reservation is not None  # the same plan was just checked
+        return reservation
+
+    def rollback(self, reservation: Reservation) -> None:
+        """Undo ``reservation``: each request still registered goes back to its start length.
+
+        Pages it added are freed (sliding pages it released stay released: no query at the
+        start length sees them). Requests freed since are skipped; a request trimmed below
+        its start length since is left alone.
+        """
+        if not isinstance(reservation, Reservation):
+            raise RequestStateError(f"rollback takes a Reservation, got {reservation!r}")
+        for rid, start in zip(reservation.request_ids, reservation.start_lengths, strict=True):
+            length = self._lengths.get(rid)
+            if length is not None and length > start:
+                self.trim_request(rid, length - start)
 
     def free_request(self, request_id: int) -> None:
         """Release every page of the request and forget it.
@@ -454,7 +384,8 @@ class HybridKVPool:
         for pages in self._pages:
             pages.free(request_id)
         del self._lengths[request_id]
-        self._tokens.pop(request_id, None)
+        if self._prefix is not None:
+            self._prefix.request_freed(request_id)
 
     def trim_request(self, request_id: int, n_tokens: int) -> None:
         """Give back the last ``n_tokens`` reserved positions of the request (a rollback).
@@ -472,12 +403,11 @@ class HybridKVPool:
         request_id = int(request_id)
         n_tokens = check_int(n_tokens, "n_tokens", minimum=0, maximum=length)
         keeps = [pages.trim_keep(request_id, length, n_tokens) for pages in self._pages]
+        if self._prefix is not None:
+            self._prefix.before_trim(request_id, length - n_tokens)
         for pages, keep in zip(self._pages, keeps, strict=True):
-            pages.trim(request_id, keep, length - n_tokens)
+            pages.trim(request_id, keep)
         self._lengths[request_id] = length - n_tokens
-        committed = self._tokens.get(request_id)
-        if committed is not None:
-            del committed[length - n_tokens :]
 
     def fork_request(self, parent_id: int, child_id: int, n_tokens: int) -> None:
         """Register ``child_id`` holding the parent's first ``n_tokens`` positions.
@@ -511,153 +441,14 @@ class HybridKVPool:
                 copies.append((index, plan.tail_page * size, new_page * size, n_tokens % size))
         self._storage.copy_tokens(copies)
         self._lengths[child_id] = n_tokens
-        parent_tokens = self._tokens.get(parent_id)
-        if parent_tokens is not None:
-            self._tokens[child_id] = parent_tokens[:n_tokens]
-            for pages in self._pages:
-                pages.inherit(parent_id, child_id, n_tokens)
-
-    # ------------------------------------------------------------------ prefix caching
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether complete pages are kept for reuse by requests with the same prefix."""
-        return self._prefix_caching
-
-    def _prefix_step(self) -> int:
-        """A reusable prefix ends on a page boundary of every sub-pool."""
-        return math.lcm(*(spec.page_size for spec in self._specs)) if self._specs else 0
-
-    def commit_tokens(self, request_id: int, tokens: Sequence[int]) -> None:
-        """Record the tokens of the request's next positions as written (their K/V are in).
-
-        ``tokens`` continue the committed ones (positions ``committed .. committed + n - 1``,
-        within the reserved length). Every page that becomes complete is registered under
-        its chained block hash, so a later request with the same prefix can reuse it, and
-        once no request holds it, it stays cached until an allocation evicts it. A no-op
-        without prefix caching.
-        """
-        length = self._length(request_id)
-        if not self._prefix_caching:
-            return
-        request_id = int(request_id)
-        committed = self._tokens[request_id]
-        new = [check_int(t, "token id", minimum=0) for t in tokens]
-        if len(committed) + len(new) > length:
-            raise RequestStateError(
-                f"cannot commit {len(new)} tokens of request {request_id}: {len(committed)} "
-                f"are committed and only {length} positions are reserved"
-            )
-        committed.extend(new)
-        for pages in self._pages:
-            pages.commit(request_id, committed, salt=self._salt)
-
-    def _usable_prefix(self, tokens: Sequence[int]) -> tuple[int, list[list[bytes]]]:
-        step = self._prefix_step()
-        if not self._prefix_caching or not step or len(tokens) < 2:
-            return 0, []
-        longest = (len(tokens) - 1) // step * step
-        hashes = [block_hashes(tokens[:longest], p.page_size, salt=self._salt) for p in self._pages]
-        # counts[s][j]: blocks of sub-pool s cached among its first j.
-        counts: list[list[int]] = []
-        for pages, own in zip(self._pages, hashes, strict=True):
-            running = [0]
-            for present in pages.cached_blocks(own):
-                running.append(running[-1] + int(present))
-            counts.append(running)
-        for p in range(longest, 0, -step):
-            if all(
-                c[need.stop] - c[need.start] == len(need)
-                for pages, c in zip(self._pages, counts, strict=True)
-                for need in (pages.needed_blocks(p),)
-            ):
-                return p, hashes
-        return 0, hashes
-
-    def match_prefix(self, tokens: Sequence[int]) -> int:
-        """The longest prefix of ``tokens`` a new request can reuse from the cache.
-
-        A multiple of every sub-pool's page size, below ``len(tokens)`` (the last token is
-        always computed, for its logits), such that every sub-pool still has the pages its
-        lifetime needs at that length: all of them in a full sub-pool, only those holding
-        positions ``p - window + 1 .. p - 1`` in a sliding one. 0 without prefix caching.
-        """
-        tokens = [check_int(t, "token id", minimum=0) for t in tokens]
-        found, _ = self._usable_prefix(tokens)
-        if self._prefix_caching:
-            self._queries += 1
-            self._query_tokens += len(tokens)
-        return found
-
-    def reuse_prefix(self, request_id: int, tokens: Sequence[int], n_tokens: int) -> None:
-        """Start the new, empty request at ``n_tokens`` cached tokens of ``tokens``.
-
-        The cached pages its sub-pools need are shared (one more owner each, no copy) and its
-        length becomes ``n_tokens``; prefill goes on from there. ``n_tokens`` must be a prefix
-        :meth:`match_prefix` allows; otherwise ``CacheStateError`` and nothing changes.
-        """
-        length = self._length(request_id)
-        request_id = int(request_id)
-        if length:
-            raise RequestStateError(
-                f"request {request_id} already holds {length} tokens; a prefix is reused by a "
-                "new request only"
-            )
-        tokens = [check_int(t, "token id", minimum=0) for t in tokens]
-        n_tokens = check_int(n_tokens, "n_tokens", minimum=1, maximum=max(len(tokens) - 1, 1))
-        usable, hashes = self._usable_prefix(tokens[: n_tokens + 1])
-        if usable != n_tokens:
-            raise CacheStateError(
-                f"the cache cannot serve a prefix of {n_tokens} tokens for request "
-                f"{request_id} (it serves {usable}); reuse what match_prefix returns"
-            )
-        for pages, own in zip(self._pages, hashes, strict=True):
-            pages.reuse(request_id, own, n_tokens)
-        self._lengths[request_id] = n_tokens
-        self._tokens[request_id] = tokens[:n_tokens]
-        self._hit_tokens += n_tokens
-
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Lookups, reused tokens, cached pages and evictions so far."""
-        allocators = [p.allocator for p in self._pages]
-        return PrefixCacheStats(
-            queries=self._queries,
-            query_tokens=self._query_tokens,
-            hit_tokens=self._hit_tokens,
-            cached_pages=sum(a.num_cached for a in allocators),
-            hashed_pages=sum(a.num_hashed for a in allocators),
-            evictions=sum(a.evictions_total for a in allocators),
-        )
-
-    def drop_cached_prefixes(self) -> int:
-        """Forget every cached block no request holds; returns the pages freed."""
-        return sum(p.allocator.drop_cached() for p in self._pages)
+        if self._prefix is not None:
+            self._prefix.forked(parent_id, child_id, n_tokens)
 
     # ------------------------------------------------------------------ page tables and slots
 
-    def held_pages(self, request_id: int, sub_pool: str) -> list[int]:
-        """Physical pages the request holds in the sub-pool, in logical order."""
-        self._length(request_id)
-        return self._pages[self._pool_index(sub_pool)].table(int(request_id)).held()
-
-    def page_table(self, request_id: int, sub_pool: str) -> mx.array:
-        """``(n_pages,)`` int32 logical page table of one request; released entries are 0."""
-        self._length(request_id)
-        table = self._pages[self._pool_index(sub_pool)].table(int(request_id))
-        if not table.pages:
-            return mx.zeros((0,), dtype=mx.int32)
-        return int32_array(table.pages)
-
-    def batch_page_table(self, request_ids: Sequence[int], sub_pool: str) -> mx.array:
-        """``(B, max_pages)`` int32 logical page tables, padded and unheld entries = page 0.
-
-        Entry ``[b, j]`` is the physical page holding positions ``j * page_size ..
-        (j + 1) * page_size - 1`` of request ``b``. ``max_pages`` is at least 1.
-        """
-        pages = self._pages[self._pool_index(sub_pool)]
-        for r in request_ids:
-            self._length(r)
-        tables = [pages.table(int(r)) for r in request_ids]
+    @staticmethod
+    def _page_tables(pages: SubPoolPages, request_ids: Sequence[int]) -> mx.array:
+        tables = [pages.table(r) for r in request_ids]
         width = max(max((t.n_pages for t in tables), default=0), 1)
         if not tables:
             return mx.zeros((0, width), dtype=mx.int32)
@@ -680,30 +471,6 @@ class HybridKVPool:
                 f"position {pos} of sub-pool {spec.name!r} was released: it left the window "
                 f"{spec.window}; held positions start at {first}"
             )
-
-    def batch_slots(
-        self, request_ids: Sequence[int], sub_pool: str, positions: Sequence[int]
-    ) -> mx.array:
-        """``(B,)`` int32 slots of ``positions[b]`` of each request ``b`` in the sub-pool."""
-        index = self._pool_index(sub_pool)
-        request_ids = _request_ids(request_ids, "batch_slots")
-        positions = _request_ids(positions, "batch_slots positions")
-        if len(request_ids) != len(positions):
-            raise ShapeMismatchError(
-                f"batch_slots got {len(request_ids)} request ids but {len(positions)} positions"
-            )
-        pages = self._pages[index]
-        slots: list[int] = []
-        held: list[int] = []
-        for request_id, pos in zip(request_ids, positions, strict=True):
-            self._length(request_id)
-            self._check_position(int(request_id), index, pos)
-            slot, page = pages.slot(int(request_id), pos)
-            held.append(page)
-            slots.append(slot)
-        out = mx.array(slots, dtype=mx.int32)
-        # Two requests sharing a page can name one slot: such an array is for reads only.
-        return self._storage.issue(out, index, held) if len(set(slots)) == len(slots) else out
 
     def token_slots(self, request_id: int, layer_id: int, start: int, stop: int) -> mx.array:
         """int32 slots of token positions ``start .. stop - 1`` of the request for that layer.
@@ -732,18 +499,17 @@ class HybridKVPool:
     # ------------------------------------------------------------------ buffers
 
     @property
-    def storage(self) -> KVStorage:
-        """The pool's buffers and slot checks (read them; write through the pool)."""
-        return self._storage
-
-    def register_layer_transfer_counter(self, counter: LayerTransferCounter | None) -> None:
-        """Make buffer accessors wait on ``counter`` for their global layer id (``None``: stop)."""
-        self._storage.register_layer_transfer_counter(counter)
-
-    @property
     def layer_transfer_counter(self) -> LayerTransferCounter | None:
-        """The registered layer transfer counter, if any."""
+        """The layer transfer counter buffer accessors wait on (``None``: none).
+
+        Set it to make every buffer accessor wait for its global layer id; set ``None`` to
+        stop.
+        """
         return self._storage.layer_transfer_counter
+
+    @layer_transfer_counter.setter
+    def layer_transfer_counter(self, counter: LayerTransferCounter | None) -> None:
+        self._storage.register_layer_transfer_counter(counter)
 
     def get_key_buffer(self, layer_id: int, *, wait: bool = True) -> KVBuffer:
         """The layer's key buffer ``(n_kv_heads, num_slots, head_dim)``.
@@ -797,9 +563,9 @@ class HybridKVPool:
         One scatter per buffer. MLX does the write in place when nothing else references the
         buffer; a live view of it or a pending lazy read of it makes MLX copy the whole
         buffer. ``slots`` must be int32, distinct, and outside the null page; slot arrays the
-        pool issued (``reserve``, ``reserve_batch``, ``token_slots``, ``batch_slots``) are
-        trusted by identity, and any other array is read on the host once before the write.
-        Do not modify a slot array in place after handing it to the pool.
+        pool issued (a reservation's slots, ``token_slots``) are trusted by identity, and any
+        other array is read on the host once before the write. Do not modify a slot array in
+        place after handing it to the pool.
         """
         self._storage.set_kv(layer_id, slots, keys, values, wait=wait)
 
@@ -812,12 +578,8 @@ class HybridKVPool:
 
     # ------------------------------------------------------------------ accounting
 
-    def num_free_pages(self, sub_pool: str) -> int:
-        """Pages of the sub-pool that can be allocated now."""
-        return self._pages[self._pool_index(sub_pool)].allocator.num_free
-
     def memory_report(self) -> PoolMemoryReport:
-        """Bytes and pages used and free per sub-pool, and the saving against full storage."""
+        """Pages and bytes per sub-pool, the saving against full storage, prefix cache stats."""
         subs = [
             SubPoolReport(
                 name=spec.name,
@@ -844,6 +606,7 @@ class HybridKVPool:
             tokens=sum(self._lengths.values()),
             full_kv_bytes_per_token=self._layout.full_kv_bytes_per_token(),
             full_capacity_tokens=min(full_caps) if full_caps else None,
+            prefix_cache=None if self._prefix is None else self._prefix.stats(),
         )
 
     def __repr__(self) -> str:

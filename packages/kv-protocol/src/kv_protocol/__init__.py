@@ -33,6 +33,13 @@ from ._model_layout import (
     layout_from_model,
     model_args,
 )
+from ._pool_values import (
+    PoolMemoryReport,
+    PrefixCacheStats,
+    PrefixHit,
+    Reservation,
+    SubPoolReport,
+)
 from ._protocols import (
     DecodeKVCache,
     KernelSet,
@@ -40,6 +47,7 @@ from ._protocols import (
     KVCache,
     KVPageAddressing,
     KVPool,
+    KVPoolStats,
     KVPrefixCache,
     KVRequestBookkeeping,
     LayerTransferCounter,
@@ -49,6 +57,7 @@ from ._protocols import (
     PagedDecodeAttention,
     PrefillAttention,
     RopeScatterKernel,
+    TokenHashes,
 )
 from ._quantized_kv import (
     KV_QUANT_BITS,
@@ -90,6 +99,7 @@ __all__ = [
     "KVGeometry",
     "KVLifetime",
     "KVPool",
+    "KVPoolStats",
     "KVQuantization",
     "KernelSet",
     "KernelUnavailableError",
@@ -104,11 +114,17 @@ __all__ = [
     "PagedDecodeAttention",
     "PrefillAttention",
     "PoolExhaustedError",
+    "PoolMemoryReport",
+    "PrefixCacheStats",
+    "PrefixHit",
+    "Reservation",
     "QuantizedKV",
     "RequestStateError",
     "RopeConfig",
     "RopeScatterKernel",
     "ShapeMismatchError",
+    "SubPoolReport",
+    "TokenHashes",
     "TransferTimeoutError",
     "UnknownBackendError",
     "UnknownRequestError",

@@ -10,12 +10,13 @@ reserved null page: padding entries of page tables point to it and it is never a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import mlx.core as mx
 
 from ._layout import CacheLayout
+from ._pool_values import PoolMemoryReport, PrefixCacheStats, PrefixHit, Reservation
 from ._quantized_kv import KVBuffer, KVQuantization
 from ._rope import RopeConfig
 
@@ -25,6 +26,7 @@ __all__ = [
     "KVCache",
     "KVPageAddressing",
     "KVPool",
+    "KVPoolStats",
     "KVPrefixCache",
     "KVRequestBookkeeping",
     "KernelSet",
@@ -35,6 +37,7 @@ __all__ = [
     "PagedDecodeAttention",
     "PrefillAttention",
     "RopeScatterKernel",
+    "TokenHashes",
 ]
 
 #: What ``make_mask`` returns: no mask, mlx's fused causal mask, or a boolean keep-mask.
@@ -151,10 +154,12 @@ class LayerTransferCounter(Protocol):
 
 @runtime_checkable
 class KVRequestBookkeeping(Protocol):
-    """The tensor-free part of a paged KV pool: which requests it holds and how long they are.
+    """The part of a paged KV pool a scheduler needs: requests, lengths, reservations, rollback.
 
-    What a scheduler needs (admission, room for the next step, rollback); no method takes or
-    returns an array. Requests are ``int`` ids reserving token positions ``0 .. seq_len - 1``.
+    Requests are ``int`` ids reserving token positions ``0 .. seq_len - 1`` in every sub-pool.
+    A scheduler makes one :meth:`try_reserve_batch` per step for everything the step will
+    write, and is the one caller of :meth:`rollback` when the step fails; it never reads the
+    arrays of the :class:`Reservation` (the decode step and the prefill caches do).
     """
 
     @property
@@ -179,7 +184,7 @@ class KVRequestBookkeeping(Protocol):
         ...
 
     def trim_request(self, request_id: int, n_tokens: int) -> None:
-        """Give back the request's last ``n_tokens`` reserved positions (a rollback).
+        """Give back the request's last ``n_tokens`` reserved positions.
 
         Trimming back to the length a reservation started from always succeeds and undoes
         its new pages; a trim that would need positions a sliding sub-pool released raises
@@ -187,18 +192,34 @@ class KVRequestBookkeeping(Protocol):
         """
         ...
 
-    def can_reserve(self, demands: dict[int, int]) -> bool:
-        """True if reserving ``demands[request_id]`` more tokens for each request would fit.
+    def try_reserve_batch(
+        self, demands: Mapping[int, int], *, headroom: Mapping[int, int] | None = None
+    ) -> Reservation | None:
+        """Reserve ``demands[request_id]`` more positions for each request, or nothing.
 
-        True must mean that one :meth:`reserve` per request succeeds in any order, so the
-        pages one request's reserve would release count as room for its own new pages only.
+        One atomic decision over every request and every sub-pool: either all of them get
+        their pages (sliding sub-pools first release the pages no new query can see, and
+        what one request releases is room for the others) and the :class:`Reservation`
+        (rows in ``demands``' order) is returned, or ``None`` is returned and nothing
+        changed. With ``headroom`` (requests not in ``demands``), ``None`` also when those
+        requests could not then reserve their ``headroom`` positions together afterwards
+        (they are not reserved). An unknown or repeated id, or a bad count, raises
+        (``UnknownRequestError``, ``RequestStateError``) and changes nothing.
+        """
+        ...
+
+    def rollback(self, reservation: Reservation) -> None:
+        """Undo ``reservation``: each request still registered goes back to its start length.
+
+        Always succeeds for a reservation that was the last one of its requests; requests
+        freed since are skipped.
         """
         ...
 
 
 @runtime_checkable
 class KVPageAddressing(KVRequestBookkeeping, Protocol):
-    """Reserving positions and addressing them: slots and page tables per sub-pool.
+    """Reservations and their addresses: slots and page tables per sub-pool.
 
     Sliding sub-pools may release pages whose tokens have left every window, so a slot query
     for such a position fails. Every method taking a ``layer_id`` takes the model's global
@@ -206,23 +227,12 @@ class KVPageAddressing(KVRequestBookkeeping, Protocol):
     of the wrong kind.
     """
 
-    def reserve(self, request_id: int, n_tokens: int) -> dict[str, mx.array]:
-        """Reserve ``n_tokens`` more positions, atomically over all sub-pools.
+    def reserve(self, request_id: int, n_tokens: int) -> Reservation:
+        """Reserve ``n_tokens`` more positions for one request, atomically over all sub-pools.
 
-        Returns the new tokens' int32 slots per sub-pool name. On shortage raises
-        ``PoolExhaustedError`` and nothing changes. Sliding sub-pools may release pages that
-        the queries of the new tokens can no longer see.
-        """
-        ...
-
-    def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
-        """Reserve ``n_tokens`` more positions for each request, atomically over the batch.
-
-        Atomic over all requests and all sub-pools: returns the new tokens' int32 slots
-        ``(B, n_tokens)`` per sub-pool name, row ``b`` for ``request_ids[b]``. On shortage
-        raises ``PoolExhaustedError`` and nothing changes; an unknown id
-        (``UnknownRequestError``) or a repeated one (``RequestStateError``) changes nothing
-        either.
+        :meth:`try_reserve_batch` for one request that raises ``PoolExhaustedError`` (the
+        sub-pool, pages asked, pages available) on shortage instead of returning ``None``;
+        nothing changes then.
         """
         ...
 
@@ -236,20 +246,6 @@ class KVPageAddressing(KVRequestBookkeeping, Protocol):
 
     def token_slots(self, request_id: int, layer_id: int, start: int, stop: int) -> mx.array:
         """int32 slots of token positions ``start .. stop - 1`` of the request for that layer."""
-        ...
-
-    def batch_page_table(self, request_ids: Sequence[int], sub_pool: str) -> mx.array:
-        """``(B, max_pages)`` int32 logical page tables, padded and unheld entries = page 0.
-
-        Entry ``[b, j]`` is the physical page holding positions ``j * page_size ..
-        (j + 1) * page_size - 1`` of request ``b``.
-        """
-        ...
-
-    def batch_slots(
-        self, request_ids: Sequence[int], sub_pool: str, positions: Sequence[int]
-    ) -> mx.array:
-        """``(B,)`` int32 slots of ``positions[b]`` of each request ``b`` in the sub-pool."""
         ...
 
 
@@ -290,38 +286,85 @@ class KVBufferStorage(Protocol):
 
 
 @runtime_checkable
-class KVPrefixCache(Protocol):
-    """A pool that keeps complete pages for reuse by later requests with the same prefix."""
+class TokenHashes(Protocol):
+    """One request's chained block hashes, made by a prefix cache and kept by the request.
+
+    Computed once per token: :meth:`extend` hashes only what completes a new block, so a
+    request's hashes grow with its text and are never recomputed for a lookup or a commit.
+    """
 
     @property
-    def prefix_caching(self) -> bool:
-        """Whether prefix caching is on."""
+    def num_tokens(self) -> int:
+        """Tokens hashed so far (the last, incomplete block's included)."""
         ...
 
-    def commit_tokens(self, request_id: int, tokens: Sequence[int]) -> None:
-        """Record the tokens of the request's next positions as written (their K/V are in)."""
-        ...
-
-    def match_prefix(self, tokens: Sequence[int]) -> int:
-        """The longest prefix of ``tokens`` (below its length) a new request can reuse."""
-        ...
-
-    def reuse_prefix(self, request_id: int, tokens: Sequence[int], n_tokens: int) -> None:
-        """Start the new, empty request at ``n_tokens`` cached tokens of ``tokens``."""
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to the hashed text."""
         ...
 
 
 @runtime_checkable
-class KVPool(KVPageAddressing, KVBufferStorage, Protocol):
+class KVPrefixCache(Protocol):
+    """Complete pages kept for reuse by later requests with the same prefix.
+
+    A request's hashes come from :meth:`hash_tokens` and stay with the request; the pool keeps
+    no copy of its tokens. :meth:`commit` registers the pages its written tokens completed,
+    :meth:`match_prefix` looks up a new request's longest cached prefix and
+    :meth:`reuse_prefix` starts the request there.
+    """
+
+    def hash_tokens(self, tokens: Sequence[int]) -> TokenHashes:
+        """New hashes of ``tokens`` (the text a request will write from position 0)."""
+        ...
+
+    def commit(self, request_id: int, hashes: TokenHashes, length: int) -> None:
+        """The request's positions ``0 .. length - 1`` hold the K/V of ``hashes``' first tokens.
+
+        Every page they complete is registered under its block hash, so a later request with
+        the same prefix can reuse it; once no request holds it, it stays cached until an
+        allocation evicts it.
+        """
+        ...
+
+    def match_prefix(self, hashes: TokenHashes) -> PrefixHit:
+        """The longest cached prefix of the hashed text (below its length) a request can reuse."""
+        ...
+
+    def reuse_prefix(self, request_id: int, hit: PrefixHit) -> None:
+        """Start the new, empty request at ``hit.length`` tokens, sharing ``hit``'s pages."""
+        ...
+
+    def stats(self) -> PrefixCacheStats:
+        """Lookups, reused tokens, cached pages and evictions so far."""
+        ...
+
+
+@runtime_checkable
+class KVPoolStats(Protocol):
+    """What a pool reports about itself: pages and bytes per sub-pool, prefix caching."""
+
+    def memory_report(self) -> PoolMemoryReport:
+        """Bytes and pages used and free per sub-pool now (and the prefix cache's stats)."""
+        ...
+
+
+@runtime_checkable
+class KVPool(KVPageAddressing, KVBufferStorage, KVPoolStats, Protocol):
     """A paged KV pool with one sub-pool per (lifetime, geometry) group of attention layers.
 
-    Bookkeeping (:class:`KVRequestBookkeeping`), addressing (:class:`KVPageAddressing`) and
-    storage (:class:`KVBufferStorage`) together. Requests are ``int`` ids. A request
-    *reserves* token positions ``0 .. seq_len - 1``; sliding sub-pools may release pages
-    whose tokens have left every window, so a slot query for such a position fails. Every
-    method taking a ``layer_id`` takes the model's global layer id and translates it through
-    the layout, failing with the layout's error for a layer of the wrong kind.
+    Bookkeeping (:class:`KVRequestBookkeeping`), addressing (:class:`KVPageAddressing`),
+    storage (:class:`KVBufferStorage`) and reports (:class:`KVPoolStats`) together, and
+    optionally a prefix cache. Requests are ``int`` ids. A request *reserves* token
+    positions ``0 .. seq_len - 1``; sliding sub-pools may release pages whose tokens have
+    left every window, so a slot query for such a position fails. Every method taking a
+    ``layer_id`` takes the model's global layer id and translates it through the layout,
+    failing with the layout's error for a layer of the wrong kind.
     """
+
+    @property
+    def prefix_cache(self) -> KVPrefixCache | None:
+        """The pool's prefix cache, or ``None`` when it keeps no prefixes."""
+        ...
 
 
 @runtime_checkable

@@ -7,13 +7,14 @@ import mlx.nn as nn
 from kv_batching import DecodeEngine
 from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import rope_config_from_module, select_kernels
-from kv_pool import HybridKVPool
+from kv_pool import HybridKVPool, required_bytes
 from kv_protocol import (
     CacheLayout,
     KernelSet,
     KVCache,
     KVPool,
     RequestStateError,
+    Reservation,
     attention_module,
     check_int,
     find_layers,
@@ -24,9 +25,14 @@ from kv_protocol import (
 __all__ = ["build_engine", "build_kernels", "build_pool", "pool_backed_cache"]
 
 
-def pool_backed_cache(pool: KVPool, request_id: int, layer_id: int) -> KVCache:
-    """The prefill cache factory of every engine built here: K/V go straight into the pool."""
-    return PoolBackedKVCache(pool, request_id, layer_id)
+def pool_backed_cache(pool: KVPool, reservation: Reservation, layer_id: int) -> KVCache:
+    """The prefill cache factory of every engine built here: K/V go straight into the pool.
+
+    One layer's cache for one prefill chunk: it writes the chunk at the slots ``reservation``
+    holds for its one request.
+    """
+    (request_id,) = reservation.request_ids
+    return PoolBackedKVCache(pool, request_id, layer_id, reservation=reservation)
 
 
 def build_kernels(model: nn.Module, layout: CacheLayout, *, fused_rope: str = "off") -> KernelSet:
@@ -55,7 +61,7 @@ def build_pool(
     """A pool from a byte budget, from a page count, or sized for ``max_running`` x context.
 
     Without ``kv_budget_bytes`` and ``num_pages`` the pool holds exactly what ``max_running``
-    requests of ``max_context`` tokens need at their peak (``HybridKVPool.required_bytes``).
+    requests of ``max_context`` tokens need at their peak (``kv_pool.required_bytes``).
     ``prefix_caching`` keeps complete pages for reuse by later requests with the same prefix.
     ``kv_bits`` (8 or 4) stores pages quantized in groups of ``kv_group_size`` along
     ``head_dim``, for the layer kinds ``kv_quantize`` names (``all``, ``full``,
@@ -80,7 +86,7 @@ def build_pool(
             kv_quantization=quantization,
         )
     if kv_budget_bytes is None:
-        budget = HybridKVPool.required_bytes(
+        budget = required_bytes(
             layout,
             max_context=max_context,
             concurrency=max_running,
@@ -132,7 +138,7 @@ def build_engine(
     K/V land in the pool with no second copy. A ready ``pool`` (any ``KVPool`` built for
     the model's layout) replaces the sizing arguments. ``decode_path`` (``auto``,
     ``universal`` or ``fast``) picks each attention layer's decode path (see
-    :class:`kv_batching.DecodeEngine`; ``engine.decode_paths`` reports it).
+    :class:`kv_batching.DecodeEngine`; ``engine.decode_plan`` reports each layer's route).
 
     ``kv_budget_bytes`` bounds the KV pool; a model with recurrent STATE layers also keeps
     one state per running request beside it (``engine.memory_report()`` shows both), which

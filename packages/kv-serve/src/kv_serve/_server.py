@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from kv_batching import DecodeEngine
-from kv_pool import HybridKVPool
+from kv_pool import pages_per_request
 from kv_protocol import RequestStateError, check_int, kv_quantization_choice
 
 from ._engine import build_engine
@@ -338,7 +338,7 @@ class KVServer:
         if layout is None or not limits:
             return
         # A request alone needs at least this many pages (prefilled a token at a time).
-        needs = HybridKVPool.pages_per_request(
+        needs = pages_per_request(
             layout,
             max_context=total,
             page_size={s.name: s.page_size for s in limits},

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_batching import DecodeEngine
-from kv_protocol import KVCacheError
+from kv_protocol import KVCacheError, PoolMemoryReport
 
 __all__ = [
     "EngineWorker",
@@ -141,31 +141,27 @@ _STOP = object()
 
 
 def _pool_limits(engine: DecodeEngine) -> tuple[SubPoolLimits, ...]:
-    specs = getattr(engine.pool, "sub_pools", None)
-    if specs is None:
-        return ()
     return tuple(
         SubPoolLimits(
-            name=str(s.name),
-            kind=str(s.kind.value),
+            name=s.name,
+            kind=s.kind,
             window=s.window,
-            page_size=int(s.page_size),
-            num_pages=int(s.num_pages),
+            page_size=s.page_size,
+            num_pages=s.num_pages,
         )
-        for s in specs
+        for s in engine.pool.memory_report().sub_pools
     )
 
 
-def pool_pages(engine: DecodeEngine) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+def pool_pages(
+    report: PoolMemoryReport,
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Per sub-pool: pages used, pages in all, and the pages' bits (0: the model's dtype)."""
-    report = getattr(engine.pool, "memory_report", None)
-    if not callable(report):
-        return {}, {}, {}
-    subs = report().sub_pools
+    subs = report.sub_pools
     return (
-        {str(s.name): int(s.pages_used) for s in subs},
-        {str(s.name): int(s.num_pages) for s in subs},
-        {str(s.name): int(getattr(s, "kv_bits", None) or 0) for s in subs},
+        {s.name: s.pages_used for s in subs},
+        {s.name: s.num_pages for s in subs},
+        {s.name: s.kv_bits or 0 for s in subs},
     )
 
 
@@ -354,10 +350,10 @@ class EngineWorker:
             ticket.put(Event(finish_reason=out.finish_reason or "error", error=out.error))
 
     def _publish(self, engine: DecodeEngine) -> None:
-        used, total, bits = pool_pages(engine)
+        memory = engine.memory_report()
+        used, total, bits = pool_pages(memory.pool)
         stats = engine.stats
-        prefix = getattr(engine.pool, "prefix_cache_stats", None)
-        cache = prefix() if callable(prefix) else None
+        cache = memory.prefix_cache
         snap = WorkerSnapshot(
             alive=True,
             running=engine.num_running,
@@ -372,10 +368,10 @@ class EngineWorker:
             decode_tokens=stats.decode_tokens,
             preemptions=stats.preemptions,
             errors=stats.errors,
-            state_bytes=engine.state_bytes_in_use(),
+            state_bytes=memory.state_bytes_in_use,
             prefix_hit_tokens=stats.prefix_hit_tokens,
-            prefix_cached_pages=int(getattr(cache, "cached_pages", 0)),
-            prefix_evictions=int(getattr(cache, "evictions", 0)),
+            prefix_cached_pages=0 if cache is None else cache.cached_pages,
+            prefix_evictions=0 if cache is None else cache.evictions,
         )
         with self._lock:
             self._engine_queued = engine.num_queued

@@ -4,13 +4,13 @@ Independent of kv-pool: a sub-pool ``"full"`` and a sub-pool ``"sliding"`` (one 
 lists for page tables and free lists, the lifetime rule from ``kv_protocol.KVLifetime``. The
 sliding sub-pool releases pages that left every window, so code under test meets freed
 (null) page-table entries too. It satisfies ``kv_protocol.KVPool`` and counts the calls a
-test may want to bound (``reserve_calls``, ``reserve_batch_calls``, ``set_kv_calls``,
-``replace_calls``).
+test may want to bound (``reserve_calls``, ``reserve_batch_calls`` (calls of
+``try_reserve_batch``), ``set_kv_calls``, ``replace_calls``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
 
@@ -22,7 +22,10 @@ from kv_protocol import (
     LayerKind,
     LayerKindError,
     PoolExhaustedError,
+    PoolMemoryReport,
     RequestStateError,
+    Reservation,
+    SubPoolReport,
     UnknownRequestError,
 )
 
@@ -140,46 +143,83 @@ class ReferenceKVPool:
         self._check(request_id)
         return self._lens[request_id]
 
-    def can_reserve(self, demands: dict[int, int]) -> bool:
-        """True if one reserve per request of ``demands`` fits in any order."""
-        for sub in self.subs.values():
-            balance = len(sub.free)
-            for rid, n in demands.items():
-                self._check(rid)
-                needed, release = sub.plan(sub.tables[rid], self._lens[rid], n)
-                # A release makes room for the same request's pages only (any order fits).
-                balance -= max(0, needed - len(release))
-            if balance < 0:
-                return False
-        return True
+    def _plans(self, demands: Mapping[int, int]) -> dict[str, list[tuple[int, list[int]]]]:
+        """Per sub-pool, (pages to allocate, table indices to release) of each request."""
+        return {
+            sub.name: [sub.plan(sub.tables[r], self._lens[r], n) for r, n in demands.items()]
+            for sub in self.subs.values()
+        }
 
-    def reserve(self, request_id: int, n_tokens: int) -> dict[str, mx.array]:
-        """Reserve ``n_tokens`` more positions, all or nothing."""
+    def _short(self, plans: dict[str, list[tuple[int, list[int]]]]) -> tuple[str, int, int] | None:
+        for sub in self.subs.values():
+            needed = sum(n for n, _ in plans[sub.name])
+            released = sum(len(rel) for _, rel in plans[sub.name])
+            if needed > len(sub.free) + released:
+                return sub.name, needed, len(sub.free) + released
+        return None
+
+    def try_reserve_batch(
+        self, demands: Mapping[int, int], *, headroom: Mapping[int, int] | None = None
+    ) -> Reservation | None:
+        """All requests at once: every release first, then every allocation; or ``None``."""
+        self.reserve_batch_calls += 1
+        if not isinstance(demands, Mapping):
+            raise RequestStateError(f"expected a mapping of request id -> tokens, got {demands!r}")
+        for rid in demands:
+            self._check(rid)
+        plans = self._plans(demands)
+        if self._short(plans) is not None:
+            return None
+        if headroom:
+            both = {**demands, **headroom}
+            for rid in headroom:
+                self._check(rid)
+            if self._short(self._plans(both)) is not None:
+                return None
+        ids = list(demands)
+        starts = [self._lens[r] for r in ids]
+        slots: dict[str, mx.array] = {}
+        for sub in self.subs.values():
+            for rid, (_, release) in zip(ids, plans[sub.name], strict=True):
+                table = sub.tables[rid]
+                for j in release:
+                    sub.free.append(table[j])
+                    table[j] = 0
+            flat: list[int] = []
+            for rid, (needed, _) in zip(ids, plans[sub.name], strict=True):
+                table = sub.tables[rid]
+                for _ in range(needed):
+                    table.append(sub.free.pop())
+                seq = self._lens[rid]
+                flat.extend(self._slot(sub, table, p) for p in range(seq, seq + demands[rid]))
+            slots[sub.name] = mx.array(flat, dtype=mx.int32)
+        for rid in ids:
+            self._lens[rid] += demands[rid]
+        return Reservation(
+            request_ids=tuple(ids),
+            start_lengths=tuple(starts),
+            n_tokens=tuple(demands[r] for r in ids),
+            slots=slots,
+            page_tables={name: self.batch_page_table(ids, name) for name in self.subs},
+        )
+
+    def reserve(self, request_id: int, n_tokens: int) -> Reservation:
+        """Reserve ``n_tokens`` more positions for one request, all or nothing (or raise)."""
         self._check(request_id)
         self.reserve_calls += 1
-        seq = self._lens[request_id]
-        plans = {}
-        for sub in self.subs.values():
-            needed, release = sub.plan(sub.tables[request_id], seq, n_tokens)
-            if needed - len(release) > len(sub.free):
-                raise PoolExhaustedError(
-                    sub_pool=sub.name, pages_requested=needed, pages_free=len(sub.free)
-                )
-            plans[sub.name] = (needed, release)
-        out = {}
-        for sub in self.subs.values():
-            needed, release = plans[sub.name]
-            table = sub.tables[request_id]
-            for j in release:
-                sub.free.append(table[j])
-                table[j] = 0
-            for _ in range(needed):
-                table.append(sub.free.pop())
-            out[sub.name] = mx.array(
-                [self._slot(sub, table, p) for p in range(seq, seq + n_tokens)], dtype=mx.int32
-            )
-        self._lens[request_id] = seq + n_tokens
-        return out
+        short = self._short(self._plans({request_id: n_tokens}))
+        if short is not None:
+            name, asked, free = short
+            raise PoolExhaustedError(sub_pool=name, pages_requested=asked, pages_free=free)
+        got = self.try_reserve_batch({request_id: n_tokens})
+        assert got is not None
+        return got
+
+    def rollback(self, reservation: Reservation) -> None:
+        """Trim each request still registered back to its start length."""
+        for rid, start in zip(reservation.request_ids, reservation.start_lengths, strict=True):
+            if rid in self._lens and self._lens[rid] > start:
+                self.trim_request(rid, self._lens[rid] - start)
 
     def trim_request(self, request_id: int, n_tokens: int) -> None:
         """Drop the last ``n_tokens`` positions and the pages that no longer hold any."""
@@ -193,42 +233,6 @@ class ReferenceKVPool:
             sub.free.extend(p for p in table[keep:] if p != 0)
             del table[keep:]
         self._lens[request_id] = new_len
-
-    def reserve_batch(self, request_ids: Sequence[int], n_tokens: int = 1) -> dict[str, mx.array]:
-        """All requests at once: every release first, then every allocation (all or nothing)."""
-        self.reserve_batch_calls += 1
-        ids = list(request_ids)
-        for rid in ids:
-            self._check(rid)
-        if len(set(ids)) != len(ids):
-            raise RequestStateError(f"repeated request ids {ids}")
-        plans: dict[str, list[tuple[int, list[int]]]] = {}
-        for sub in self.subs.values():
-            plans[sub.name] = [sub.plan(sub.tables[r], self._lens[r], n_tokens) for r in ids]
-            needed = sum(n for n, _ in plans[sub.name])
-            released = sum(len(rel) for _, rel in plans[sub.name])
-            if needed - released > len(sub.free):
-                raise PoolExhaustedError(
-                    sub_pool=sub.name, pages_requested=needed, pages_free=len(sub.free) + released
-                )
-        out = {}
-        for sub in self.subs.values():
-            for rid, (_, release) in zip(ids, plans[sub.name], strict=True):
-                table = sub.tables[rid]
-                for j in release:
-                    sub.free.append(table[j])
-                    table[j] = 0
-            rows = []
-            for rid, (needed, _) in zip(ids, plans[sub.name], strict=True):
-                table = sub.tables[rid]
-                for _ in range(needed):
-                    table.append(sub.free.pop())
-                seq = self._lens[rid]
-                rows.append([self._slot(sub, table, p) for p in range(seq, seq + n_tokens)])
-            out[sub.name] = mx.array(rows, dtype=mx.int32).reshape(len(ids), n_tokens)
-        for rid in ids:
-            self._lens[rid] += n_tokens
-        return out
 
     def _slot(self, sub: _SubPool, table: list[int], position: int) -> int:
         page = table[position // sub.page_size]
@@ -261,21 +265,10 @@ class ReferenceKVPool:
         """``(B, max_pages)`` page tables, padded with page 0."""
         sub = self.subs[sub_pool]
         tables = [sub.tables[r] for r in request_ids]
-        width = max(1, max(len(t) for t in tables))
+        width = max(1, max((len(t) for t in tables), default=0))
+        if not tables:
+            return mx.zeros((0, width), dtype=mx.int32)
         return mx.array([t + [0] * (width - len(t)) for t in tables], dtype=mx.int32)
-
-    def batch_slots(
-        self, request_ids: Sequence[int], sub_pool: str, positions: Sequence[int]
-    ) -> mx.array:
-        """``(B,)`` slots of ``positions[b]`` of each request."""
-        sub = self.subs[sub_pool]
-        return mx.array(
-            [
-                self._slot(sub, sub.tables[r], p)
-                for r, p in zip(request_ids, positions, strict=True)
-            ],
-            dtype=mx.int32,
-        )
 
     def get_key_buffer(self, layer_id: int) -> mx.array:
         """The layer's key buffer."""
@@ -319,6 +312,42 @@ class ReferenceKVPool:
             self._values[layer_id][:, slots, :].transpose(1, 0, 2),
         )
 
+    @property
+    def prefix_cache(self) -> None:
+        """``None``: this pool keeps no prefixes."""
+        return None
+
+    def memory_report(self) -> PoolMemoryReport:
+        """Pages used and free per sub-pool (bytes from the buffers' dtypes)."""
+        subs = []
+        for sub in self.subs.values():
+            layers = tuple(
+                i for i in self._layout.attention_layer_ids if self.sub_pool_of(i) == sub.name
+            )
+            per_page = sum(
+                (self._keys[i].nbytes + self._values[i].nbytes) // sub.num_pages for i in layers
+            )
+            subs.append(
+                SubPoolReport(
+                    name=sub.name,
+                    kind="full" if sub.window is None else "sliding",
+                    window=sub.window,
+                    layer_ids=layers,
+                    page_size=sub.page_size,
+                    num_pages=sub.num_pages,
+                    pages_used=sub.num_pages - 1 - len(sub.free),
+                    pages_free=len(sub.free),
+                    bytes_per_page=per_page,
+                )
+            )
+        return PoolMemoryReport(
+            sub_pools=tuple(subs),
+            num_requests=len(self._lens),
+            tokens=sum(self._lens.values()),
+            full_kv_bytes_per_token=self._layout.full_kv_bytes_per_token(),
+            full_capacity_tokens=None,
+        )
+
 
 class ReferenceBookkeeping:
     """A pool reduced to the tensor-free bookkeeping a scheduler needs.
@@ -357,8 +386,30 @@ class ReferenceBookkeeping:
         """Give back the request's last ``n_tokens``."""
         self.lengths[request_id] -= n_tokens
 
-    def can_reserve(self, demands: dict[int, int]) -> bool:
-        """True if the demands fit in the capacity beside what is held."""
-        if self.capacity is None:
-            return True
-        return sum(self.lengths.values()) + sum(demands.values()) <= self.capacity
+    def try_reserve_batch(
+        self, demands: Mapping[int, int], *, headroom: Mapping[int, int] | None = None
+    ) -> Reservation | None:
+        """The demands if they (and the headroom) fit in the capacity beside what is held."""
+        for rid in [*demands, *(headroom or {})]:
+            if rid not in self.lengths:
+                raise UnknownRequestError(f"unknown request {rid}")
+        if self.capacity is not None:
+            wanted = sum(demands.values()) + sum((headroom or {}).values())
+            if sum(self.lengths.values()) + wanted > self.capacity:
+                return None
+        starts = tuple(self.lengths[r] for r in demands)
+        for rid, n in demands.items():
+            self.lengths[rid] += n
+        return Reservation(
+            request_ids=tuple(demands),
+            start_lengths=starts,
+            n_tokens=tuple(demands.values()),
+            slots={},
+            page_tables={},
+        )
+
+    def rollback(self, reservation: Reservation) -> None:
+        """Each request still registered goes back to its start length."""
+        for rid, start in zip(reservation.request_ids, reservation.start_lengths, strict=True):
+            if rid in self.lengths and self.lengths[rid] > start:
+                self.lengths[rid] = start
