@@ -25,7 +25,7 @@ from kv_protocol import (
     UnsupportedModelError,
     layout_from_model,
 )
-from kv_testing import ReferenceKVPool, build_tiny_model
+from kv_testing import ReferenceKVPool, build_tiny_model, mlx_lm_greedy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from batching_fakes import (
@@ -33,7 +33,6 @@ from batching_fakes import (
     FakeKernels,
     FakeRope,
     fake_prefill_cache,
-    mlx_lm_greedy,
 )
 
 PROMPTS = [[(5 * i + 3 * j + 1) % 64 for j in range(n)] for i, n in enumerate((1, 4, 7, 10, 12))]

@@ -17,10 +17,10 @@ import pytest
 
 from kv_batching import DecodeEngine, vocabulary_size
 from kv_protocol import KVCacheError, RequestStateError, UnsupportedModelError, layout_from_model
-from kv_testing import ReferenceKVPool, build_tiny_model
+from kv_testing import ReferenceKVPool, build_tiny_model, mlx_lm_greedy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, fake_prefill_cache, mlx_lm_greedy
+from batching_fakes import FakeKernels, fake_prefill_cache
 
 VOCAB = 64
 

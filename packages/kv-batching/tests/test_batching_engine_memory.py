@@ -17,10 +17,10 @@ import pytest
 
 from kv_batching import DecodeEngine, EngineStats, RequestStatus
 from kv_protocol import RequestStateError, UnknownRequestError, layout_from_model
-from kv_testing import ReferenceKVPool, build_tiny_model
+from kv_testing import ReferenceKVPool, build_tiny_model, mlx_lm_greedy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, fake_prefill_cache, mlx_lm_greedy
+from batching_fakes import FakeKernels, fake_prefill_cache
 
 PROMPTS = [[(7 * i + 3 * j + 2) % 64 for j in range(n)] for i, n in enumerate((2, 5, 9, 3))]
 MAX_TOKENS = 6

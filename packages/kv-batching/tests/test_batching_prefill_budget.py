@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from kv_batching import DecodeEngine
 from kv_batching._prefill_budget import PrefillBudget
 from kv_protocol import layout_from_model
-from kv_testing import ReferenceKVPool, build_tiny_model
+from kv_testing import ReferenceKVPool, build_tiny_model, mlx_lm_greedy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, fake_prefill_cache, mlx_lm_greedy
+from batching_fakes import FakeKernels, fake_prefill_cache
 
 
 def test_without_a_stall_bound_every_step_gets_the_whole_chunk() -> None:

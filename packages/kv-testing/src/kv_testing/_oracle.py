@@ -1,0 +1,75 @@
+"""The oracle: mlx-lm generating one prompt alone, greedily, with its own model and caches.
+
+This is the one greedy reference the engine's tokens are compared with (tests, the demo, the
+benchmarks). It uses nothing but the mlx-lm model and mlx-lm caches (``make_prompt_cache``,
+or caches the caller built from mlx-lm's, e.g. :func:`kv_testing.stored_kv_caches`), so it
+stays independent of the code it checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+__all__ = ["greedy_continue", "mlx_lm_greedy"]
+
+
+def mlx_lm_greedy(
+    model: nn.Module,
+    prompt: Sequence[int],
+    max_tokens: int,
+    *,
+    caches: list[Any] | None = None,
+    prefill_chunk: int | None = None,
+    stop_tokens: Collection[int] = (),
+) -> list[int]:
+    """Greedy tokens of ``model`` for ``prompt`` alone: prefill, then argmax steps.
+
+    ``caches`` default to ``make_prompt_cache(model)``; caches passed in are updated in place
+    (read their ``nbytes`` afterwards for the KV mlx-lm held). The prompt goes through the
+    model in one pass, or in pieces of ``prefill_chunk`` tokens; a piece that samples no token
+    evaluates only the caches, so its logits (the vocabulary head) are never computed.
+    Generation stops after ``max_tokens`` tokens or at the first token in ``stop_tokens``
+    (which is returned).
+    """
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+    if caches is None:
+        caches = make_prompt_cache(model)
+    tokens = list(prompt)
+    step = prefill_chunk or len(tokens)
+    for start in range(0, len(tokens) - step, step):
+        model(mx.array([tokens[start : start + step]]), cache=caches)
+        mx.eval([c.state for c in caches])
+    last = (len(tokens) - 1) // step * step
+    logits = model(mx.array([tokens[last:]]), cache=caches)
+    return greedy_continue(model, caches, logits, max_tokens, stop_tokens=stop_tokens)
+
+
+def greedy_continue(
+    model: nn.Module,
+    caches: list[Any],
+    logits: mx.array,
+    max_tokens: int,
+    *,
+    stop_tokens: Collection[int] = (),
+) -> list[int]:
+    """Greedy tokens from ``logits`` (``(1, T, vocab)``; the last position is sampled) on.
+
+    Each token is fed back through ``model`` with ``caches`` until ``max_tokens`` tokens or a
+    token in ``stop_tokens``; the last token is not fed.
+    """
+    out: list[int] = []
+    while len(out) < max_tokens:
+        token = int(mx.argmax(logits[0, -1]))
+        out.append(token)
+        if token in stop_tokens or len(out) == max_tokens:
+            break
+        logits = model(mx.array([[token]]), cache=caches)
+    return out
