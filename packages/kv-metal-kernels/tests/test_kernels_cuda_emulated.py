@@ -21,7 +21,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kv_metal_kernels import ReferenceRopeScatter, merge_partials
+from kv_metal_kernels import ReferenceRopeScatter
+from kv_metal_kernels._native import merge_partials
 from kv_metal_kernels._sources import (
     CUDA_PAGED_QUANTIZED_SOURCE,
     CUDA_PAGED_SOURCE,

@@ -20,9 +20,9 @@ from kv_metal_kernels import (
     ReferenceRopeScatter,
     backend_available,
     paged_decode_attention,
-    plan_scatter,
     select_kernels,
 )
+from kv_metal_kernels._scatter import plan_scatter
 from kv_protocol import (
     KVCacheError,
     PagedDecodeAttention,

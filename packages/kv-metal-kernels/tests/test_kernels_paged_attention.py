@@ -15,11 +15,10 @@ from kv_metal_kernels import (
     NativePagedAttention,
     ReferencePagedAttention,
     backend_available,
-    merge_partials,
     paged_decode_attention,
-    split_plan,
-    window_page_count,
 )
+from kv_metal_kernels._native import merge_partials, split_plan
+from kv_metal_kernels._paged_reference import window_page_count
 from kv_protocol import (
     KernelUnavailableError,
     PagedDecodeAttention,

@@ -16,9 +16,8 @@ from kv_metal_kernels import (
     NativeRopeScatter,
     ReferenceRopeScatter,
     backend_available,
-    plan_scatter,
-    scatter_token_rows,
 )
+from kv_metal_kernels._scatter import plan_scatter, scatter_token_rows
 from kv_protocol import (
     KernelUnavailableError,
     RequestStateError,

@@ -10,6 +10,7 @@ from kv_protocol import (
     KVBufferStorage,
     KVPageAddressing,
     KVPool,
+    KVPoolStats,
     KVRequestBookkeeping,
     LayerKind,
     LayerSpec,
@@ -34,9 +35,17 @@ def test_bookkeeping_takes_and_returns_no_array() -> None:
 
 
 def test_the_parts_make_the_pool() -> None:
-    parts = members(KVRequestBookkeeping) | members(KVPageAddressing) | members(KVBufferStorage)
-    assert members(KVPool) <= parts
-    assert {"reserve", "batch_page_table", "token_slots"} <= members(KVPageAddressing)
+    parts = (
+        members(KVRequestBookkeeping)
+        | members(KVPageAddressing)
+        | members(KVBufferStorage)
+        | members(KVPoolStats)
+    )
+    assert members(KVPool) == {"prefix_cache"}  # the one member of its own
+    assert {"try_reserve_batch", "rollback", "seq_len"} <= members(KVRequestBookkeeping)
+    assert not {"can_reserve", "reserve_batch"} & parts  # one reservation call per step
+    assert {"reserve", "token_slots"} <= members(KVPageAddressing)
+    assert members(KVPoolStats) == {"memory_report"}
     assert {"set_kv", "get_kv", "get_key_buffer", "replace_buffers"} <= members(KVBufferStorage)
     assert not members(KVRequestBookkeeping) & members(KVBufferStorage)
 

@@ -10,14 +10,11 @@ from ._native import (
     NativePagedAttention,
     NativeRopeScatter,
     backend_available,
-    merge_partials,
     native_backend,
-    split_plan,
 )
-from ._paged_reference import ReferencePagedAttention, window_page_count
+from ._paged_reference import ReferencePagedAttention
 from ._prefill_attention import DensePrefillAttention
-from ._rope_reference import ReferenceRopeScatter, rope_tokens
-from ._scatter import ScatterPlan, plan_scatter, scatter_token_rows
+from ._rope_reference import ReferenceRopeScatter
 from ._select import (
     ATTENTION_ENV,
     FUSED_ROPE_ENV,
@@ -37,16 +34,9 @@ __all__ = [
     "NativeRopeScatter",
     "ReferencePagedAttention",
     "ReferenceRopeScatter",
-    "ScatterPlan",
     "backend_available",
-    "merge_partials",
     "native_backend",
     "paged_decode_attention",
-    "plan_scatter",
     "rope_config_from_module",
-    "rope_tokens",
-    "scatter_token_rows",
     "select_kernels",
-    "split_plan",
-    "window_page_count",
 ]

@@ -21,9 +21,6 @@ from ._layout import CacheLayout
 from ._lifetime import KVLifetime
 from ._model_layout import (
     ATTENTION_CHILD_NAMES,
-    HEAD_COUNT_NAMES,
-    KV_HEAD_NAMES,
-    AttentionHeads,
     attention_heads,
     attention_module,
     find_layers,
@@ -78,9 +75,6 @@ from ._validate import as_int, check_int, check_int_sequence, check_number, is_i
 
 __all__ = [
     "ATTENTION_CHILD_NAMES",
-    "HEAD_COUNT_NAMES",
-    "KV_HEAD_NAMES",
-    "AttentionHeads",
     "KV_QUANT_BITS",
     "KV_QUANT_GROUP_SIZES",
     "KV_QUANT_LAYERS",
