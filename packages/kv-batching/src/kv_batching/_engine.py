@@ -448,7 +448,8 @@ class DecodeEngine:
             if decoded:
                 self._decode(produced)
             middle = time.perf_counter()
-            self._prefill(produced, middle - start if decoded else None)
+            if self._scheduler.prefilling is not None or self._scheduler.queue:
+                self._prefill(produced, middle - start if decoded else None)
         except BaseException:
             self._undelivered = produced
             raise

@@ -116,6 +116,10 @@ class ModelRunner:
         step = DecodeStep.from_reservation(reservation, self.pool, self.kernels, self.addressing)
         tokens = mx.array([[t] for t in last_tokens], dtype=mx.int32)
         caches = batched_layer_caches(step)
-        stacked = install_stacked_states(caches, self.state_layer_ids, states)
+        stacked = (
+            install_stacked_states(caches, self.state_layer_ids, states)
+            if self.state_layer_ids
+            else []
+        )
         logits = self.model(tokens, cache=self.nesting.nest(caches))
         return DecodeOutput(logits=logits[:, -1, :], step=step, states=stacked)
