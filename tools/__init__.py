@@ -1,7 +1,10 @@
 """The workspace's command-line tools: the demo, the benchmarks and the checks.
 
-Importing this package imports :mod:`kv_serve` first, which on Linux loads a fast BLAS for
-MLX's CPU backend before anything imports ``mlx`` (``KV_SERVE_BLAS=off`` keeps MLX's own).
+Importing this package first calls :func:`kv_serve.load_fast_blas`, which on Linux loads a
+fast BLAS for MLX's CPU backend before any tool imports ``mlx`` (``KV_SERVE_BLAS=off`` keeps
+MLX's own).
 """
 
-import kv_serve  # noqa: F401  (for its BLAS side effect, before any tool imports mlx)
+import kv_serve
+
+kv_serve.load_fast_blas()

@@ -265,8 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.kv_budget_mib is not None:
                 command += ["--kv-budget-mib", str(args.kv_budget_mib)]
         elif name == "mlx-lm":
-            # Through kv_serve's import, so mlx-lm gets the same fast BLAS (it loads before mlx).
-            launch = "import sys, kv_serve; from mlx_lm.server import main; main()"
+            # kv_serve's fast BLAS for mlx-lm too (loaded before mlx is imported).
+            launch = "import kv_serve as k; k.load_fast_blas(); import mlx_lm.server as s; s.main()"
             command = [sys.executable, "-c", launch, "--model", str(directory)]
             command += ["--port", str(port), "--log-level", "ERROR"]
             command += ["--decode-concurrency", str(top)]

@@ -1,17 +1,28 @@
 """The composition root: build engines, load models (mlx-lm dirs, GGUF), generate text.
 
-Importing it on Linux before ``mlx`` loads a fast BLAS for MLX's CPU backend (see
-:func:`load_fast_blas`; ``KV_SERVE_BLAS=off`` keeps MLX's reference one).
+Importing this package imports nothing heavy: each public name is imported on first access,
+so ``from kv_serve import build_engine`` imports the toolkit packages and mlx-lm, and neither
+the HTTP stack (``KVServer``: the ``server`` extra) nor the GGUF reader (``convert_gguf``:
+the ``gguf`` extra). Using a part without its extra raises an ``ImportError`` that names it.
+
+On Linux an entry point calls :func:`load_fast_blas` before ``mlx`` is imported to give
+MLX's CPU backend a fast BLAS; importing this package loads none.
 """
 
-# ``_blas`` loads the BLAS when it is imported, so it must stay the first import (it sorts
-# first): the modules after it import mlx.
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._blas import BLAS_ENV, BlasError, BlasInfo, active_blas, load_fast_blas
-from ._engine import build_engine, build_kernels, build_pool, pool_backed_cache
-from ._generate import GenerationStats, TextStream, generate
-from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
-from ._load import GEMMA3_270M, default_cache_dir, encode_prompt, load_model, stop_token_ids
-from ._server import KVServer, RunningServer, ServerMetrics
+from ._extras import require_extra
+
+if TYPE_CHECKING:
+    from ._engine import build_engine, build_kernels, build_pool, pool_backed_cache
+    from ._generate import GenerationStats, TextStream, generate
+    from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
+    from ._load import GEMMA3_270M, default_cache_dir, encode_prompt, load_model, stop_token_ids
+    from ._server import KVServer, RunningServer, ServerMetrics
 
 __all__ = [
     "BLAS_ENV",
@@ -40,6 +51,41 @@ __all__ = [
     "read_gguf_tensor",
     "stop_token_ids",
 ]
+
+#: Each lazily imported public name: (its module, the optional extra that module needs).
+_LAZY: dict[str, tuple[str, str | None]] = {
+    **dict.fromkeys(
+        ("build_engine", "build_kernels", "build_pool", "pool_backed_cache"), ("_engine", None)
+    ),
+    **dict.fromkeys(("GenerationStats", "TextStream", "generate"), ("_generate", None)),
+    **dict.fromkeys(
+        ("GEMMA3_HARD_CODED", "convert_gguf", "gguf_sha256", "read_gguf_tensor"),
+        ("_gguf", "gguf"),
+    ),
+    **dict.fromkeys(
+        ("GEMMA3_270M", "default_cache_dir", "encode_prompt", "load_model", "stop_token_ids"),
+        ("_load", None),
+    ),
+    **dict.fromkeys(("KVServer", "RunningServer", "ServerMetrics"), ("_server", "server")),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access (PEP 562); later lookups are direct."""
+    try:
+        module, extra = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    if extra is not None:
+        require_extra(extra)
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names, the lazily imported ones included."""
+    return sorted(set(globals()) | set(__all__))
 
 
 def cli_main(argv: list[str] | None = None) -> int:

@@ -16,10 +16,10 @@ Where one comes from (``KV_SERVE_BLAS``, default ``auto``):
 * ``off``: MLX's own;
 * a path to a shared library that exports ``cblas_sgemm``.
 
-Importing this module (the first thing :mod:`kv_serve` imports) does this once, so entry
-points (the command line, the server, the benchmarks) get it by importing ``kv_serve``
-before ``mlx``. macOS is left alone (MLX
-uses Accelerate there and the GPU for models).
+Nothing is loaded on import: an entry point calls :func:`load_fast_blas` before anything
+imports ``mlx`` (the ``kv-serve`` command, ``tools/`` and the test session do), which is why
+importing :mod:`kv_serve` imports no ``mlx``. macOS is left alone (MLX uses Accelerate there
+and the GPU for models).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ __all__ = [
     "BlasInfo",
     "active_blas",
     "load_fast_blas",
-    "load_fast_blas_on_import",
 ]
 
 _log = logging.getLogger("kv_serve.blas")
@@ -153,13 +152,15 @@ def _choose(choice: str) -> BlasInfo:
     )
 
 
-def load_fast_blas(choice: str | None = None) -> BlasInfo:
+def load_fast_blas(choice: str | None = None, *, strict: bool = False) -> BlasInfo:
     """Load the BLAS ``choice`` (default: ``$KV_SERVE_BLAS``, else ``auto``) for MLX.
 
-    Idempotent: the first call decides and later calls return what it did. It has to run
-    before ``mlx`` is first imported; after that it reports the reference BLAS and loads
-    nothing. Raises :class:`BlasError` when a BLAS asked for by name or path cannot be
-    loaded (``auto`` never raises for a missing one).
+    Call it before ``mlx`` is first imported; after that it loads nothing and reports the
+    reference BLAS. Idempotent: the first call decides and later calls return what it did.
+    A BLAS asked for by name or path that cannot be loaded is logged as a warning and
+    recorded as the reason MLX keeps its reference BLAS (so a bad ``KV_SERVE_BLAS`` never
+    stops an entry point; the command line reports it), or, with ``strict``, raises
+    :class:`BlasError` and records nothing. ``auto`` never fails for a missing one.
     """
     global _active
     if _active is not None:
@@ -172,33 +173,31 @@ def load_fast_blas(choice: str | None = None) -> BlasInfo:
         info = BlasInfo(
             name="reference",
             path=None,
-            reason="mlx was imported before kv_serve, so its own BLAS is bound",
+            reason="mlx was imported before kv_serve.load_fast_blas() ran, so its own BLAS "
+            "is bound",
         )
     else:
-        info = _choose(choice.lower() if choice.lower() in _CHOICES else choice)
+        try:
+            info = _choose(choice.lower() if choice.lower() in _CHOICES else choice)
+        except BlasError as err:
+            if strict:
+                raise
+            _log.warning("%s; MLX keeps its reference BLAS", err)
+            info = BlasInfo(name="reference", path=None, reason=str(err))
     _active = info
     return info
 
 
 def active_blas() -> BlasInfo:
-    """What :func:`load_fast_blas` did in this process (running it now if it has not run)."""
-    return _active if _active is not None else load_fast_blas()
+    """What :func:`load_fast_blas` did in this process; it loads nothing itself.
 
-
-def load_fast_blas_on_import() -> BlasInfo:
-    """:func:`load_fast_blas` as importing :mod:`kv_serve` runs it: never raises.
-
-    A BLAS asked for by name or path that cannot be loaded is logged as a warning and
-    recorded (MLX keeps its own), so a bad ``KV_SERVE_BLAS`` does not break the import; the
-    command line reports it.
+    Before :func:`load_fast_blas` has run it reports MLX's own BLAS (on Linux, the reference
+    one) and leaves the decision to a later :func:`load_fast_blas` call.
     """
-    global _active
-    try:
-        return load_fast_blas()
-    except BlasError as err:
-        _log.warning("%s; MLX keeps its reference BLAS", err)
-        _active = BlasInfo(name="reference", path=None, reason=str(err))
+    if _active is not None:
         return _active
-
-
-load_fast_blas_on_import()
+    if not sys.platform.startswith("linux"):
+        return BlasInfo(name="platform", path=None, reason=f"{sys.platform}: left to MLX")
+    return BlasInfo(
+        name="reference", path=None, reason="kv_serve.load_fast_blas() has not run in this process"
+    )

@@ -1,4 +1,9 @@
-"""The ``kv-serve`` command line: ``kv-serve generate ...`` and ``kv-serve serve ...``."""
+"""The ``kv-serve`` command line: ``kv-serve generate ...`` and ``kv-serve serve ...``.
+
+Nothing here imports ``mlx`` at module level, so :func:`main` can load the fast BLAS
+(:func:`kv_serve.load_fast_blas`) before it is first imported, also under
+``python -m kv_serve._cli``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ import math
 import sys
 from collections.abc import Sequence
 
-from kv_protocol import KV_QUANT_BITS, KV_QUANT_GROUP_SIZES, KV_QUANT_LAYERS, KVCacheError
+from ._blas import load_fast_blas
+from ._extras import MissingExtraError, require_extra
 
 __all__ = ["main", "parser"]
 
@@ -176,6 +182,8 @@ def parser() -> argparse.ArgumentParser:
 
 def add_kv_quantization_arguments(parser: argparse.ArgumentParser) -> None:
     """``--kv-bits``, ``--kv-group-size`` and ``--kv-quantize``: quantized KV pages."""
+    from kv_protocol import KV_QUANT_BITS, KV_QUANT_GROUP_SIZES, KV_QUANT_LAYERS
+
     parser.add_argument(
         "--kv-bits",
         type=int,
@@ -268,6 +276,7 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
     import time
 
+    require_extra("server")
     from ._blas import active_blas
     from ._load import load_model
     from ._server import KVServer
@@ -317,12 +326,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``kv-serve``; bad input is one ``error:`` line and exit status 2."""
+    """Run ``kv-serve``; bad input is one ``error:`` line and exit status 2.
+
+    It first loads the fast BLAS (:func:`kv_serve.load_fast_blas`; a no-op once ``mlx`` is
+    imported), so the command's models run on it.
+    """
+    load_fast_blas()
+    from kv_protocol import KVCacheError
+
     args = parser().parse_args(argv)
     try:
         status: int = args.handler(args)
         return status
-    except (KVCacheError, OSError) as err:
+    except (KVCacheError, OSError, MissingExtraError) as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
 

@@ -26,6 +26,8 @@ import numpy as np
 
 from kv_protocol import UnsupportedModelError
 
+from ._extras import require_extra
+
 __all__ = [
     "GEMMA3_HARD_CODED",
     "convert_gguf",
@@ -67,6 +69,7 @@ Progress = Callable[[str], None]
 
 
 def _reader(path: Path) -> Any:
+    require_extra("gguf")
     import gguf
 
     return gguf.GGUFReader(str(path))
@@ -99,6 +102,7 @@ def _mlx_name(gguf_name: str) -> tuple[str, bool]:
 
 def read_gguf_tensor(tensor: Any) -> np.ndarray[Any, Any]:
     """One GGUF tensor dequantized to float32 in row-major (mlx) shape."""
+    require_extra("gguf")
     from gguf import quants
 
     shape = tuple(int(d) for d in reversed(list(tensor.shape)))
@@ -213,6 +217,7 @@ def convert_gguf(
     marker = out / "kv-serve.json"
     if marker.exists():
         return out
+    require_extra("gguf")
     say(f"converting {path.name} to an mlx-lm model in {out} (once; about a minute)")
     cache_dir.mkdir(parents=True, exist_ok=True)
     # A private work directory renamed into place: concurrent conversions do not collide.
