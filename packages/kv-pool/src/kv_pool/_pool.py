@@ -318,7 +318,7 @@ class HybridKVPool:
         unknown, repeated or non-int id or a bad count raises and changes nothing.
         """
         wanted = self._demands(demands, "try_reserve_batch")
-        extra: list[int] | None = None
+        spare: dict[int, int] = {}
         if headroom is not None:
             spare = self._demands(headroom, "try_reserve_batch's headroom")
             both = set(spare) & set(wanted)
@@ -326,17 +326,22 @@ class HybridKVPool:
                 raise RequestStateError(
                     f"try_reserve_batch: requests {sorted(both)} are both reserved and headroom"
                 )
+        plans = [self._plan(rid, n) for rid, n in wanted.items()]
+        if self._shortage(plans) is not None:
+            return None
+        if spare:
             extra = [0] * len(self._pages)
             for rid, n_tokens in spare.items():
                 for i, step in enumerate(self._plan(rid, n_tokens)):
                     extra[i] += step.n_new - step.reclaim
+            if self._shortage(plans, extra) is not None:
+                return None
+        return self._grant(wanted, plans)
+
+    def _grant(self, wanted: dict[int, int], plans: list[list[ReservePlan]]) -> Reservation:
+        """Apply checked plans and hand out the reservation."""
         ids = list(wanted)
         counts = list(wanted.values())
-        plans = [self._plan(rid, n) for rid, n in wanted.items()]
-        if self._shortage(plans) is not None:
-            return None
-        if extra is not None and self._shortage(plans, extra) is not None:
-            return None
         olds = [self._lengths[rid] for rid in ids]
         self._apply_all(ids, plans, counts)
         return self._reservation(ids, olds, counts)
@@ -348,16 +353,14 @@ class HybridKVPool:
         sub-pool, pages asked, pages available counting the pages this call would release)
         on shortage instead of returning ``None``; nothing changes then.
         """
-        self._length(request_id)
-        request_id = int(request_id)
-        n_tokens = check_int(n_tokens, "n_tokens", minimum=0)
-        short = self._shortage([self._plan(request_id, n_tokens)])
+        self._length(request_id)  # a bad id is refused before it is used as a key
+        wanted = self._demands({request_id: n_tokens}, "reserve")
+        plans = [self._plan(rid, n) for rid, n in wanted.items()]
+        short = self._shortage(plans)
         if short is not None:
             name, asked, available = short
             raise PoolExhaustedError(sub_pool=name, pages_requested=asked, pages_free=available)
-        reservation = self.try_reserve_batch({request_id: n_tokens})
-        assert reservation is not None  # the same plan was just checked
-        return reservation
+        return self._grant(wanted, plans)
 
     def rollback(self, reservation: Reservation) -> None:
         """Undo ``reservation``: each request still registered goes back to its start length.
