@@ -144,7 +144,7 @@ def test_member_tests_import_only_what_the_member_declares(tmp_path: Path) -> No
     (tests / "test_ok.py").write_text("import kv_pool\nfrom kv_protocol import LayerKind\n")
     assert check_workspace(ws) == []
     (tests / "test_bad.py").write_text(
-        "from tools.reference import mlx_lm_greedy\nfrom kv_testing import build_tiny_model\n"
+        "from tools.reference import first_divergence\nfrom kv_testing import build_tiny_model\n"
     )
     assert check_workspace(ws) == [
         "packages/kv-pool/tests/test_bad.py: imports 'tools' from the repository root; a "

@@ -19,259 +19,38 @@ weights (``mx.get_peak_memory()``), p50/p99 step time, token agreement, and the 
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import platform
 import random
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from importlib.metadata import version
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
-import mlx.core as mx
-
-from kv_batching import DecodeEngine
-from kv_pool import HybridKVPool
 from kv_protocol import CacheLayout, KVCacheError, layout_from_model
-from kv_serve import active_blas, build_engine, encode_prompt, load_model
-from kv_testing import build_tiny_model
+from kv_serve import active_blas, encode_prompt, load_model
 from tools.cli_args import (
-    MAX_LAYERS,
-    MAX_PAGE_SIZE,
-    MAX_REQUESTS,
-    MAX_TOKENS,
     MAX_WORKLOAD_TOKENS,
     ArgumentParser,
+    add_engine_options,
+    add_model_options,
+    add_run_options,
+    add_trained_model_options,
+    add_workload_options,
     finite_float,
-    int_in_range,
-    model_source,
-    positive_int,
-    random_seed,
 )
-
-_R = TypeVar("_R")
-
-
-@dataclass
-class RunResult:
-    """What one system did on the workload."""
-
-    name: str
-    seconds: float
-    generated: int
-    peak_kv_bytes: int
-    step_seconds: list[float]
-    tokens: dict[int, list[int]]
-    peak_memory_bytes: int = 0
-    #: Seconds from the start of the run (every request submitted then) to each first token.
-    first_token_seconds: list[float] = field(default_factory=list)
-
-    @property
-    def throughput(self) -> float:
-        """Generated tokens per second of wall time."""
-        return self.generated / self.seconds
-
-    def percentile(self, q: float) -> float:
-        """Step time percentile in milliseconds."""
-        return 1000 * quantile(self.step_seconds, q)
-
-    def ttft(self, q: float) -> float:
-        """Time-to-first-token percentile in seconds."""
-        return quantile(self.first_token_seconds, q)
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values``; 0 for none."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def build_model(
-    *, num_layers: int, window: int, vocab: int, hidden: int = 64, experts: int = 2
-) -> Any:
-    """A gpt-oss-like model whose cost is dominated by attention over long contexts.
-
-    8 query / 2 KV heads of 64; MLP width ``hidden // 2``; ``experts // 2`` of ``experts``
-    routed per token (at least one).
-    """
-    return build_tiny_model(
-        "gpt_oss",
-        window=window,
-        num_layers=num_layers,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=max(1, hidden // 2),
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_local_experts=experts,
-        num_experts_per_tok=max(1, experts // 2),
-    )
-
-
-def workload(
-    n: int,
-    *,
-    max_prompt: int,
-    min_out: int,
-    max_out: int,
-    vocab: int,
-    seed: int,
-    min_prompt: int = 16,
-) -> list[tuple[list[int], int]]:
-    """``n`` (prompt, max_tokens) pairs; prompt lengths log-uniform in min_prompt..max_prompt.
-
-    A ``max_prompt`` below ``min_prompt`` makes every prompt ``max_prompt`` tokens long.
-    """
-    rng = random.Random(seed)
-    out = []
-    shortest = min(min_prompt, max_prompt)
-    for _ in range(n):
-        length = int(math.exp(rng.uniform(math.log(shortest), math.log(max_prompt))))
-        out.append(([rng.randrange(vocab) for _ in range(length)], rng.randint(min_out, max_out)))
-    return out
-
-
-def _cache_bytes(caches: Any) -> int:
-    total = 0
-    for cache in caches or []:
-        total += int(getattr(cache, "nbytes", 0) or 0)
-    return total
-
-
-def run_mlx_lm(model: Any, requests: list[tuple[list[int], int]], running: int) -> RunResult:
-    """mlx-lm's BatchGenerator with at most ``running`` sequences decoding."""
-    from mlx_lm.generate import BatchGenerator  # imported here: a bad option fails fast
-
-    gen = BatchGenerator(
-        model,
-        completion_batch_size=running,
-        prefill_batch_size=min(8, running),
-        prefill_step_size=512,
-    )
-    uids = gen.insert([p for p, _ in requests], [m for _, m in requests])
-    index = {uid: i for i, uid in enumerate(uids)}
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
-    remaining = set(uids)
-    steps: list[float] = []
-    first: list[float] = []
-    peak = 0
-    start = time.perf_counter()
-    while remaining:
-        tic = time.perf_counter()
-        _, responses = gen.next()
-        steps.append(time.perf_counter() - tic)
-        for r in responses:
-            if not tokens[index[r.uid]]:
-                first.append(time.perf_counter() - start)
-            tokens[index[r.uid]].append(r.token)
-            if r.finish_reason is not None:
-                remaining.discard(r.uid)
-        held = _cache_bytes(gen._generation_batch.prompt_cache) + _cache_bytes(
-            gen._prompt_batch.prompt_cache
-        )
-        peak = max(peak, held)
-    seconds = time.perf_counter() - start
-    gen.close()
-    generated = sum(len(t) for t in tokens.values())
-    return RunResult(
-        "mlx-lm BatchGenerator", seconds, generated, peak, steps, tokens, first_token_seconds=first
-    )
-
-
-def run_engine(
-    model: Any,
-    requests: list[tuple[list[int], int]],
-    running: int,
-    *,
-    budget_bytes: int,
-    page_size: int,
-    chunk: int,
-    fused: str,
-    stall: float | None = None,
-) -> tuple[RunResult, HybridKVPool, DecodeEngine]:
-    """kv-batching's DecodeEngine on a HybridKVPool of ``budget_bytes``."""
-    layout = layout_from_model(model)
-    longest = max(len(p) + m for p, m in requests)
-    pool = HybridKVPool.from_budget(
-        layout,
-        budget_bytes,
-        max_context=longest,
-        concurrency=running,
-        page_size=page_size,
-        prefill_chunk=chunk,
-    )
-    engine = build_engine(
-        model,
-        pool=pool,
-        fused_rope=fused,
-        max_running=running,
-        prefill_chunk=chunk,
-        prefill_stall=stall,
-    )
-    ids = [engine.submit(p, m) for p, m in requests]
-    steps: list[float] = []
-    first: list[float] = []
-    started: set[int] = set()
-    start = time.perf_counter()
-    while engine.has_work:
-        tic = time.perf_counter()
-        produced = engine.step()
-        steps.append(time.perf_counter() - tic)
-        for rid in produced.keys() - started:
-            started.add(rid)
-            first.append(time.perf_counter() - start)
-    seconds = time.perf_counter() - start
-    out = {i: list(engine.output(rid).tokens) for i, rid in enumerate(ids)}
-    capacity = sum(s.num_pages * s.bytes_per_page for s in pool.memory_report().sub_pools)
-    generated = sum(len(t) for t in out.values())
-    return (
-        RunResult(
-            "kv-batching DecodeEngine",
-            seconds,
-            generated,
-            capacity,
-            steps,
-            out,
-            first_token_seconds=first,
-        ),
-        pool,
-        engine,
-    )
-
-
-def measured(run: Callable[[], _R]) -> tuple[_R, int]:
-    """``run()`` and the process's peak MLX memory above what was active before it.
-
-    What was active before is the weights (and anything else the caller holds); the MLX
-    buffer cache is emptied first so that a previous run's freed buffers do not hide this
-    run's allocations.
-    """
-    mx.synchronize()
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    mx.reset_peak_memory()
-    result = run()
-    mx.synchronize()
-    return result, max(0, mx.get_peak_memory() - before)
-
-
-def memcpy_bandwidth() -> float:
-    """GB/s of a large device copy, measured now (the KV read-bandwidth yardstick)."""
-    a = mx.random.normal((64 * 1024 * 1024 // 4,))
-    mx.eval(a)
-    best = math.inf
-    for _ in range(5):
-        tic = time.perf_counter()
-        b = a + 0
-        mx.eval(b)
-        best = min(best, time.perf_counter() - tic)
-    return 2 * a.nbytes / best / 1e9
+from tools.harness import (
+    BANDWIDTH_UNIT,
+    Report,
+    RunResult,
+    build_model,
+    copy_bandwidth,
+    gb_per_s,
+    measured,
+    quantile,
+    run_engine,
+    run_mlx_lm,
+    workload,
+)
 
 
 def decode_kv_bytes_read(layout: CacheLayout, requests: list[tuple[list[int], int]]) -> int:
@@ -291,144 +70,40 @@ def decode_kv_bytes_read(layout: CacheLayout, requests: list[tuple[list[int], in
     return total
 
 
-def machine_description() -> str:
-    """One line naming this machine and the MLX build."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return (
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), "
-        f"Python {platform.python_version()}, mlx {version('mlx')} "
-        f"({mx.default_device()}), mlx-lm {version('mlx-lm')}"
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python -m tools.kv bench``, each checked while parsing."""
     parser = ArgumentParser(prog="python -m tools.kv bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small workload, under a minute")
-    parser.add_argument(
-        "--requests",
-        type=positive_int(MAX_REQUESTS),
-        default=None,
-        help=f"number of requests, 1..{MAX_REQUESTS} (default 48, quick 16)",
+    add_workload_options(
+        parser,
+        requests="48, quick 16",
+        min_prompt=16,
+        max_prompt="3800, quick 1024",
+        min_out="16, quick 8",
+        max_out="192, quick 48",
     )
-    parser.add_argument(
-        "--max-prompt",
-        type=positive_int(MAX_TOKENS),
-        default=None,
-        help=f"longest prompt, 1..{MAX_TOKENS} tokens (default 3800, quick 1024)",
-    )
-    parser.add_argument(
-        "--min-prompt",
-        type=positive_int(MAX_TOKENS),
-        default=16,
-        help="shortest prompt of the random workload (default 16)",
-    )
-    parser.add_argument(
-        "--min-out",
-        type=positive_int(MAX_TOKENS),
-        default=None,
-        help="fewest output tokens of a request (default 16, quick 8)",
-    )
-    parser.add_argument(
-        "--max-out",
-        type=positive_int(MAX_TOKENS),
-        default=None,
-        help="most output tokens of a request (default 192, quick 48)",
-    )
-    parser.add_argument(
-        "--hidden",
-        type=positive_int(4096),
-        default=64,
-        help="hidden size of the random-weight model (default 64)",
-    )
-    parser.add_argument(
-        "--experts",
-        type=positive_int(256),
-        default=2,
-        help="experts of the random-weight model, half of them routed per token (default 2)",
-    )
-    parser.add_argument(
-        "--stall",
-        type=finite_float(0.0, 1000.0, min_inclusive=False),
-        default=None,
-        help="the engine's prefill_stall (default: none, --chunk tokens a step)",
-    )
-    parser.add_argument(
-        "--running",
-        type=positive_int(MAX_REQUESTS),
-        default=16,
-        help="most requests decoding at once (default 16)",
-    )
-    parser.add_argument(
-        "--layers",
-        type=int_in_range(
-            2, MAX_LAYERS, why="; layers alternate sliding/full, so 2 is the fewest with a full one"
-        ),
-        default=4,
-        help=f"model layers, alternating sliding/full, 2..{MAX_LAYERS} (default 4)",
-    )
-    parser.add_argument(
-        "--window",
-        type=positive_int(MAX_TOKENS),
-        default=128,
-        help="sliding window (default 128)",
-    )
-    parser.add_argument(
-        "--page-size",
-        type=positive_int(MAX_PAGE_SIZE),
-        default=16,
-        help=f"pool page size, 1..{MAX_PAGE_SIZE} (default 16)",
-    )
-    parser.add_argument(
-        "--chunk", type=positive_int(MAX_TOKENS), default=512, help="prefill chunk (default 512)"
-    )
-    parser.add_argument(
+    add_model_options(parser, sizes=True)
+    engine = add_engine_options(parser, stall=None)
+    engine.add_argument(
         "--kv-fraction",
         type=finite_float(0.0, 1.0, min_inclusive=False),
         default=0.5,
         help="engine pool budget as a fraction in (0, 1] of mlx-lm's measured peak KV "
         "(default 0.5)",
     )
-    parser.add_argument(
+    engine.add_argument(
         "--fused-rope",
         default="off",
         choices=["off", "auto", "reference", "metal", "cuda"],
         help="fused RoPE + pool-scatter kernel (default off)",
     )
-    parser.add_argument(
-        "--seed", type=random_seed, default=0, help="workload seed, 0..2**32-1 (default 0)"
-    )
-    parser.add_argument(
-        "--model",
-        type=model_source,
+    add_trained_model_options(
+        parser,
         default=None,
-        metavar="NAME_OR_PATH",
+        dtype=True,
         help="a trained model with a tokenizer (gemma3-270m, a Gemma 3 .gguf) serving the real "
         "prompts of tools/real_prompts.py instead of the random-weight model",
     )
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="weights of --model (default float32)",
-    )
-    parser.add_argument(
-        "--rounds",
-        type=positive_int(16),
-        default=2,
-        help="alternating rounds of both systems, 1..16 (default 2)",
-    )
-    parser.add_argument(
-        "--markdown", action="store_true", help="also print the results as a Markdown section"
-    )
+    add_run_options(parser, quick="small workload, under a minute", rounds=2)
     return parser
 
 
@@ -516,7 +191,7 @@ def _engine_run(
         max_queue=stats.max_queue_length,
         decode_tokens_per_s=stats.decode_tokens_per_s,
         prefill_tokens_per_s=stats.prefill_tokens_per_s,
-        decode_step_p50_ms=1000 * statistics.median(stats.decode_step_seconds or [0.0]),
+        decode_step_p50_ms=1000 * quantile(list(stats.decode_step_seconds) or [0.0], 0.5),
         mean_decode_batch=stats.decode_batch_size_total / max(stats.decode_steps, 1),
         decode_seconds=stats.decode_seconds,
         decode_device_seconds=stats.decode_device_seconds,
@@ -620,8 +295,8 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     for r in (base, mine):
         print(
             f"{r.name:26s} {r.throughput:9.1f} {r.peak_kv_bytes / mib:11.2f} "
-            f"{r.peak_memory_bytes / mib:12.2f} {r.percentile(0.5):8.2f} "
-            f"{r.percentile(0.99):8.2f} {len(r.step_seconds) // args.rounds:6d} "
+            f"{r.peak_memory_bytes / mib:12.2f} {r.step_ms(0.5):8.2f} "
+            f"{r.step_ms(0.99):8.2f} {len(r.step_seconds) // args.rounds:6d} "
             f"{r.ttft(0.5):10.2f} {r.ttft(0.99):10.2f}"
         )
     print(
@@ -655,51 +330,50 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     print(f"greedy token agreement with mlx-lm: {agree}/{total}")
     kv_read = decode_kv_bytes_read(layout_from_model(model), requests)
     seconds = report.decode_seconds
-    kv_bandwidth = kv_read / seconds / 1e9 if seconds else 0.0
-    copy_bandwidth = memcpy_bandwidth()
+    kv_bandwidth = kv_read / seconds if seconds else 0.0
+    copy = copy_bandwidth()
+    unit = BANDWIDTH_UNIT
     print(
-        f"achieved KV read bandwidth in decode: {kv_bandwidth:.2f} GB/s "
+        f"achieved KV read bandwidth in decode: {gb_per_s(kv_bandwidth):.2f} {unit} "
         f"({kv_read / mib:.0f} MiB of KV attended over {seconds:.1f} s of decode; "
         f"a lower bound: decode time includes projections and MLP); memory-copy bandwidth "
-        f"measured now: {copy_bandwidth:.1f} GB/s ({100 * kv_bandwidth / copy_bandwidth:.0f}%)"
+        f"measured now: {gb_per_s(copy):.1f} {unit} ({100 * kv_bandwidth / copy:.0f}%)"
     )
-    if args.markdown:
-        command = "uv run python -m tools.kv bench" + (" " + " ".join(argv) if argv else "")
-        print(
-            "\n".join(
-                [
-                    "",
-                    f"Command: `{command.replace(' --markdown', '')}`  ",
-                    f"Machine: {machine_description()}; BLAS {active_blas().name}  ",
-                    f"Workload: {shape}; {described}; mean of {args.rounds} alternating rounds",
-                    "",
-                    "| system | tok/s | peak KV MiB | peak memory above weights MiB | "
-                    "p50 step ms | p99 step ms | TTFT p50 s | TTFT p99 s |",
-                    "|---|---|---|---|---|---|---|---|",
-                    *(
-                        f"| {r.name} | {r.throughput:.1f} | {r.peak_kv_bytes / mib:.2f} | "
-                        f"{r.peak_memory_bytes / mib:.1f} | "
-                        f"{r.percentile(0.5):.1f} | {r.percentile(0.99):.1f} | "
-                        f"{r.ttft(0.5):.2f} | {r.ttft(0.99):.2f} |"
-                        for r in (base, mine)
-                    ),
-                    f"| **ratio** | **{mine.throughput / base.throughput:.2f}x** | "
-                    f"**{mine.peak_kv_bytes / base.peak_kv_bytes:.2f}x** | "
-                    f"**{mine.peak_memory_bytes / max(base.peak_memory_bytes, 1):.2f}x** | "
-                    f"{mine.percentile(0.5) / base.percentile(0.5):.2f}x | "
-                    f"{mine.percentile(0.99) / base.percentile(0.99):.2f}x | "
-                    f"{mine.ttft(0.5) / max(base.ttft(0.5), 1e-9):.2f}x | "
-                    f"{mine.ttft(0.99) / max(base.ttft(0.99), 1e-9):.2f}x |",
-                    "",
-                    f"Greedy tokens identical to mlx-lm: {agree}/{total}. Engine peak KV is its "
-                    f"whole pool (pages in use peaked at {report.peak_pages_bytes / mib:.2f} "
-                    "MiB); peak memory is `mx.get_peak_memory()` during the run above what was "
-                    "active before it (the weights). KV read bandwidth achieved in decode: "
-                    f"{kv_bandwidth:.2f} GB/s against {copy_bandwidth:.1f} GB/s memory copy "
-                    "measured in the same run.",
-                ]
-            )
+    results = Report("Engine against mlx-lm's BatchGenerator")
+    results.keep(
+        "\n".join(
+            [
+                f"Workload: {shape}; {described}; mean of {args.rounds} alternating rounds",
+                "",
+                "| system | tok/s | peak KV MiB | peak memory above weights MiB | "
+                "p50 step ms | p99 step ms | TTFT p50 s | TTFT p99 s |",
+                "|---|---|---|---|---|---|---|---|",
+                *(
+                    f"| {r.name} | {r.throughput:.1f} | {r.peak_kv_bytes / mib:.2f} | "
+                    f"{r.peak_memory_bytes / mib:.1f} | "
+                    f"{r.step_ms(0.5):.1f} | {r.step_ms(0.99):.1f} | "
+                    f"{r.ttft(0.5):.2f} | {r.ttft(0.99):.2f} |"
+                    for r in (base, mine)
+                ),
+                f"| **ratio** | **{mine.throughput / base.throughput:.2f}x** | "
+                f"**{mine.peak_kv_bytes / base.peak_kv_bytes:.2f}x** | "
+                f"**{mine.peak_memory_bytes / max(base.peak_memory_bytes, 1):.2f}x** | "
+                f"{mine.step_ms(0.5) / base.step_ms(0.5):.2f}x | "
+                f"{mine.step_ms(0.99) / base.step_ms(0.99):.2f}x | "
+                f"{mine.ttft(0.5) / max(base.ttft(0.5), 1e-9):.2f}x | "
+                f"{mine.ttft(0.99) / max(base.ttft(0.99), 1e-9):.2f}x |",
+                "",
+                f"Greedy tokens identical to mlx-lm: {agree}/{total}. Engine peak KV is its "
+                f"whole pool (pages in use peaked at {report.peak_pages_bytes / mib:.2f} "
+                "MiB); peak memory is `mx.get_peak_memory()` during the run above what was "
+                "active before it (the weights). Engine time: decode "
+                f"{decode}; prefill {prefill}. KV read bandwidth achieved in decode: "
+                f"{gb_per_s(kv_bandwidth):.2f} {unit} against {gb_per_s(copy):.1f} {unit} "
+                "memory copy measured in the same run.",
+            ]
         )
+    )
+    results.write(args.markdown, prog="tools.kv bench", argv=argv)
 
 
 if __name__ == "__main__":

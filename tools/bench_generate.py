@@ -19,7 +19,14 @@ import time
 from collections.abc import Sequence
 
 from kv_serve import GenerationStats, active_blas, generate, load_model
-from tools.cli_args import MAX_TOKENS, ArgumentParser, model_source, positive_int
+from tools.cli_args import (
+    MAX_TOKENS,
+    ArgumentParser,
+    add_run_options,
+    add_trained_model_options,
+    positive_int,
+)
+from tools.harness import Report
 from tools.real_prompts import REAL_PROMPTS
 
 __all__ = ["main"]
@@ -28,11 +35,8 @@ __all__ = ["main"]
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python -m tools.bench_generate``."""
     parser = ArgumentParser(prog="python -m tools.bench_generate", description=__doc__)
-    parser.add_argument(
-        "--model",
-        type=model_source,
-        default="gemma3-270m",
-        help="gemma3-270m (default) or a Gemma 3 .gguf file",
+    add_trained_model_options(
+        parser, default="gemma3-270m", help="gemma3-270m (default) or a Gemma 3 .gguf file"
     )
     parser.add_argument(
         "--max-tokens",
@@ -47,12 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=["capital", "notes_six"],
         help="which real prompts (default: capital notes_six)",
     )
+    add_run_options(parser, quick=None)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
     args = build_parser().parse_args(argv)
+    results = Report("Load time and generate() speed on a real model")
+    with results.capturing():
+        _run(args)
+    results.write(args.markdown, prog="tools.bench_generate", argv=argv)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
     print(f"BLAS: {active_blas().describe()}")
     with tempfile.TemporaryDirectory() as cache:
         loads = []
@@ -74,7 +87,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"first token); {stats.generated_tokens} generated, decode "
             f"{stats.decode_tokens_per_s:.1f} tok/s; {' '.join(text.split())[:60]!r}"
         )
-    return 0
 
 
 if __name__ == "__main__":

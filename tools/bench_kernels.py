@@ -16,9 +16,8 @@ Run: ``uv run --no-sync python -m tools.bench_kernels`` (about 2 minutes on a 2-
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
+import argparse
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -35,36 +34,15 @@ from tools.cli_args import (
     MAX_REQUESTS,
     MAX_TOKENS,
     ArgumentParser,
+    add_run_options,
     finite_float,
     int_list,
     positive_int,
 )
+from tools.harness import BANDWIDTH_UNIT, Report, copy_bandwidth, gb_per_s, timed
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 GEOMETRIES = {"gpt-oss": (64, 8, 64), "llama": (32, 8, 128)}
-
-
-def timed(fn: Callable[[], object], *, min_time: float, min_iters: int = 3) -> float:
-    """Median seconds of one ``mx.eval(fn())`` after two warm-up calls."""
-    for _ in range(2):
-        mx.eval(fn())
-    samples: list[float] = []
-    start = time.perf_counter()
-    while len(samples) < min_iters or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        samples.append(time.perf_counter() - t0)
-        if len(samples) >= 200:
-            break
-    return statistics.median(samples)
-
-
-def copy_bandwidth(mib: int = 256) -> float:
-    """Bytes per second of an elementwise copy (bytes read + bytes written)."""
-    x = mx.zeros((mib * 1024 * 1024 // 4,), dtype=mx.float32)
-    mx.eval(x)
-    seconds = timed(lambda: x + 0.0, min_time=0.5)
-    return 2 * x.nbytes / seconds
 
 
 def _rope_case(
@@ -227,7 +205,7 @@ def bench_attention(
             rate = kv_bytes / seconds
             rows.append(
                 f"| {ctx} | {window} | {name} | {seconds * 1e3:.2f} | {seconds / dense_t:.2f} | "
-                f"{rate / 1e9:.2f} | {100 * rate / copy_bw:.1f}% |"
+                f"{gb_per_s(rate):.2f} | {100 * rate / copy_bw:.1f}% |"
             )
     return rows
 
@@ -274,21 +252,30 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--skip-rope", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
+    add_run_options(parser, quick=None)
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Run the benchmarks and print markdown tables."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    hq, hkv, d = args.attn_heads
+    hq, hkv, _ = args.attn_heads
     if hq % hkv:
         parser.error(f"argument --attn-heads: q_heads {hq} is not a multiple of kv_heads {hkv}")
+    results = Report("Kernels: fused RoPE + pool scatter and paged decode attention")
+    with results.capturing():
+        _run(args)
+    results.write(args.markdown, prog="tools.bench_kernels", argv=argv)
+
+
+def _run(args: argparse.Namespace) -> None:
+    hq, hkv, d = args.attn_heads
     dtype = DTYPES[args.dtype]
     native = native_backend()
     print(f"device: {mx.default_device()}, native backend: {native}, dtype: {args.dtype}")
     copy_bw = copy_bandwidth()
-    print(f"memory copy bandwidth (read + write): {copy_bw / 1e9:.2f} GB/s\n")
+    print(f"memory copy bandwidth (read + write): {gb_per_s(copy_bw):.2f} {BANDWIDTH_UNIT}\n")
     if not args.skip_rope:
         fused: RopeScatterKernel = (
             NativeRopeScatter(native) if native is not None else ReferenceRopeScatter()
@@ -304,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Decode attention, one layer, B={args.attn_batch}, {hq} q / {hkv} kv heads, "
             f"d {d}, page 16, ragged lengths uniform in [ctx/16, ctx]\n"
         )
-        print("| context | window | variant | ms | vs dense | KV GB/s | of copy bw |")
+        print(f"| context | window | variant | ms | vs dense | KV {BANDWIDTH_UNIT} | of copy bw |")
         print("|---|---|---|---|---|---|---|")
         for row in bench_attention(
             dtype, args.contexts, args.attn_batch, (hq, hkv, d), copy_bw, args.min_time

@@ -28,18 +28,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv_protocol import KVCacheError
-from kv_serve import active_blas, build_engine
-from tools.bench_engine import build_model, machine_description, quantile
+from kv_serve import build_engine
 from tools.cli_args import (
-    MAX_LAYERS,
     MAX_REQUESTS,
     MAX_TOKENS,
     ArgumentParser,
-    finite_float,
-    int_in_range,
+    add_engine_options,
+    add_model_options,
+    add_run_options,
+    add_workload_options,
     positive_int,
-    random_seed,
 )
+from tools.harness import MlxLmBatch, Report, build_model, machine_description, quantile
 
 VOCAB = 512
 
@@ -102,48 +102,27 @@ def make_workload(args: argparse.Namespace) -> Workload:
 
 def run_mlx_lm(model: Any, work: Workload, running: int, chunk: int) -> LatencyRun:
     """mlx-lm's BatchGenerator; arrivals inserted between ``next()`` calls."""
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(
-        model,
-        completion_batch_size=running,
-        prefill_batch_size=min(8, running),
-        prefill_step_size=chunk,
-    )
-    index: dict[int, int] = {}
-    times: dict[int, list[float]] = {i: [] for i in range(len(work.requests))}
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(work.requests))}
-    submitted: dict[int, float] = {}
-    start = time.perf_counter()
-
-    def insert(i: int, prompt: list[int], max_tokens: int) -> int:
-        (uid,) = gen.insert([prompt], [max_tokens])
-        index[uid] = i
-        submitted[i] = time.perf_counter() - start
-        return int(uid)
-
+    driver = MlxLmBatch(model, running=running, prefill_step=chunk)
     for i, (prompt, max_tokens) in enumerate(work.streams):
-        insert(i, prompt, max_tokens)
-    remaining = set(index)
+        driver.submit(i, prompt, max_tokens)
     arrived = 0
-    while remaining:
-        while arrived < len(work.arrivals) and len(tokens[0]) >= work.arrive_at[arrived]:
+    while driver.has_work:
+        while arrived < len(work.arrivals) and len(driver.tokens[0]) >= work.arrive_at[arrived]:
             prompt, max_tokens = work.arrivals[arrived]
-            remaining.add(insert(len(work.streams) + arrived, prompt, max_tokens))
+            driver.submit(len(work.streams) + arrived, prompt, max_tokens)
             arrived += 1
-        _, responses = gen.next()
-        now = time.perf_counter() - start
-        for r in responses:
-            i = index[r.uid]
-            tokens[i].append(r.token)
-            times[i].append(now)
-            if r.finish_reason is not None:
-                remaining.discard(r.uid)
-        if not remaining and arrived < len(work.arrivals):
+        driver.step()
+        if not driver.has_work and arrived < len(work.arrivals):
             raise KVCacheError("the streams finished before every arrival; lower --every")
-    seconds = time.perf_counter() - start
-    gen.close()
-    return LatencyRun("mlx-lm BatchGenerator", seconds, times, submitted, tokens)
+    seconds = driver.elapsed()
+    driver.close()
+    return LatencyRun(
+        "mlx-lm BatchGenerator",
+        seconds,
+        driver.token_times,
+        driver.submitted_at,
+        driver.tokens,
+    )
 
 
 def run_engine(
@@ -199,69 +178,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="python -m tools.bench_latency", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--quick", action="store_true", help="a small workload (about a minute)")
-    parser.add_argument(
+    work = add_workload_options(parser)
+    work.add_argument(
         "--streams", type=positive_int(MAX_REQUESTS), default=8, help="decoding requests (8)"
     )
-    parser.add_argument(
+    work.add_argument(
         "--stream-tokens",
         type=positive_int(MAX_TOKENS),
         default=None,
         help="tokens each stream generates (default 224, quick 96)",
     )
-    parser.add_argument(
+    work.add_argument(
         "--arrivals",
         type=positive_int(MAX_REQUESTS),
         default=None,
         help="long prompts arriving while the streams decode (default 6, quick 2)",
     )
-    parser.add_argument(
+    work.add_argument(
         "--long-min", type=positive_int(MAX_TOKENS), default=2048, help="shortest (2048)"
     )
-    parser.add_argument(
+    work.add_argument(
         "--long-max", type=positive_int(MAX_TOKENS), default=4096, help="longest (4096)"
     )
-    parser.add_argument(
+    work.add_argument(
         "--long-tokens",
         type=positive_int(MAX_TOKENS),
         default=16,
         help="tokens each long prompt generates (16)",
     )
-    parser.add_argument(
+    work.add_argument(
         "--every",
         type=positive_int(MAX_TOKENS),
         default=None,
         help="stream tokens between arrivals (default 32, quick 32)",
     )
-    parser.add_argument(
-        "--running",
-        type=positive_int(MAX_REQUESTS),
-        default=16,
-        help="most requests decoding at once (16)",
-    )
-    parser.add_argument(
-        "--layers",
-        type=int_in_range(2, MAX_LAYERS, why="; layers alternate sliding/full"),
-        default=4,
-        help="model layers (4)",
-    )
-    parser.add_argument("--window", type=positive_int(MAX_TOKENS), default=128, help="(128)")
-    parser.add_argument("--page-size", type=positive_int(1 << 16), default=16, help="(16)")
-    parser.add_argument(
-        "--chunk",
-        type=positive_int(MAX_TOKENS),
-        default=512,
-        help="prefill chunk of every system (512)",
-    )
-    parser.add_argument(
-        "--stall",
-        type=finite_float(0.0, 1000.0, min_inclusive=False),
-        nargs="+",
-        default=[2.0, 4.0],
-        help="the engine's prefill_stall, one engine run per value (2 4)",
-    )
-    parser.add_argument("--rounds", type=positive_int(16), default=1, help="rounds (1)")
-    parser.add_argument("--seed", type=random_seed, default=0, help="workload seed (0)")
+    add_model_options(parser)
+    add_engine_options(parser, stall=[2.0, 4.0])
+    add_run_options(parser, quick="a small workload (about a minute)", rounds=1)
     return parser
 
 
@@ -280,26 +233,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.long_min, args.long_max = min(args.long_min, 1024), min(args.long_max, 2048)
     try:
-        _run(args)
+        _run(args, argv)
     except KVCacheError as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return 0
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     work = make_workload(args)
     model = build_model(num_layers=args.layers, window=args.window, vocab=VOCAB)
     streams = list(range(len(work.streams)))
     arrivals = list(range(len(work.streams), len(work.requests)))
-    print(f"Machine: {machine_description()}; BLAS {active_blas().name}")
-    print(
+    print(f"Machine: {machine_description()}")
+    described = (
         f"workload: {len(streams)} streams (prompts 64..256, {args.stream_tokens} tokens each); "
         f"{len(arrivals)} prompts of {args.long_min}..{args.long_max} tokens "
         f"({args.long_tokens} tokens each) arriving every {args.every} stream tokens; "
         f"gpt_oss-like, {args.layers} layers (window {args.window} / full), fp32; "
         f"chunk {args.chunk}, at most {args.running} running"
     )
+    print(described)
     systems: dict[str, Any] = {
         "mlx-lm": lambda: run_mlx_lm(model, work, args.running, args.chunk),
         "chunks": lambda: run_engine(model, work, args.running, args.chunk, None, args.page_size),
@@ -318,25 +272,31 @@ def _run(args: argparse.Namespace) -> None:
         for key in order if round_index % 2 == 0 else order[::-1]:
             runs[key].append(systems[key]())
     base = runs["mlx-lm"][0].tokens
-    print()
-    print(
-        "| system | ITL p50 ms | p90 ms | p99 ms | max ms | p99 / p50 | long-prompt TTFT "
-        "p50 s | wall s | tokens equal mlx-lm |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for key in order:
-        gaps = [g for run in runs[key] for g in run.gaps(streams)]
-        ttft = [t for run in runs[key] for t in run.first_token_seconds(arrivals)]
-        wall = statistics.mean(run.seconds for run in runs[key])
-        same = sum(run.tokens[i] == base[i] for run in runs[key] for i in range(len(work.requests)))
-        total = len(runs[key]) * len(work.requests)
-        p50 = quantile(gaps, 0.5)
+    results = Report("Decode that does not stall: inter-token latency while long prompts arrive")
+    results.keep(described)
+    with results.capturing():
+        print()
         print(
-            f"| {runs[key][0].name} | {1000 * p50:.1f} | {1000 * quantile(gaps, 0.9):.1f} | "
-            f"{1000 * quantile(gaps, 0.99):.1f} | {1000 * max(gaps):.1f} | "
-            f"{quantile(gaps, 0.99) / p50:.2f}x | {statistics.median(ttft):.2f} | "
-            f"{wall:.1f} | {same}/{total} |"
+            "| system | ITL p50 ms | p90 ms | p99 ms | max ms | p99 / p50 | long-prompt TTFT "
+            "p50 s | wall s | tokens equal mlx-lm |"
         )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for key in order:
+            gaps = [g for run in runs[key] for g in run.gaps(streams)]
+            ttft = [t for run in runs[key] for t in run.first_token_seconds(arrivals)]
+            wall = statistics.mean(run.seconds for run in runs[key])
+            same = sum(
+                run.tokens[i] == base[i] for run in runs[key] for i in range(len(work.requests))
+            )
+            total = len(runs[key]) * len(work.requests)
+            p50 = quantile(gaps, 0.5)
+            print(
+                f"| {runs[key][0].name} | {1000 * p50:.1f} | {1000 * quantile(gaps, 0.9):.1f} | "
+                f"{1000 * quantile(gaps, 0.99):.1f} | {1000 * max(gaps):.1f} | "
+                f"{quantile(gaps, 0.99) / p50:.2f}x | {quantile(ttft, 0.5):.2f} | "
+                f"{wall:.1f} | {same}/{total} |"
+            )
+    results.write(args.markdown, prog="tools.bench_latency", argv=argv)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,15 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from kv_pool import HybridKVPool, PageAllocator, required_bytes
 from kv_pool._inspect import allocator
 from kv_protocol import CacheLayout, KVBuffer, LayerKind, LayerSpec, layout_from_model
-from tools.cli_args import MAX_PAGE_SIZE, MAX_REQUESTS, MAX_TOKENS, ArgumentParser, positive_int
+from tools.cli_args import (
+    MAX_PAGE_SIZE,
+    MAX_REQUESTS,
+    MAX_TOKENS,
+    ArgumentParser,
+    add_run_options,
+    positive_int,
+)
+from tools.harness import Report
 from tools.model_configs import REAL_MODEL_CONFIGS, lazy_model_from_config
 
 MODELS = {"gpt-oss-20b": "gpt-oss-20b", "Gemma-3-27B": "gemma-3-27b"}
@@ -427,17 +435,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=10_000,
         help="requests of the page-operations benchmark (default: %(default)s)",
     )
+    add_run_options(parser, quick=None)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the three sections and print markdown tables."""
     args = build_parser().parse_args(argv)
-    print(f"mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, device {mx.default_device()}")
-    kv_bytes_table(args.requests, args.contexts, args.chunk, args.page_size)
-    ragged_table(args.requests, args.contexts, args.chunk, args.page_size)
-    throughput(args.ops_requests)
-    in_place()
+    results = Report("Pool: KV bytes against full KV and mlx-lm, page operations per second")
+    with results.capturing():
+        print(f"mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, device {mx.default_device()}")
+        kv_bytes_table(args.requests, args.contexts, args.chunk, args.page_size)
+        ragged_table(args.requests, args.contexts, args.chunk, args.page_size)
+        throughput(args.ops_requests)
+        in_place()
+    results.write(args.markdown, prog="tools.bench_pool", argv=argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -31,7 +30,8 @@ from typing import Any
 
 from kv_serve import active_blas, build_engine
 from kv_testing import build_tiny_model
-from tools.cli_args import ArgumentParser, int_in_range, positive_int
+from tools.cli_args import ArgumentParser, add_run_options, add_workload_options, positive_int
+from tools.harness import MlxLmBatch, Report, quantile
 
 VOCAB = 256
 
@@ -61,7 +61,7 @@ class Run:
     @property
     def ttft_p50_ms(self) -> float:
         """Median time to first token in milliseconds."""
-        return 1000 * statistics.median(self.ttft)
+        return 1000 * quantile(self.ttft, 0.5)
 
 
 def build_models() -> dict[str, Any]:
@@ -129,55 +129,26 @@ def engine_run(model: Any, batches: list[list[list[int]]], max_tokens: int, *, c
     return Run(name, time.perf_counter() - start, ttft, tokens, hits)
 
 
-class MlxLmRunner:
-    """mlx-lm's BatchGenerator fed through its LRUPromptCache, as its server does."""
-
-    def __init__(self, model: Any) -> None:
-        from mlx_lm.models.cache import LRUPromptCache
-
-        self.model = model
-        self.cache = LRUPromptCache(max_size=64)
-
-    def run(self, batch: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
-        """One batch submitted at once: each request's TTFT and tokens."""
-        from mlx_lm.generate import BatchGenerator
-
-        gen = BatchGenerator(
-            self.model, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512
-        )
-        submitted = time.perf_counter()
-        uids = []
-        for prompt in batch:
-            cache, rest = self.cache.fetch_nearest_cache("model", prompt)
-            (uid,) = gen.insert([rest], [max_tokens], caches=[cache] if cache is not None else None)
-            uids.append(uid)
-        index = {uid: i for i, uid in enumerate(uids)}
-        first: dict[int, float] = {}
-        tokens: list[list[int]] = [[] for _ in batch]
-        remaining = set(uids)
-        while remaining:
-            _, responses = gen.next()
-            for r in responses:
-                first.setdefault(r.uid, time.perf_counter() - submitted)
-                tokens[index[r.uid]].append(r.token)
-                if r.finish_reason is not None:
-                    remaining.discard(r.uid)
-                    if r.prompt_cache is not None and r.all_tokens is not None:
-                        self.cache.insert_cache("model", list(r.all_tokens), r.prompt_cache)
-        gen.close()
-        return [first[u] for u in uids], tokens
-
-
 def mlx_lm_run(model: Any, batches: list[list[list[int]]], max_tokens: int) -> Run:
-    """mlx-lm on ``batches`` with one prompt cache across them."""
-    runner = MlxLmRunner(model)
+    """mlx-lm's BatchGenerator on ``batches`` with one ``LRUPromptCache`` across them.
+
+    Used the way ``mlx_lm.server`` uses it: the nearest cached prefix is fetched before a
+    prompt is inserted, and a finished request's caches are stored.
+    """
+    from mlx_lm.models.cache import LRUPromptCache
+
+    prompt_cache = LRUPromptCache(max_size=64)
     ttft: list[float] = []
     tokens: list[list[int]] = []
     start = time.perf_counter()
     for batch in batches:
-        times, out = runner.run(batch, max_tokens)
-        ttft += times
-        tokens += out
+        driver = MlxLmBatch(model, running=16, prompt_cache=prompt_cache)
+        for i, prompt in enumerate(batch):
+            driver.submit(i, prompt, max_tokens)
+        driver.run()
+        driver.close()
+        ttft += [driver.token_times[i][0] for i in range(len(batch))]
+        tokens += [driver.tokens[i] for i in range(len(batch))]
     return Run("mlx-lm BatchGenerator + LRUPromptCache", time.perf_counter() - start, ttft, tokens)
 
 
@@ -221,29 +192,35 @@ def compare(model: Any, batches: list[list[list[int]]], max_tokens: int, rounds:
     return [best[s] for s in systems]
 
 
-def report(title: str, runs: list[Run]) -> None:
-    """Print one workload's table."""
+def report(title: str, runs: list[Run], results: Report) -> None:
+    """Print one workload's table; keep it as a Markdown table in ``results``."""
     base = runs[0].tokens
+    rows = []
     print(f"\n{title}")
     print(f"{'system':42s} {'TTFT p50':>10s} {'total':>9s} {'reused':>8s} {'tokens':>7s}")
     for run in runs:
         same = "same" if run.tokens == base else "DIFFER"
         # mlx-lm does not report what its prompt cache reused.
         reused = "n/a" if run.name.startswith("mlx-lm") else str(run.hit_tokens)
+        rows.append(
+            f"| {run.name} | {run.ttft_p50_ms:.1f} ms | {run.seconds:.2f} s | {reused} | {same} |"
+        )
         print(
             f"{run.name:42s} {run.ttft_p50_ms:8.1f}ms {run.seconds:8.2f}s {reused:>8s} {same:>7s}"
         )
     cached, uncached = runs[0], runs[1]
-    print(
+    summary = (
         f"TTFT p50: {uncached.ttft_p50_ms / cached.ttft_p50_ms:.1f}x lower with prefix caching "
         f"than without; {runs[2].ttft_p50_ms / cached.ttft_p50_ms:.1f}x lower than mlx-lm"
     )
+    print(summary)
+    table = "| system | TTFT p50 | total | reused | tokens |\n|---|---|---|---|---|\n"
+    results.keep(f"## {title}\n\n{table}" + "\n".join(rows) + f"\n\n{summary}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line."""
     parser = ArgumentParser(prog="python -m tools.bench_prefix", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small sizes (under a minute)")
     parser.add_argument(
         "--workload", choices=("shared", "chat", "both"), default="both", help="(both)"
     )
@@ -254,15 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the two tiny models (both), or the trained Gemma 3 270M (token ids drawn at "
         "random below 256, as for the tiny ones)",
     )
-    parser.add_argument("--rounds", type=int_in_range(1, 10), default=2, help="(2)")
     parser.add_argument("--max-tokens", type=positive_int(256), default=8, help="per request (8)")
-    parser.add_argument("--seed", type=int_in_range(0, 2**31), default=0, help="(0)")
     parser.add_argument(
         "--system", type=positive_int(8192), default=None, help="shared prompt tokens (2048)"
     )
     parser.add_argument(
         "--questions", type=positive_int(256), default=None, help="shared-prompt requests (32)"
     )
+    add_workload_options(parser)
+    add_run_options(parser, quick="small sizes (under a minute)", rounds=2)
     return parser
 
 
@@ -286,16 +263,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         models = build_models()
     names = list(models) if args.model == "both" else [args.model]
+    results = Report("Prefix caching: the engine with and without it, and mlx-lm")
+    results.keep(
+        f"Workload sizes: {shape}; greedy, at most 16 decoding; each system alone, "
+        f"{args.rounds} rounds in alternating order, the better round shown"
+    )
     for name in names:
         model = models[name]
         if args.workload in ("shared", "both"):
             batches = [shared_prompts(shape, args.seed)]
             title = f"{name}: {shape.questions} requests, {shape.system}-token shared prefix"
-            report(title, compare(model, batches, args.max_tokens, args.rounds))
+            report(title, compare(model, batches, args.max_tokens, args.rounds), results)
         if args.workload in ("chat", "both"):
             batches = chat_batches(model, shape, args.seed, args.max_tokens)
             title = f"{name}: {shape.conversations} conversations x {shape.turns} turns"
-            report(title, compare(model, batches, args.max_tokens, args.rounds))
+            report(title, compare(model, batches, args.max_tokens, args.rounds), results)
+    results.write(args.markdown, prog="tools.bench_prefix", argv=argv)
     return 0
 
 

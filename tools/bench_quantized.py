@@ -41,8 +41,17 @@ from kv_caches import PoolBackedKVCache
 from kv_pool import HybridKVPool, pages_per_request
 from kv_protocol import KVCacheError, KVQuantization, layout_from_model
 from kv_serve import active_blas, build_engine, build_pool, encode_prompt, load_model
-from tools.bench_engine import build_model, measured, run_mlx_lm, workload
-from tools.cli_args import ArgumentParser, int_in_range, model_source, positive_int
+from kv_testing import mlx_lm_greedy
+from tools.cli_args import (
+    ArgumentParser,
+    add_engine_options,
+    add_model_options,
+    add_run_options,
+    add_trained_model_options,
+    add_workload_options,
+    positive_int,
+)
+from tools.harness import Report, build_model, measured, run_mlx_lm, workload
 from tools.real_prompts import REAL_PROMPTS, real_prompts
 
 #: (label, bits) of the systems compared; ``None`` is the unquantized pool.
@@ -131,12 +140,12 @@ def run_accuracy(args: argparse.Namespace) -> int:
     passage_name = max(REAL_PROMPTS, key=lambda n: len(REAL_PROMPTS[n]))
     passage = encode_prompt(tokenizer, REAL_PROMPTS[passage_name])
     prompts = [encode_prompt(tokenizer, text) for _, text in real_prompts()][: args.prompts]
-    print(
+    described = (
         f"model {args.model}; passage {passage_name!r} ({len(passage)} tokens, chunks of "
         f"{args.chunk}); {len(prompts)} prompts of {min(map(len, prompts))}.."
-        f"{max(map(len, prompts))} tokens, {args.tokens} generated; groups of {args.group_size}",
-        flush=True,
+        f"{max(map(len, prompts))} tokens, {args.tokens} generated; groups of {args.group_size}"
     )
+    print(described, flush=True)
     caches = make_prompt_cache(model)
     reference_logits = []
     for start in range(0, len(passage), args.chunk):
@@ -178,20 +187,24 @@ def run_accuracy(args: argparse.Namespace) -> int:
         print(f"  {label}: done in {rows[-1][4]:.1f} s", flush=True)
 
     fp_loss = rows[0][1]
-    print(
-        "\n| KV pages | loss (nats/token) | vs fp32 | greedy agreement, teacher-forced "
-        "| free-running |"
-    )
-    print("|---|---|---|---|---|")
-    for label, loss, forced_share, free_share, _ in rows:
-        if label == "fp32":
-            print(f"| {label} | {loss:.4f} | - | - | - |")
-        else:
-            change = 100 * (loss - fp_loss) / fp_loss
-            print(
-                f"| {label} | {loss:.4f} | {change:+.2f}% | {100 * forced_share:.1f}% "
-                f"| {100 * free_share:.1f}% |"
-            )
+    results = Report("Quantized KV pages: accuracy on a trained model")
+    results.keep(f"{described}; mlx-lm's own caches: loss {reference_loss:.4f} nats/token")
+    with results.capturing():
+        print(
+            "\n| KV pages | loss (nats/token) | vs fp32 | greedy agreement, teacher-forced "
+            "| free-running |"
+        )
+        print("|---|---|---|---|---|")
+        for label, loss, forced_share, free_share, _ in rows:
+            if label == "fp32":
+                print(f"| {label} | {loss:.4f} | - | - | - |")
+            else:
+                change = 100 * (loss - fp_loss) / fp_loss
+                print(
+                    f"| {label} | {loss:.4f} | {change:+.2f}% | {100 * forced_share:.1f}% "
+                    f"| {100 * free_share:.1f}% |"
+                )
+    results.write(args.markdown, prog="tools.bench_quantized", argv=args.argv)
     return 0
 
 
@@ -224,10 +237,7 @@ def pool_concurrency(pool: HybridKVPool, max_context: int, chunk: int) -> int:
 def mlx_lm_request_bytes(model: Any, prompt: list[int], max_tokens: int) -> int:
     """Cache bytes mlx-lm holds for one request of this length at its end (its peak)."""
     caches = make_prompt_cache(model)
-    logits = model(mx.array(prompt)[None], cache=caches)
-    for _ in range(max_tokens - 1):
-        logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=caches)
-    mx.eval(logits)
+    mlx_lm_greedy(model, prompt, max_tokens, caches=caches)
     return sum(int(c.nbytes) for c in caches)
 
 
@@ -248,12 +258,12 @@ def run_capacity(args: argparse.Namespace) -> int:
     layout = layout_from_model(model)
     budget = args.budget_mib * 2**20
     per_mlx = mlx_lm_request_bytes(model, [1] * (longest - args.max_out), args.max_out)
-    print(
+    described = (
         f"{args.requests} requests, prompts {args.min_prompt}..{args.max_prompt}, "
         f"{args.max_out} out each (longest context {longest}); {args.layers} layers, window "
-        f"{args.window}; KV budget {args.budget_mib} MiB; groups of {args.group_size}",
-        flush=True,
+        f"{args.window}; KV budget {args.budget_mib} MiB; groups of {args.group_size}"
     )
+    print(described, flush=True)
     rows: list[CapacityRow] = []
     for label, bits in SETTINGS:
         quant = None if bits is None else KVQuantization(bits=bits, group_size=args.group_size)
@@ -303,18 +313,22 @@ def run_capacity(args: argparse.Namespace) -> int:
         print(f"  mlx-lm: one request needs {per_mlx / 2**20:.1f} MiB, more than the budget")
 
     reference = rows[0].tokens
-    print(
-        "\n| system | requests that fit | throughput tok/s | peak memory above weights MiB "
-        "| tokens equal to fp32 engine |"
-    )
-    print("|---|---|---|---|---|")
-    for row in rows:
-        same = sum(free_running_agreement(row.tokens[i], reference[i]) for i in reference)
-        total = sum(len(t) for t in reference.values())
+    results = Report("Quantized KV pages: capacity at a fixed KV budget")
+    results.keep(described)
+    with results.capturing():
         print(
-            f"| {row.name} | {row.fits} | {row.generated / row.seconds:.1f} | "
-            f"{row.peak_bytes / 2**20:.1f} | {same}/{total} |"
+            "\n| system | requests that fit | throughput tok/s | peak memory above weights MiB "
+            "| tokens equal to fp32 engine |"
         )
+        print("|---|---|---|---|---|")
+        for row in rows:
+            same = sum(free_running_agreement(row.tokens[i], reference[i]) for i in reference)
+            total = sum(len(t) for t in reference.values())
+            print(
+                f"| {row.name} | {row.fits} | {row.generated / row.seconds:.1f} | "
+                f"{row.peak_bytes / 2**20:.1f} | {same}/{total} |"
+            )
+    results.write(args.markdown, prog="tools.bench_quantized", argv=args.argv)
     return 0
 
 
@@ -328,31 +342,26 @@ def build_parser() -> ArgumentParser:
     )
     commands = top.add_subparsers(dest="command", required=True)
     acc = commands.add_parser("accuracy", help="loss and greedy agreement on a trained model")
-    acc.add_argument(
-        "--model",
-        type=model_source,
+    add_trained_model_options(
+        acc,
         default="gemma3-270m",
         help="gemma3-270m (default), a Gemma 3 .gguf or an mlx-lm directory",
     )
     acc.add_argument("--tokens", type=positive_int(1024), default=64, help="generated (64)")
-    acc.add_argument("--chunk", type=positive_int(4096), default=256, help="prefill chunk (256)")
     acc.add_argument(
         "--prompts", type=positive_int(16), default=16, help="real prompts generated from (16)"
     )
     acc.add_argument("--group-size", choices=("32", "64", "128"), default="64")
+    add_engine_options(acc, running=None, page_size=None, chunk=256)
+    add_run_options(acc, quick=None)
     acc.set_defaults(handler=run_accuracy)
     cap = commands.add_parser("capacity", help="requests that fit a KV budget, and throughput")
     cap.add_argument("--budget-mib", type=positive_int(1 << 16), default=24, help="KV MiB (24)")
-    cap.add_argument("--requests", type=positive_int(4096), default=32)
-    cap.add_argument("--min-prompt", type=positive_int(1 << 16), default=1024)
-    cap.add_argument("--max-prompt", type=positive_int(1 << 16), default=2048)
-    cap.add_argument("--max-out", type=positive_int(4096), default=32)
-    cap.add_argument("--layers", type=int_in_range(1, 64), default=4)
-    cap.add_argument("--window", type=positive_int(1 << 16), default=128)
-    cap.add_argument("--chunk", type=positive_int(4096), default=512)
     cap.add_argument("--group-size", choices=("32", "64", "128"), default="64")
-    cap.add_argument("--seed", type=int_in_range(0, 2**31 - 1), default=0)
-    cap.add_argument("--quick", action="store_true", help="a small run (seconds)")
+    add_workload_options(cap, requests=32, min_prompt=1024, max_prompt=2048, max_out=32)
+    add_model_options(cap)
+    add_engine_options(cap, running=None, page_size=None, chunk=512)
+    add_run_options(cap, quick="a small run (seconds)")
     cap.set_defaults(handler=run_capacity)
     return top
 
@@ -360,6 +369,7 @@ def build_parser() -> ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one benchmark; bad input is one ``error:`` line and exit status 2."""
     args = build_parser().parse_args(argv)
+    args.argv = argv
     args.group_size = int(args.group_size)
     if getattr(args, "quick", False):
         args.requests, args.min_prompt, args.max_prompt, args.max_out = 6, 64, 256, 8

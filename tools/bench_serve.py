@@ -38,6 +38,9 @@ from pathlib import Path
 import httpx
 import psutil  # type: ignore[import-untyped]
 
+from tools.cli_args import add_run_options
+from tools.harness import Report, quantile
+
 __all__ = ["main"]
 
 _WORDS = [
@@ -219,11 +222,9 @@ def _prompts(workload: str, count: int, words: int, rng: random.Random) -> list[
     return [f"Note {i + 1}. {texts[i % len(texts)]}" for i in range(count)]
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def ms(values: list[float], q: float) -> str:
+    """The ``q`` quantile of ``values`` (seconds) in whole milliseconds."""
+    return f"{quantile(values, q) * 1e3:.0f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -250,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kv-budget-mib", type=int, default=None, help="kv-serve's --kv-budget-mib (its default)"
     )
     parser.add_argument("--servers", nargs="+", default=["kv-serve", "mlx-lm"])
+    add_run_options(parser, quick=None)
     args = parser.parse_args(argv)
     max_context = args.max_context or (1024 if args.workload == "synthetic" else 2048)
     directory = _model_dir(args.model)
@@ -296,9 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(
                     f"| {server.name} | {concurrency} | {level.requests}/{len(prompts)} | "
                     f"{level.requests / level.seconds:.2f} | "
-                    f"{level.tokens / level.seconds:.1f} | {_pct(level.ttft, 0.5) * 1e3:.0f} / "
-                    f"{_pct(level.ttft, 0.99) * 1e3:.0f} | {_pct(level.itl, 0.5) * 1e3:.0f} / "
-                    f"{_pct(level.itl, 0.99) * 1e3:.0f} | {server.peak_rss / 2**20:.0f} |"
+                    f"{level.tokens / level.seconds:.1f} | "
+                    f"{ms(level.ttft, 0.5)} / {ms(level.ttft, 0.99)} | "
+                    f"{ms(level.itl, 0.5)} / {ms(level.itl, 0.99)} | "
+                    f"{server.peak_rss / 2**20:.0f} |"
                 )
                 print(rows[-1], flush=True)
                 if level.failed:
@@ -308,19 +311,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for server in servers:
             server.stop()
-    print()
-    shape = f"{args.prompt_words}-word" if args.workload == "synthetic" else "long real"
-    print(
-        f"{args.model}: {shape} prompts, {args.max_tokens} tokens each, "
-        f"{args.requests} requests per client, greedy, streamed"
-    )
-    print(
-        "| server | clients | done | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
-        "| peak RSS MiB |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(row)
+    results = Report("HTTP serving: kv-serve against mlx_lm.server")
+    with results.capturing():
+        print()
+        shape = f"{args.prompt_words}-word" if args.workload == "synthetic" else "long real"
+        print(
+            f"{args.model}: {shape} prompts, {args.max_tokens} tokens each, "
+            f"{args.requests} requests per client, greedy, streamed"
+        )
+        print(
+            "| server | clients | done | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
+            "| peak RSS MiB |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for row in rows:
+            print(row)
+    results.write(args.markdown, prog="tools.bench_serve", argv=argv)
     return 0
 
 

@@ -5,6 +5,10 @@ refuses a bad value while argparse parses (so before any model is built or anyth
 :class:`ArgumentParser` reports any parse error as exactly one ``error: ...`` line on stderr
 with exit status 2, never a traceback. Ranges are checked by ``kv_protocol.check_int`` and
 ``kv_protocol.check_number``, the rule every kv-* entry point uses.
+
+The benchmarks build their parsers from the same option groups (``add_model_options``,
+``add_workload_options``, ``add_engine_options``, ``add_trained_model_options``,
+``add_run_options``), so an option means and checks the same in every one of them.
 """
 
 from __future__ import annotations
@@ -28,11 +32,19 @@ __all__ = [
     "MAX_TOKENS",
     "MAX_WORKLOAD_TOKENS",
     "ArgumentParser",
+    "Shown",
+    "add_engine_options",
+    "add_model_options",
+    "add_run_options",
+    "add_trained_model_options",
+    "add_workload_options",
     "budget_mib",
     "existing_directory",
     "finite_float",
     "int_in_range",
     "int_list",
+    "layer_count",
+    "markdown_file",
     "memory_limit_bytes",
     "png_file",
     "positive_int",
@@ -215,9 +227,23 @@ def model_source(text: str) -> str:
 
 def png_file(text: str) -> str:
     """An argparse ``type=``: a ``.png`` path that can be written now (checked by a probe)."""
-    path = Path(text)
-    if path.suffix.lower() != ".png":
+    if Path(text).suffix.lower() != ".png":
         raise argparse.ArgumentTypeError(f"{text}: the picture is written as PNG; name a .png file")
+    return _writable_file(text)
+
+
+def markdown_file(text: str) -> str:
+    """An argparse ``type=``: a ``.md`` path that can be written now (checked by a probe)."""
+    if Path(text).suffix.lower() != ".md":
+        raise argparse.ArgumentTypeError(
+            f"{text}: the results are written as Markdown; name a .md file"
+        )
+    return _writable_file(text)
+
+
+def _writable_file(text: str) -> str:
+    """``text`` if a file can be written there now: its directory exists and takes a file."""
+    path = Path(text)
     parent = path.parent
     if not parent.exists():
         raise argparse.ArgumentTypeError(f"{text}: directory {parent} does not exist")
@@ -230,7 +256,7 @@ def png_file(text: str) -> str:
     try:
         # A real write, not os.access: a privileged user passes os.access everywhere, and a
         # read-only file system refuses writes whatever the permission bits say.
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".kv-plot-", suffix=".png"):
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".kv-probe-", suffix=path.suffix):
             pass
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
@@ -238,3 +264,195 @@ def png_file(text: str) -> str:
             f"{text}: directory {parent} is not writable ({reason})"
         ) from None
     return text
+
+
+# ------------------------------------------------------------------ option groups of the benchmarks
+
+#: ``type=`` of ``--layers``: the generated models alternate sliding and full layers.
+layer_count = int_in_range(
+    2, MAX_LAYERS, why="; layers alternate sliding/full, so 2 is the fewest with a full one"
+)
+
+#: A default an option group shows: an int (the default), a text (``None`` until the
+#: benchmark fills it in; the text says what it becomes), or ``None`` (no such option).
+Shown = int | str | None
+
+
+def _default(value: int | str) -> tuple[int | None, str]:
+    return (value, str(value)) if isinstance(value, int) else (None, value)
+
+
+def add_model_options(
+    parser: argparse.ArgumentParser, *, layers: int = 4, window: int = 128, sizes: bool = False
+) -> argparse._ArgumentGroup:
+    """``--layers`` and ``--window`` of the random-weight model (``tools.harness.build_model``).
+
+    With ``sizes``, also its ``--hidden`` size and ``--experts``.
+    """
+    group = parser.add_argument_group("random-weight model")
+    group.add_argument(
+        "--layers",
+        type=layer_count,
+        default=layers,
+        help=f"model layers, alternating sliding/full, 2..{MAX_LAYERS} (default {layers})",
+    )
+    group.add_argument(
+        "--window",
+        type=positive_int(MAX_TOKENS),
+        default=window,
+        help=f"sliding window (default {window})",
+    )
+    if sizes:
+        group.add_argument(
+            "--hidden",
+            type=positive_int(4096),
+            default=64,
+            help="hidden size of the random-weight model (default 64)",
+        )
+        group.add_argument(
+            "--experts",
+            type=positive_int(256),
+            default=2,
+            help="experts of the random-weight model, half of them routed per token (default 2)",
+        )
+    return group
+
+
+def add_trained_model_options(
+    parser: argparse.ArgumentParser, *, default: str | None, help: str, dtype: bool = False
+) -> argparse._ArgumentGroup:
+    """``--model`` (a trained model: ``gemma3-270m``, a ``.gguf``, a directory), ``--dtype``."""
+    group = parser.add_argument_group("trained model")
+    group.add_argument(
+        "--model", type=model_source, default=default, metavar="NAME_OR_PATH", help=help
+    )
+    if dtype:
+        group.add_argument(
+            "--dtype",
+            choices=("float32", "bfloat16", "float16"),
+            default="float32",
+            help="weights of --model (default float32)",
+        )
+    return group
+
+
+def add_workload_options(
+    parser: argparse.ArgumentParser,
+    *,
+    requests: Shown = None,
+    min_prompt: Shown = None,
+    max_prompt: Shown = None,
+    min_out: Shown = None,
+    max_out: Shown = None,
+    seed: bool = True,
+) -> argparse._ArgumentGroup:
+    """The random workload's sizes (each option only where a default is given) and ``--seed``."""
+    group = parser.add_argument_group("workload")
+    options = (
+        ("--requests", requests, MAX_REQUESTS, "number of requests"),
+        ("--min-prompt", min_prompt, MAX_TOKENS, "shortest prompt in tokens"),
+        ("--max-prompt", max_prompt, MAX_TOKENS, "longest prompt in tokens"),
+        ("--min-out", min_out, MAX_TOKENS, "fewest output tokens of a request"),
+        ("--max-out", max_out, MAX_TOKENS, "most output tokens of a request"),
+    )
+    for flag, shown, maximum, what in options:
+        if shown is None:
+            continue
+        value, text = _default(shown)
+        group.add_argument(
+            flag,
+            type=positive_int(maximum),
+            default=value,
+            help=f"{what}, 1..{maximum} (default {text})",
+        )
+    if seed:
+        group.add_argument(
+            "--seed", type=random_seed, default=0, help="workload seed, 0..2**32-1 (default 0)"
+        )
+    return group
+
+
+def add_engine_options(
+    parser: argparse.ArgumentParser,
+    *,
+    running: int | None = 16,
+    page_size: int | None = 16,
+    chunk: int = 512,
+    stall: list[float] | bool | None = False,
+) -> argparse._ArgumentGroup:
+    """The engine and its pool: ``--running``, ``--page-size``, ``--chunk``, ``--stall``.
+
+    ``running`` or ``page_size`` ``None``: no such option. ``stall``: ``False`` adds no
+    ``--stall``; ``None`` one value (default: none); a list of values one engine run per
+    value (``nargs="+"``) with that default.
+    """
+    group = parser.add_argument_group("engine and pool")
+    if running is not None:
+        group.add_argument(
+            "--running",
+            type=positive_int(MAX_REQUESTS),
+            default=running,
+            help=f"most requests decoding at once (default {running})",
+        )
+    if page_size is not None:
+        group.add_argument(
+            "--page-size",
+            type=positive_int(MAX_PAGE_SIZE),
+            default=page_size,
+            help=f"pool page size, 1..{MAX_PAGE_SIZE} (default {page_size})",
+        )
+    group.add_argument(
+        "--chunk",
+        type=positive_int(MAX_TOKENS),
+        default=chunk,
+        help=f"prefill chunk of every system (default {chunk})",
+    )
+    stall_type = finite_float(0.0, 1000.0, min_inclusive=False)
+    if isinstance(stall, list):
+        group.add_argument(
+            "--stall",
+            type=stall_type,
+            nargs="+",
+            default=stall,
+            help="the engine's prefill_stall, one engine run per value (default "
+            f"{' '.join(f'{s:g}' for s in stall)})",
+        )
+    elif stall is None:
+        group.add_argument(
+            "--stall",
+            type=stall_type,
+            default=None,
+            help="the engine's prefill_stall (default: none, --chunk tokens a step)",
+        )
+    return group
+
+
+def add_run_options(
+    parser: argparse.ArgumentParser, *, quick: str | None, rounds: int | None = None
+) -> argparse._ArgumentGroup:
+    """``--quick`` (``quick`` says what it runs), ``--rounds`` and ``--markdown [FILE]``.
+
+    ``--markdown`` alone prints the results as Markdown too; ``--markdown FILE.md`` writes
+    them there (with the command, the machine and the date), e.g. into ``docs/results/``.
+    """
+    group = parser.add_argument_group("run")
+    if quick is not None:
+        group.add_argument("--quick", action="store_true", help=quick)
+    if rounds is not None:
+        group.add_argument(
+            "--rounds",
+            type=positive_int(16),
+            default=rounds,
+            help=f"rounds of every system in alternating order, 1..16 (default {rounds})",
+        )
+    group.add_argument(
+        "--markdown",
+        type=markdown_file,
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="FILE.md",
+        help="also print the results as Markdown, or write them to FILE.md (with the command, "
+        "the machine and the date), e.g. docs/results/NAME.md",
+    )
+    return group

@@ -223,8 +223,10 @@ def _real_workload(
 
 def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
     """Serve the workload, verify it against mlx-lm, and measure throughput and KV memory."""
-    from kv_testing import build_tiny_model
-    from tools.reference import first_divergence, mlx_lm_greedy
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kv_testing import build_tiny_model, mlx_lm_greedy
+    from tools.reference import first_divergence
 
     tokenizer: Any = None
     stops: set[int] = set()
@@ -342,17 +344,23 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
             stream.write("verifying every request against mlx-lm generating it alone ...\n")
         measured_check = True
         for index, ((prompt, n), mine) in enumerate(zip(work, outputs, strict=True)):
+            caches = make_prompt_cache(model)
             ref = mlx_lm_greedy(
-                model, prompt, n, prefill_chunk=config.prefill_chunk, stop_tokens=sorted(stops)
+                model,
+                prompt,
+                n,
+                caches=caches,
+                prefill_chunk=config.prefill_chunk,
+                stop_tokens=stops,
             )
-            if ref.tokens != mine:
+            if ref != mine:
                 where = (
-                    first_divergence(model, prompt, ref.tokens, mine, dtype=dtype)
+                    first_divergence(model, prompt, ref, mine, dtype=dtype)
                     if dtype is not None and dtype != mx.float32
                     else None
                 )
                 (ties if where is not None and where.is_tie else mismatches).append(index)
-            if ref.kv_bytes > mlx_lm_kv_bytes(layout, len(prompt) + n):
+            if sum(int(c.nbytes) for c in caches) > mlx_lm_kv_bytes(layout, len(prompt) + n):
                 measured_check = False
         verified = not mismatches
     texts = (

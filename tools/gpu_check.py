@@ -30,7 +30,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -81,19 +80,6 @@ def smoke(backend: str) -> None:
     print("  paged decode attention kernel ok")
 
 
-def _stored_kv_greedy(model: Any, prompt: list[int], quant: Any, n: int) -> list[int]:
-    """mlx-lm's greedy tokens on its own caches, each storing what a page gives back."""
-    from kv_testing import stored_kv_caches
-
-    caches = stored_kv_caches(model, quant)
-    logits = model(mx.array(prompt)[None], cache=caches)
-    out: list[int] = []
-    while len(out) < n:
-        out.append(int(mx.argmax(logits[0, -1])))
-        logits = model(mx.array([[out[-1]]]), cache=caches)
-    return out
-
-
 def engine_check(backend: str) -> bool:
     """The decode engine on ``backend``'s kernels against mlx-lm on the same K/V, greedy, fp32.
 
@@ -120,7 +106,7 @@ def engine_check(backend: str) -> bool:
         layout_from_model,
         rope_config_from_module,
     )
-    from kv_testing import build_tiny_model
+    from kv_testing import build_tiny_model, mlx_lm_greedy, stored_kv_caches
 
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 9, 40, 90)]
@@ -135,7 +121,10 @@ def engine_check(backend: str) -> bool:
         )
         for bits in (None, 8, 4):
             quant = None if bits is None else KVQuantization(bits=bits, group_size=64)
-            want = [_stored_kv_greedy(model, p, quant, 16) for p in prompts]
+            # The oracle: mlx-lm's own caches, each storing what a page gives back.
+            want = [
+                mlx_lm_greedy(model, p, 16, caches=stored_kv_caches(model, quant)) for p in prompts
+            ]
             matches = {}
             for kernel in dict.fromkeys((backend, "reference")):
                 pool = HybridKVPool(layout, num_pages=96, page_size=16, kv_quantization=quant)

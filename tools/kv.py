@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from tools.cli_args import (
     ArgumentParser,
     budget_mib,
     existing_directory,
+    markdown_file,
     model_source,
     png_file,
     positive_int,
@@ -146,7 +148,20 @@ def _demo_command(args: argparse.Namespace) -> int:
         result = run_demo(config)
     except (DemoError, KVCacheError) as exc:
         raise CliError(str(exc)) from exc
-    print(result_json(result) if args.json else format_result(result))
+    if args.json:
+        print(result_json(result))
+    else:
+        from tools.harness import Report
+
+        report = Report(f"Demo: {result.model}")
+        with report.capturing():
+            print(format_result(result))
+        if args.plot is not None:
+            # A link from where the Markdown file lies to the picture.
+            where = Path(args.markdown).parent if args.markdown not in (None, "-") else Path()
+            picture = Path(os.path.relpath(args.plot, where)).as_posix()
+            report.keep(f"![pages per sub-pool and requests over the engine steps]({picture})")
+        report.write(args.markdown, prog="tools.kv", argv=args.argv)
     return 1 if result.verified is False else 0
 
 
@@ -284,6 +299,15 @@ def _add_demo_options(demo: argparse.ArgumentParser) -> None:
         "uv sync --extra plot)",
     )
     out.add_argument("--no-verify", action="store_true", help="skip the token check against mlx-lm")
+    out.add_argument(
+        "--markdown",
+        type=markdown_file,
+        nargs="?",
+        const="-",
+        metavar="FILE.md",
+        help="also print the report as Markdown, or write it to FILE.md (with the command, "
+        "the machine and the date), e.g. docs/results/demo.md",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -386,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # And kv-serve's serve (python -m tools.kv serve --help).
         return _serve_command(arguments[1:])
     args = parser.parse_args(arguments)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         status: int = args.handler(args)
     except CliError as exc:

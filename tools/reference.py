@@ -1,4 +1,9 @@
-"""The oracle: mlx-lm generating one prompt alone with the model's own caches."""
+"""Whether a difference from the oracle is a tie: where two greedy continuations first differ.
+
+The oracle itself is :func:`kv_testing.mlx_lm_greedy` (mlx-lm generating one prompt alone
+with its own caches); here mlx-lm re-runs a prompt to read the two tokens' logits where its
+continuation and another first differ.
+"""
 
 from __future__ import annotations
 
@@ -9,55 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from kv_batching import last_position_forward, vocabulary_size
-
-__all__ = ["TIE_ULPS", "Divergence", "ReferenceRun", "first_divergence", "mlx_lm_greedy"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReferenceRun:
-    """Tokens mlx-lm generated for one prompt and the KV bytes its caches held at the end."""
-
-    tokens: list[int]
-    kv_bytes: int
-
-
-def mlx_lm_greedy(
-    model: nn.Module,
-    prompt: Sequence[int],
-    max_tokens: int,
-    *,
-    prefill_chunk: int = 512,
-    stop_tokens: Sequence[int] = (),
-) -> ReferenceRun:
-    """Greedy-decode ``prompt`` alone through mlx-lm's ``make_prompt_cache`` caches.
-
-    Prefill chunks project only their last position onto the vocabulary when
-    :func:`kv_batching.last_position_forward` proves that split exact for the model (with a
-    262k vocabulary the head of the other positions costs more than the rest of the model).
-    """
-    if not prompt:
-        raise ValueError("prompt must contain at least one token")
-    cache = make_prompt_cache(model)
-    tokens = list(prompt)
-    vocab = vocabulary_size(model)
-    last_only = last_position_forward(model, vocab) if vocab is not None else None
-    logits = None
-    for start in range(0, len(tokens), prefill_chunk):
-        chunk = mx.array([tokens[start : start + prefill_chunk]])
-        logits = model(chunk, cache=cache) if last_only is None else last_only(chunk, cache)
-        mx.eval(logits, [c.state for c in cache])
-    assert logits is not None
-    out: list[int] = []
-    stops = set(stop_tokens)
-    while len(out) < max_tokens:
-        token = int(mx.argmax(logits[0, -1]))
-        out.append(token)
-        if token in stops or len(out) == max_tokens:
-            break
-        logits = model(mx.array([[token]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return ReferenceRun(tokens=out, kv_bytes=sum(int(c.nbytes) for c in cache))
+__all__ = ["TIE_ULPS", "Divergence", "first_divergence"]
 
 
 #: Machine epsilon of the dtypes a model can run in: the spacing of values near 1.
@@ -119,12 +76,8 @@ def first_divergence(
             gap=float("inf"),
             tolerance=0.0,
         )
-    cache = make_prompt_cache(model)
     context = mx.array([list(prompt) + list(reference[:index])])
-    vocab = vocabulary_size(model)
-    last_only = last_position_forward(model, vocab) if vocab is not None else None
-    out = model(context, cache=cache) if last_only is None else last_only(context, cache)
-    logits = out[0, -1].astype(mx.float32)
+    logits = model(context, cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
     mine, theirs = float(logits[reference[index]]), float(logits[other[index]])
     eps = _EPSILON.get(dtype, 2.0**-23)
     return Divergence(

@@ -93,8 +93,7 @@ def check_architecture(name: str) -> SupportRow:
     from kv_batching import DecodeEngine
     from kv_protocol import layout_from_model
     from kv_serve import build_engine
-    from kv_testing import ZOO, build_zoo_model
-    from tools.reference import mlx_lm_greedy
+    from kv_testing import ZOO, build_zoo_model, mlx_lm_greedy
 
     module = ZOO[name].module
     row: dict[str, Any] = {"name": name, "module": module, "decode_paths": ""}
@@ -114,7 +113,7 @@ def check_architecture(name: str) -> SupportRow:
     row["mlx_lm_batchable"] = all(hasattr(c, "merge") for c in caches)
     prompts = _prompts()
     try:
-        want = [mlx_lm_greedy(model, p, MAX_TOKENS).tokens for p in prompts]
+        want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in prompts]
     except Exception as error:
         return SupportRow(**row, status=MLX_LM_CANNOT_RUN, reason=_short(error))
     try:
