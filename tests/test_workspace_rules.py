@@ -5,7 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.check_workspace import check_workspace, find_members
+from tools.check_workspace import (
+    ORACLE_HOME,
+    QUANTILE_HOME,
+    check_single_copies,
+    check_workspace,
+    find_members,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,3 +164,94 @@ def test_member_tests_import_only_what_the_member_declares(tmp_path: Path) -> No
         ws / "packages" / "kv-pool" / "pyproject.toml", '"numpy>=2",', '"numpy>=2", "kv-testing",'
     )
     assert len(check_workspace(ws)) == 1
+
+
+def test_the_repository_has_one_quantile_rule_and_one_greedy_oracle() -> None:
+    assert check_single_copies(ROOT) == []
+    assert (ROOT / QUANTILE_HOME).is_file() and (ROOT / ORACLE_HOME).is_file()
+
+
+SECOND_QUANTILES = {
+    "tools/bench_x.py": (
+        "def p99(values):\n"
+        "    ordered = sorted(values)\n"
+        "    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]\n"
+    ),
+    "tests/test_x.py": "import statistics\n\ndef test_x():\n    statistics.median([1.0])\n",
+    "packages/kv-pool/src/kv_pool/_stats.py": "def step_percentile(xs, q):\n    return xs\n",
+    "conftest.py": "from numpy import percentile\n",
+    "tools/bench_y.py": "def mid(xs):\n    return sorted(xs)[len(xs) // 2]\n",
+}
+
+
+def test_a_second_quantile_rule_is_reported(tmp_path: Path) -> None:
+    ws = _copy_skeleton(tmp_path)
+    # The home of the rule may define it; ordinary uses of sorted() are not a rank.
+    (ws / "tools").mkdir()
+    (ws / QUANTILE_HOME).write_text(
+        "import math\n\ndef quantile(values, q):\n"
+        "    ordered = sorted(values)\n"
+        "    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]\n"
+    )
+    (ws / "tools" / "ok.py").write_text(
+        "from tools.harness import quantile\n\n"
+        "def worst(xs):\n    return sorted(xs)[-1], sorted(xs)[: len(xs) // 2], quantile(xs, 0.5)\n"
+    )
+    assert check_workspace(ws) == []
+    (ws / "tests").mkdir()
+    for rel, source in SECOND_QUANTILES.items():
+        (ws / rel).write_text(source)
+    problems = check_workspace(ws)
+    assert problems == [
+        "conftest.py:1: imports numpy.percentile; use tools.harness.quantile (the one quantile "
+        "rule)",
+        "tools/bench_x.py:3: indexes a sorted sequence at a computed rank "
+        "(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]); use tools.harness.quantile "
+        "(the one quantile rule)",
+        "tools/bench_y.py:2: indexes a sorted sequence at a computed rank "
+        "(sorted(xs)[len(xs) // 2]); use tools.harness.quantile (the one quantile rule)",
+        "tests/test_x.py:4: calls statistics.median(); use tools.harness.quantile (the one "
+        "quantile rule)",
+        "packages/kv-pool/src/kv_pool/_stats.py:1: defines step_percentile(); use "
+        "tools.harness.quantile (the one quantile rule)",
+    ]
+
+
+GREEDY_LOOP = (
+    "    cache = make_prompt_cache(model)\n"
+    "    logits = model(mx.array([prompt]), cache=cache)\n"
+    "    out = []\n"
+    "    for _ in range(n):\n"
+    "        out.append(int(mx.argmax(logits[0, -1])))\n"
+    "        logits = model(mx.array([[out[-1]]]), cache=cache)\n"
+)
+
+
+def test_a_second_greedy_oracle_is_reported(tmp_path: Path) -> None:
+    ws = _copy_skeleton(tmp_path)
+    home = ws / ORACLE_HOME
+    home.write_text(f"def mlx_lm_greedy(model, prompt, n):\n{GREEDY_LOOP}    return out\n")
+    tests = ws / "tests"
+    tests.mkdir()
+    # A test may drive the model inline (a lockstep comparison), also in a nested helper.
+    (tests / "test_lockstep.py").write_text(
+        f"def test_lockstep(model, prompt, n):\n{GREEDY_LOOP}\n"
+        "    def tokens(caches):\n"
+        "        return list(generate_step(prompt, model, prompt_cache=caches))\n"
+    )
+    assert check_workspace(ws) == []
+    (tests / "helpers.py").write_text(
+        f"def mlx_lm_alone(model, prompt, n):\n{GREEDY_LOOP}    return out\n"
+    )
+    (ws / "packages" / "kv-serve" / "tests").mkdir()
+    (ws / "packages" / "kv-serve" / "tests" / "test_y.py").write_text(
+        "from mlx_lm.generate import generate_step\n\n"
+        "def reference(model, prompt):\n"
+        "    return [t for t, _ in generate_step(prompt, model, max_tokens=8)]\n"
+    )
+    use = "use kv_testing.mlx_lm_greedy (the one mlx-lm greedy oracle)"
+    assert check_workspace(ws) == [
+        "tests/helpers.py:1: mlx_lm_alone() decodes greedily (an argmax in a loop that calls a "
+        f"model with cache=); {use}",
+        f"packages/kv-serve/tests/test_y.py:3: reference() calls mlx-lm's generate_step; {use}",
+    ]

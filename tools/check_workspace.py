@@ -23,6 +23,22 @@ Checked:
   and depend on every toolkit member and on mlx-lm (with version ranges that admit the
   members' versions), but never on a test-support member at run time.
 
+One copy of each measuring rule and of the oracle, anywhere in ``tools/``, ``tests/``,
+``packages/`` and the root ``conftest.py`` (found by reading each file's syntax tree):
+
+- The one quantile rule is ``tools/harness.py``'s ``quantile``. Elsewhere: no function
+  named like ``*quantile*``, ``*percentile*`` or ``*median*`` (tests, ``test_*``, aside);
+  no call of a library's ``median``, ``quantile(s)`` or ``percentile``
+  (``statistics.median``, ``np.percentile``, ...) nor an import of one; no index into a
+  sorted sequence computed with ``*``, ``/`` or ``//`` (a rank such as
+  ``ordered[int(q * len(ordered))]``).
+- The one mlx-lm greedy oracle is ``kv_testing.mlx_lm_greedy`` (``greedy_continue`` for a
+  continuation), in ``packages/kv-testing/src/kv_testing/_oracle.py``. Elsewhere no helper
+  function decodes greedily through a model: a loop that takes an ``argmax`` and calls
+  something with ``cache=``, or a call of mlx-lm's ``generate_step`` / ``stream_generate``.
+  Test functions (``test_*``, and functions defined inside one) may drive a model inline:
+  a lockstep comparison of two cache implementations step by step is a test, not an oracle.
+
 Run ``uv run python tools/check_workspace.py``; exits non-zero and lists each violation.
 """
 
@@ -40,8 +56,11 @@ from packaging.requirements import Requirement
 
 __all__ = [
     "COMPOSITION_ROOTS",
+    "ORACLE_HOME",
+    "QUANTILE_HOME",
     "TEST_SUPPORT_MEMBERS",
     "Member",
+    "check_single_copies",
     "check_workspace",
     "find_members",
     "main",
@@ -56,6 +75,27 @@ COMPOSITION_ROOTS = frozenset({"kv-serve"})
 PRIVATE_CLASSIFIER = "Private :: Do Not Upload"
 #: Top-level modules of the repository root that members' tests must not import.
 ROOT_ONLY_IMPORTS = ("tools",)
+#: The file holding the one quantile rule, and the one holding the one greedy oracle.
+QUANTILE_HOME = "tools/harness.py"
+ORACLE_HOME = "packages/kv-testing/src/kv_testing/_oracle.py"
+#: Words that name a quantile function, and the names of libraries' quantile functions.
+_QUANTILE_WORDS = ("quantile", "percentile", "median")
+_LIBRARY_QUANTILES = frozenset(
+    {
+        "median",
+        "median_low",
+        "median_high",
+        "median_grouped",
+        "quantile",
+        "quantiles",
+        "percentile",
+        "nanmedian",
+        "nanquantile",
+        "nanpercentile",
+    }
+)
+#: mlx-lm's own generation loops.
+_MLX_LM_GENERATORS = frozenset({"generate_step", "stream_generate"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,8 +234,139 @@ def _check_declared(member: Member, by_dist: dict[str, Member]) -> list[str]:
     return problems
 
 
+def _call_name(call: ast.Call) -> str:
+    func = call.func
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else ""
+
+
+def _is_sorted_call(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and _call_name(node) == "sorted"
+
+
+def _rank_arithmetic(index: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult | ast.Div | ast.FloorDiv)
+        for n in ast.walk(index)
+    )
+
+
+def _greedy_loop(function: ast.AST) -> bool:
+    """Whether a loop of ``function`` takes an argmax and calls something with ``cache=``."""
+    for loop in ast.walk(function):
+        if not isinstance(loop, ast.For | ast.AsyncFor | ast.While):
+            continue
+        calls = [n for n in ast.walk(loop) if isinstance(n, ast.Call)]
+        if any(_call_name(c) == "argmax" for c in calls) and any(
+            k.arg == "cache" for c in calls for k in c.keywords
+        ):
+            return True
+    return False
+
+
+def _second_rank_rules(rel: str, tree: ast.AST) -> list[str]:
+    """A second quantile rule in ``tree``: a definition, a library call, a rank index."""
+    problems: list[str] = []
+    use = "use tools.harness.quantile (the one quantile rule)"
+    sorted_names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _is_sorted_call(node.value):
+            sorted_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and not node.name.startswith("test_")
+            and any(word in node.name.lower() for word in _QUANTILE_WORDS)
+        ):
+            problems.append(f"{rel}:{node.lineno}: defines {node.name}(); {use}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _LIBRARY_QUANTILES
+        ):
+            problems.append(f"{rel}:{node.lineno}: calls {ast.unparse(node.func)}(); {use}")
+        elif isinstance(node, ast.ImportFrom) and node.module in ("statistics", "numpy"):
+            for alias in node.names:
+                if alias.name in _LIBRARY_QUANTILES:
+                    problems.append(
+                        f"{rel}:{node.lineno}: imports {node.module}.{alias.name}; {use}"
+                    )
+        elif isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice):
+            ordered = _is_sorted_call(node.value) or (
+                isinstance(node.value, ast.Name) and node.value.id in sorted_names
+            )
+            if ordered and _rank_arithmetic(node.slice):
+                problems.append(
+                    f"{rel}:{node.lineno}: indexes a sorted sequence at a computed rank "
+                    f"({ast.unparse(node)}); {use}"
+                )
+    return problems
+
+
+def _second_oracles(rel: str, tree: ast.AST) -> list[str]:
+    """A second greedy oracle in ``tree``: a helper function decoding greedily."""
+    problems: list[str] = []
+    use = "use kv_testing.mlx_lm_greedy (the one mlx-lm greedy oracle)"
+
+    def visit(node: ast.AST, in_test: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                test = in_test or child.name.startswith("test_")
+                if not test:
+                    body = ast.Module(body=child.body, type_ignores=[])
+                    generators = {
+                        _call_name(n)
+                        for n in ast.walk(body)
+                        if isinstance(n, ast.Call) and _call_name(n) in _MLX_LM_GENERATORS
+                    }
+                    if generators:
+                        problems.append(
+                            f"{rel}:{child.lineno}: {child.name}() calls mlx-lm's "
+                            f"{', '.join(sorted(generators))}; {use}"
+                        )
+                    elif _greedy_loop(body):
+                        problems.append(
+                            f"{rel}:{child.lineno}: {child.name}() decodes greedily (an argmax "
+                            f"in a loop that calls a model with cache=); {use}"
+                        )
+                visit(child, test)
+            else:
+                visit(child, in_test)
+
+    visit(tree, False)
+    return problems
+
+
+def _python_sources(root: Path) -> list[Path]:
+    sources = [root / "conftest.py"] if (root / "conftest.py").is_file() else []
+    for top in ("tools", "tests", "packages"):
+        sources += [
+            path
+            for path in sorted((root / top).rglob("*.py"))
+            if not any(part.startswith(".") or part == "__pycache__" for part in path.parts)
+        ]
+    return sources
+
+
+def check_single_copies(root: Path) -> list[str]:
+    """A second quantile rule or a second mlx-lm greedy oracle anywhere under ``root``."""
+    problems: list[str] = []
+    for source in _python_sources(root):
+        rel = source.relative_to(root).as_posix()
+        tree = ast.parse(source.read_text(), filename=str(source))
+        if rel != QUANTILE_HOME:
+            problems += _second_rank_rules(rel, tree)
+        if rel != ORACLE_HOME:
+            problems += _second_oracles(rel, tree)
+    return problems
+
+
 def check_workspace(root: Path) -> list[str]:
-    """All violations of the dependency rule under ``root`` (empty when the rule holds)."""
+    """All violations of the dependency rule under ``root`` (empty when the rule holds).
+
+    The single-copy rule (:func:`check_single_copies`) is part of it.
+    """
     members = find_members(root)
     by_dist = {m.dist: m for m in members}
     by_import = {m.import_name: m for m in members}
@@ -216,7 +387,7 @@ def check_workspace(root: Path) -> list[str]:
                 )
         elif member.dist not in root_deps:
             problems.append(f"workspace root does not depend on member {member.dist}")
-    return problems
+    return problems + check_single_copies(root)
 
 
 def main() -> int:
@@ -232,7 +403,7 @@ def main() -> int:
         print(
             f"workspace dependency rule holds for {len(members)} members "
             f"({len(members) - support - roots} toolkit, {roots} composition root, "
-            f"{support} test support)"
+            f"{support} test support); one quantile rule and one greedy oracle"
         )
     return min(len(problems), 100)
 

@@ -14,7 +14,7 @@ from kv_caches import (
     WindowedAttentionKVCache,
 )
 from kv_protocol import LayerKind, layout_from_model
-from kv_testing import build_tiny_model
+from kv_testing import build_tiny_model, greedy_continue
 
 DECODE_STEPS = 40
 ATOL = 1e-5
@@ -47,15 +47,7 @@ def run(
         logits.append(out[0])
         pos += size
     assert out is not None
-    tokens: list[int] = []
-    token = int(mx.argmax(out[0, -1]))
-    for _ in range(steps):
-        tokens.append(token)
-        out = model(mx.array([[token]]), cache=caches)
-        mx.eval(out, [c.state for c in caches])
-        logits.append(out[0])
-        token = int(mx.argmax(out[0, -1]))
-    tokens.append(token)
+    tokens = greedy_continue(model, caches, out, steps + 1, record=logits)
     return logits, tokens
 
 

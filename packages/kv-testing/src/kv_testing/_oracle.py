@@ -59,11 +59,13 @@ def greedy_continue(
     max_tokens: int,
     *,
     stop_tokens: Collection[int] = (),
+    record: list[mx.array] | None = None,
 ) -> list[int]:
     """Greedy tokens from ``logits`` (``(1, T, vocab)``; the last position is sampled) on.
 
     Each token is fed back through ``model`` with ``caches`` until ``max_tokens`` tokens or a
-    token in ``stop_tokens``; the last token is not fed.
+    token in ``stop_tokens``; the last token is not fed. ``record`` receives the
+    ``(1, vocab)`` logits of each token fed (for a comparison of logits step by step).
     """
     out: list[int] = []
     while len(out) < max_tokens:
@@ -72,4 +74,6 @@ def greedy_continue(
         if token in stop_tokens or len(out) == max_tokens:
             break
         logits = model(mx.array([[token]]), cache=caches)
+        if record is not None:
+            record.append(logits[0])
     return out
