@@ -34,10 +34,9 @@ def test_chunks_and_given_caches_give_the_same_tokens() -> None:
 def test_stop_tokens_and_lengths() -> None:
     model = build_tiny_model("gemma3_text", window=4, seed=2)
     tokens = mlx_lm_greedy(model, PROMPT, 6)
-    assert (
-        mlx_lm_greedy(model, PROMPT, 6, stop_tokens={tokens[2]})
-        == tokens[: tokens.index(tokens[2]) + 1]
-    )
+    stop = tokens[2]
+    # The first stop token ends the generation and is returned.
+    assert mlx_lm_greedy(model, PROMPT, 6, stop_tokens={stop}) == tokens[: tokens.index(stop) + 1]
     assert mlx_lm_greedy(model, PROMPT, 0) == []
     with pytest.raises(ValueError, match="at least one token"):
         mlx_lm_greedy(model, [], 4)
