@@ -215,7 +215,7 @@ def report(title: str, runs: list[Run], results: Report) -> None:
     )
     print(summary)
     table = "| system | TTFT p50 | total | reused | tokens |\n|---|---|---|---|---|\n"
-    results.keep(f"## {title}\n\n{table}" + "\n".join(rows) + f"\n\n{summary}")
+    results.keep(f"### {title}\n\n{table}" + "\n".join(rows) + f"\n\n{summary}")
 
 
 def build_parser() -> argparse.ArgumentParser:

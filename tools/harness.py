@@ -126,7 +126,8 @@ def machine_description() -> str:
     return (
         f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), "
         f"Python {platform.python_version()}, mlx {version('mlx')} "
-        f"({mx.default_device()}), mlx-lm {version('mlx-lm')}; BLAS {active_blas().name}"
+        f"({mx.default_device().type.name}), mlx-lm {version('mlx-lm')}; "
+        f"BLAS {active_blas().name}"
     )
 
 
@@ -434,8 +435,22 @@ class _Tee(io.TextIOBase):
         self._out.flush()
 
 
+#: The repository's root: a path under it is written relative to it.
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _portable(text: str) -> str:
+    """``text`` with this checkout's and this user's paths made relative (``.``, ``~``)."""
+    text = text.replace(str(_ROOT), ".")
+    home = Path.home()
+    return text.replace(str(home), "~") if len(home.parts) > 1 else text
+
+
 def _as_markdown(text: str) -> list[str]:
-    """Printed output as Markdown: tables and ``#`` headings as they are, the rest fenced."""
+    """Printed output as Markdown: tables as they are, the rest fenced as text.
+
+    ``#`` headings move two levels down: a results file's runs are its ``##`` sections.
+    """
     blocks: list[str] = []
     run: list[str] = []
     kind = ""
@@ -454,18 +469,57 @@ def _as_markdown(text: str) -> list[str]:
         if this != kind:
             close()
             kind = this
-        run.append(line)
+        run.append("##" + line if line.startswith("#") else line)
     close()
     return blocks
+
+
+def _without_markdown(args: Sequence[str]) -> list[str]:
+    """``args`` less ``--markdown [FILE.md]``: the run, whatever file it is written to."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            if arg.endswith(".md") and not arg.startswith("-"):
+                continue
+        if arg == "--markdown":
+            skip = True
+            continue
+        if not arg.startswith("--markdown="):
+            out.append(arg)
+    return out
+
+
+def _merge(text: str, title: str, heading: str, section: str) -> str:
+    """A results file with ``section`` in place of the one under ``heading`` (or added)."""
+    if not text.strip():
+        return f"# {title}\n\n{section}\n"
+    parts: list[list[str]] = [[]]
+    for line in text.splitlines():
+        if line.startswith("## "):
+            parts.append([])
+        parts[-1].append(line)
+    preamble = "\n".join(parts[0]).strip("\n")
+    sections = ["\n".join(part).strip("\n") for part in parts[1:]]
+    for index, old in enumerate(sections):
+        if old.splitlines()[0].strip() == heading:
+            sections[index] = section
+            break
+    else:
+        sections.append(section)
+    return "\n\n".join([preamble, *sections]) + "\n"
 
 
 class Report:
     """A benchmark's results: what it prints, kept for ``--markdown`` (stdout or a file).
 
-    Printed output is kept inside :meth:`capturing` (tables and headings stay Markdown, other
-    lines are fenced as text); :meth:`keep` adds Markdown that is not printed (a table that
-    stdout shows in another form). :meth:`write` adds the title, the exact command, the
-    machine and the date.
+    Printed output is kept inside :meth:`capturing` (tables stay Markdown, other lines are
+    fenced as text); :meth:`keep` adds Markdown that is not printed (a table that stdout shows
+    in another form). :meth:`write` puts it in a section headed by the run's command, with
+    the exact command, the machine and the date. A results file holds one benchmark: a run
+    written into it replaces the section of the same run (the same options but
+    ``--markdown``) and adds a new one otherwise.
     """
 
     def __init__(self, title: str) -> None:
@@ -473,7 +527,7 @@ class Report:
         self.blocks: list[str] = []
 
     def keep(self, markdown: str) -> None:
-        """Add ``markdown`` to the report without printing it."""
+        """Add ``markdown`` to the report without printing it (headings from ``###``)."""
         self.blocks.append(markdown.strip("\n"))
 
     @contextlib.contextmanager
@@ -484,17 +538,17 @@ class Report:
             yield
         self.blocks += _as_markdown(tee.kept.getvalue())
 
-    def markdown(self, command: str) -> str:
-        """The whole report as one Markdown document."""
+    def section(self, heading: str, command: str) -> str:
+        """The report as one Markdown section: ``heading``, the command, machine and date."""
         today = datetime.datetime.now(datetime.UTC).date().isoformat()
         head = [
-            f"# {self.title}",
+            heading,
             "",
             f"Command: `{command}`  ",
             f"Machine: {machine_description()}  ",
             f"Date: {today}",
         ]
-        return "\n\n".join(["\n".join(head), *self.blocks]) + "\n"
+        return _portable("\n\n".join(["\n".join(head), *self.blocks]))
 
     def write(self, destination: str | None, *, prog: str, argv: Sequence[str] | None) -> None:
         """Write the report: nowhere (``None``), on stdout (``"-"``) or into a ``.md`` file.
@@ -505,10 +559,13 @@ class Report:
         if destination is None:
             return
         args = list(sys.argv[1:] if argv is None else argv)
-        command = shlex.join(["uv", "run", "python", "-m", *prog.split(), *args])
-        text = self.markdown(command)
+        start = ["uv", "run", "python", "-m", *prog.split()]
+        heading = f"## `{shlex.join([*start, *_without_markdown(args)])}`"
+        section = self.section(heading, shlex.join([*start, *args]))
         if destination == "-":
-            print("\n" + text, end="")
+            print(f"\n# {self.title}\n\n{section}")
             return
-        Path(destination).write_text(text)
+        path = Path(destination)
+        old = path.read_text() if path.exists() else ""
+        path.write_text(_merge(old, self.title, heading, section))
         print(f"results written to {destination}")

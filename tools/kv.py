@@ -153,7 +153,7 @@ def _demo_command(args: argparse.Namespace) -> int:
     else:
         from tools.harness import Report
 
-        report = Report(f"Demo: {result.model}")
+        report = Report("Demo: the engine on the hybrid pool, verified against mlx-lm")
         with report.capturing():
             print(format_result(result))
         if args.plot is not None:
