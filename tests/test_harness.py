@@ -28,6 +28,7 @@ def test_a_results_file_keeps_one_section_per_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(harness, "machine_description", lambda: "a machine")
+    monkeypatch.delenv("KV_SERVE_BLAS", raising=False)
     path = tmp_path / "bench.md"
     first = Report("A benchmark")
     with first.capturing():
@@ -61,9 +62,13 @@ def test_paths_of_this_checkout_are_written_relative(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(harness, "machine_description", lambda: "a machine")
+    monkeypatch.setenv("KV_SERVE_BLAS", "off")
     report = Report("A benchmark")
     report.keep(f"BLAS: mkl ({Path(harness.__file__).resolve().parent.parent}/.venv/lib/x.so)")
     report.write("-", prog="tools.bench_x", argv=[])
     out = capsys.readouterr().out
     assert "BLAS: mkl (./.venv/lib/x.so)" in out
-    assert out.startswith("\n# A benchmark\n\n## `uv run python -m tools.bench_x`")
+    # The BLAS choice is part of the command.
+    assert out.startswith(
+        "\n# A benchmark\n\n## `KV_SERVE_BLAS=off uv run python -m tools.bench_x`"
+    )

@@ -554,12 +554,16 @@ class Report:
         """Write the report: nowhere (``None``), on stdout (``"-"``) or into a ``.md`` file.
 
         ``prog`` and ``argv`` (``sys.argv[1:]`` when ``None``) make the command it names:
-        ``uv run python -m {prog} {argv}``.
+        ``uv run python -m {prog} {argv}``, after ``KV_SERVE_BLAS=...`` when that is set.
         """
         if destination is None:
             return
+        from kv_serve import BLAS_ENV
+
         args = list(sys.argv[1:] if argv is None else argv)
-        start = ["uv", "run", "python", "-m", *prog.split()]
+        # The BLAS choice is part of the run (MLX's reference BLAS or a fast one).
+        env = [f"{BLAS_ENV}={os.environ[BLAS_ENV]}"] if os.environ.get(BLAS_ENV) else []
+        start = [*env, "uv", "run", "python", "-m", *prog.split()]
         heading = f"## `{shlex.join([*start, *_without_markdown(args)])}`"
         section = self.section(heading, shlex.join([*start, *args]))
         if destination == "-":
