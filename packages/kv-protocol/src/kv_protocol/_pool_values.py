@@ -12,6 +12,8 @@ from types import MappingProxyType
 
 import mlx.core as mx
 
+from ._errors import RequestStateError
+
 __all__ = [
     "PoolMemoryReport",
     "PrefixCacheStats",
@@ -47,7 +49,7 @@ class Reservation:
     def __post_init__(self) -> None:
         rows = len(self.request_ids)
         if len(self.start_lengths) != rows or len(self.n_tokens) != rows:
-            raise ValueError(
+            raise RequestStateError(
                 f"a Reservation needs one start length and one token count per request: "
                 f"{rows} requests, {len(self.start_lengths)} lengths, {len(self.n_tokens)} counts"
             )
@@ -94,7 +96,7 @@ class PrefixHit:
         if set(self.pages) != set(self.blocks) or any(
             len(self.pages[name]) != len(self.blocks[name]) for name in self.pages
         ):
-            raise ValueError("a PrefixHit needs one block hash per page, in every sub-pool")
+            raise RequestStateError("a PrefixHit needs one block hash per page, in every sub-pool")
         object.__setattr__(self, "pages", MappingProxyType(dict(self.pages)))
         object.__setattr__(self, "blocks", MappingProxyType(dict(self.blocks)))
 
