@@ -1,9 +1,9 @@
 """The composition root: build engines, load models (mlx-lm dirs, GGUF), generate text.
 
 Importing this package imports nothing heavy: each public name is imported on first access,
-so ``from kv_serve import build_engine`` imports the toolkit packages and mlx-lm, and neither
-the HTTP stack (``KVServer``: the ``server`` extra) nor the GGUF reader (``convert_gguf``:
-the ``gguf`` extra). Using a part without its extra raises an ``ImportError`` that names it.
+so ``from kv_serve import build_engine`` imports the toolkit packages and mlx, and neither the
+HTTP stack (``KVServer``: the ``server`` extra) nor the GGUF reader (``convert_gguf``: the
+``gguf`` extra). Using a part without its extra raises an ``ImportError`` that names it.
 
 On Linux an entry point calls :func:`load_fast_blas` before ``mlx`` is imported to give
 MLX's CPU backend a fast BLAS; importing this package loads none.
