@@ -25,7 +25,8 @@ from kv_serve import _cli as kv_serve_cli
 from tools import bench_engine, bench_kernels, bench_latency, bench_pool, cli_args, kv
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Seconds a refused command may take: an interpreter start and the imports, not a model run.
+#: Seconds a refused command may take: at most an interpreter start and the imports (in a
+#: process), never a model run.
 FAST_S = 20.0
 Run = Callable[..., subprocess.CompletedProcess[str]]
 #: The entry point of each module that ``python -m`` runs.
