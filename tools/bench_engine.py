@@ -14,6 +14,10 @@ weights (``mx.get_peak_memory()``), p50/p99 step time, token agreement, and the 
     uv run python -m tools.kv bench            # full run (minutes on CPU)
     uv run python -m tools.kv bench --quick    # under a minute
     uv run python -m tools.kv bench --model gemma3-270m
+    uv run python -m tools.kv bench --markdown docs/results/bench_engine.md   # keep the run
+
+The shared pieces (the model, the workload, both systems, the quantile rule, the copy
+bandwidth) are in :mod:`tools.harness`.
 """
 
 from __future__ import annotations

@@ -405,7 +405,7 @@ def add_engine_options(
         "--chunk",
         type=positive_int(MAX_TOKENS),
         default=chunk,
-        help=f"prefill chunk of every system (default {chunk})",
+        help=f"prefill chunk in tokens (default {chunk})",
     )
     stall_type = finite_float(0.0, 1000.0, min_inclusive=False)
     if isinstance(stall, list):
