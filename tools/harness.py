@@ -511,6 +511,14 @@ def _merge(text: str, title: str, heading: str, section: str) -> str:
     return "\n\n".join([preamble, *sections]) + "\n"
 
 
+def _load() -> str:
+    """The 1-minute load average, where the system tells (other work slows a run down)."""
+    try:
+        return f"; load average {os.getloadavg()[0]:.2f} when the run ended"
+    except (AttributeError, OSError):
+        return ""
+
+
 class Report:
     """A benchmark's results: what it prints, kept for ``--markdown`` (stdout or a file).
 
@@ -546,7 +554,7 @@ class Report:
             "",
             f"Command: `{command}`  ",
             f"Machine: {machine_description()}  ",
-            f"Date: {today}",
+            f"Date: {today}{_load()}",
         ]
         return _portable("\n\n".join(["\n".join(head), *self.blocks]))
 
