@@ -183,7 +183,9 @@ class Scheduler:
         """
         headroom = {r.rid: 1 for r in self.running}
         while n >= 1:
-            reservation = self.pool.try_reserve_batch({request.rid: n}, headroom=headroom)
+            reservation = self.pool.try_reserve_batch(
+                {request.rid: n}, headroom=headroom, page_tables=False
+            )
             if reservation is not None:
                 return reservation
             n //= 2

@@ -273,13 +273,16 @@ class HybridKVPool:
                 pages.grow(rid, step)
             self._lengths[rid] += n_tokens
 
-    def _reservation(self, ids: list[int], olds: list[int], counts: list[int]) -> Reservation:
-        """The issued slots of the new positions and the page tables, per sub-pool."""
+    def _reservation(
+        self, ids: list[int], olds: list[int], counts: list[int], page_tables: bool
+    ) -> Reservation:
+        """The issued slots of the new positions and (if asked) the page tables, per sub-pool."""
         slots: dict[str, mx.array] = {}
         tables: dict[str, mx.array] = {}
         total = sum(counts)
         for i, pages in enumerate(self._pages):
-            tables[pages.name] = self._page_tables(pages, ids)
+            if page_tables:
+                tables[pages.name] = self._page_tables(pages, ids)
             if not total:
                 slots[pages.name] = mx.zeros((0,), dtype=mx.int32)
                 continue
@@ -305,7 +308,11 @@ class HybridKVPool:
         )
 
     def try_reserve_batch(
-        self, demands: Mapping[int, int], *, headroom: Mapping[int, int] | None = None
+        self,
+        demands: Mapping[int, int],
+        *,
+        headroom: Mapping[int, int] | None = None,
+        page_tables: bool = True,
     ) -> Reservation | None:
         """Reserve ``demands[request_id]`` more positions for each request, or nothing.
 
@@ -314,8 +321,10 @@ class HybridKVPool:
         room for another's new pages. Returns the :class:`kv_protocol.Reservation` (rows in
         ``demands``' order, its slots issued for writes) or ``None``, with nothing changed,
         when the pages are not there. ``headroom`` (requests not in ``demands``) must also
-        still fit as one batch afterwards; it is checked, not reserved. A bad mapping, an
-        unknown, repeated or non-int id or a bad count raises and changes nothing.
+        still fit as one batch afterwards; it is checked, not reserved. ``page_tables=False``
+        leaves the reservation's page tables empty (a prefill chunk does not read them). A
+        bad mapping, an unknown, repeated or non-int id or a bad count raises and changes
+        nothing.
         """
         wanted = self._demands(demands, "try_reserve_batch")
         spare: dict[int, int] = {}
@@ -336,22 +345,25 @@ class HybridKVPool:
                     extra[i] += step.n_new - step.reclaim
             if self._shortage(plans, extra) is not None:
                 return None
-        return self._grant(wanted, plans)
+        return self._grant(wanted, plans, page_tables)
 
-    def _grant(self, wanted: dict[int, int], plans: list[list[ReservePlan]]) -> Reservation:
+    def _grant(
+        self, wanted: dict[int, int], plans: list[list[ReservePlan]], page_tables: bool
+    ) -> Reservation:
         """Apply checked plans and hand out the reservation."""
         ids = list(wanted)
         counts = list(wanted.values())
         olds = [self._lengths[rid] for rid in ids]
         self._apply_all(ids, plans, counts)
-        return self._reservation(ids, olds, counts)
+        return self._reservation(ids, olds, counts, page_tables)
 
     def reserve(self, request_id: int, n_tokens: int) -> Reservation:
         """Reserve ``n_tokens`` more positions for one request, atomically over all sub-pools.
 
-        :meth:`try_reserve_batch` for one request, raising ``PoolExhaustedError`` (the
-        sub-pool, pages asked, pages available counting the pages this call would release)
-        on shortage instead of returning ``None``; nothing changes then.
+        :meth:`try_reserve_batch` for one request, without page tables, raising
+        ``PoolExhaustedError`` (the sub-pool, pages asked, pages available counting the pages
+        this call would release) on shortage instead of returning ``None``; nothing changes
+        then.
         """
         self._length(request_id)  # a bad id is refused before it is used as a key
         wanted = self._demands({request_id: n_tokens}, "reserve")
@@ -360,7 +372,7 @@ class HybridKVPool:
         if short is not None:
             name, asked, available = short
             raise PoolExhaustedError(sub_pool=name, pages_requested=asked, pages_free=available)
-        return self._grant(wanted, plans)
+        return self._grant(wanted, plans, page_tables=False)
 
     def rollback(self, reservation: Reservation) -> None:
         """Undo ``reservation``: each request still registered goes back to its start length.

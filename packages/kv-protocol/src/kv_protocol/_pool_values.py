@@ -34,7 +34,8 @@ class Reservation:
       row (row ``b``'s are ``slots[name][row_start(b) : row_start(b) + n_tokens[b]]``); the
       pool issued them, so it trusts them for writes without reading them back;
     - ``page_tables[name]``: the ``(B, max_pages)`` int32 logical page tables of the batch
-      after the reservation (unheld and padding entries are page 0).
+      after the reservation (unheld and padding entries are page 0); empty when the caller
+      asked for none (a prefill chunk does not read them).
 
     A one-token-per-request reservation (a decode step) has ``slots[name]`` of shape ``(B,)``:
     the step's new-token slots as they are. Undo it with the pool's ``rollback``.

@@ -193,7 +193,11 @@ class KVRequestBookkeeping(Protocol):
         ...
 
     def try_reserve_batch(
-        self, demands: Mapping[int, int], *, headroom: Mapping[int, int] | None = None
+        self,
+        demands: Mapping[int, int],
+        *,
+        headroom: Mapping[int, int] | None = None,
+        page_tables: bool = True,
     ) -> Reservation | None:
         """Reserve ``demands[request_id]`` more positions for each request, or nothing.
 
@@ -203,8 +207,9 @@ class KVRequestBookkeeping(Protocol):
         (rows in ``demands``' order) is returned, or ``None`` is returned and nothing
         changed. With ``headroom`` (requests not in ``demands``), ``None`` also when those
         requests could not then reserve their ``headroom`` positions together afterwards
-        (they are not reserved). An unknown or repeated id, or a bad count, raises
-        (``UnknownRequestError``, ``RequestStateError``) and changes nothing.
+        (they are not reserved). ``page_tables=False`` leaves the reservation's page tables
+        empty. An unknown or repeated id, or a bad count, raises (``UnknownRequestError``,
+        ``RequestStateError``) and changes nothing.
         """
         ...
 
@@ -230,9 +235,9 @@ class KVPageAddressing(KVRequestBookkeeping, Protocol):
     def reserve(self, request_id: int, n_tokens: int) -> Reservation:
         """Reserve ``n_tokens`` more positions for one request, atomically over all sub-pools.
 
-        :meth:`try_reserve_batch` for one request that raises ``PoolExhaustedError`` (the
-        sub-pool, pages asked, pages available) on shortage instead of returning ``None``;
-        nothing changes then.
+        :meth:`try_reserve_batch` for one request (page tables left empty) that raises
+        ``PoolExhaustedError`` (the sub-pool, pages asked, pages available) on shortage
+        instead of returning ``None``; nothing changes then.
         """
         ...
 

@@ -159,7 +159,11 @@ class ReferenceKVPool:
         return None
 
     def try_reserve_batch(
-        self, demands: Mapping[int, int], *, headroom: Mapping[int, int] | None = None
+        self,
+        demands: Mapping[int, int],
+        *,
+        headroom: Mapping[int, int] | None = None,
+        page_tables: bool = True,
     ) -> Reservation | None:
         """All requests at once: every release first, then every allocation; or ``None``."""
         self.reserve_batch_calls += 1
@@ -200,7 +204,9 @@ class ReferenceKVPool:
             start_lengths=tuple(starts),
             n_tokens=tuple(demands[r] for r in ids),
             slots=slots,
-            page_tables={name: self.batch_page_table(ids, name) for name in self.subs},
+            page_tables={name: self.batch_page_table(ids, name) for name in self.subs}
+            if page_tables
+            else {},
         )
 
     def reserve(self, request_id: int, n_tokens: int) -> Reservation:
@@ -211,7 +217,7 @@ class ReferenceKVPool:
         if short is not None:
             name, asked, free = short
             raise PoolExhaustedError(sub_pool=name, pages_requested=asked, pages_free=free)
-        got = self.try_reserve_batch({request_id: n_tokens})
+        got = self.try_reserve_batch({request_id: n_tokens}, page_tables=False)
         assert got is not None
         return got
 
@@ -387,7 +393,11 @@ class ReferenceBookkeeping:
         self.lengths[request_id] -= n_tokens
 
     def try_reserve_batch(
-        self, demands: Mapping[int, int], *, headroom: Mapping[int, int] | None = None
+        self,
+        demands: Mapping[int, int],
+        *,
+        headroom: Mapping[int, int] | None = None,
+        page_tables: bool = True,
     ) -> Reservation | None:
         """The demands if they (and the headroom) fit in the capacity beside what is held."""
         for rid in [*demands, *(headroom or {})]:
