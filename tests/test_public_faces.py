@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 
 import pytest
 
 from kv_batching import DecodeEngine
 from kv_pool import HybridKVPool
+
+PACKAGES = Path(__file__).resolve().parent.parent / "packages"
 
 FACES: dict[str, set[str]] = {
     "kv_batching": {
@@ -233,6 +236,23 @@ def test_every_exported_class_and_function_is_documented(package: str) -> None:
                     ):
                         continue
                     assert inspect.getdoc(attr), f"{package}.{name}.{member} has no docstring"
+
+
+README = {
+    "kv_protocol": "kv-protocol",
+    "kv_caches": "kv-caches",
+    "kv_pool": "kv-pool",
+    "kv_metal_kernels": "kv-metal-kernels",
+    "kv_batching": "kv-batching",
+    "kv_testing": "kv-testing",
+}
+
+
+@pytest.mark.parametrize("package", sorted(README))
+def test_every_export_is_in_its_package_readme(package: str) -> None:
+    module = importlib.import_module(package)
+    text = (PACKAGES / README[package] / "README.md").read_text()
+    assert [name for name in module.__all__ if name not in text] == []
 
 
 def test_the_pool_and_the_engine_keep_small_public_members() -> None:
