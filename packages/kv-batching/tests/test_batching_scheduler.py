@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kv_batching import EngineStats, RequestStatus
+from kv_batching import EngineStats, RequestStatus, SamplingParams
 from kv_batching._requests import EngineRequest
 from kv_batching._scheduler import Scheduler
 from kv_protocol import CacheLayout, LayerKind, LayerSpec
@@ -34,7 +34,7 @@ def layout() -> CacheLayout:
 
 
 def request(rid: int, prompt_len: int) -> EngineRequest:
-    return EngineRequest(rid, [1] * prompt_len, 64, 0.0, 1.0, frozenset(), None)
+    return EngineRequest(rid, [1] * prompt_len, 64, SamplingParams(), frozenset(), None)
 
 
 class SchedulerMachine(RuleBasedStateMachine):

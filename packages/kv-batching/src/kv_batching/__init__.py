@@ -16,10 +16,12 @@ from ._engine_stats import EngineMemoryReport, EngineStats
 from ._model_forward import last_position_forward, vocabulary_size
 from ._patching import is_patched, patch_model_attention, unpatch_model_attention
 from ._requests import RequestOutput, RequestStatus
+from ._sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from ._state_cache import StateCacheFactory
 
 __all__ = [
     "FUSED_ROPE_MAP_ERROR",
+    "MAX_LOGPROBS",
     "BatchedDecodeContext",
     "DecodeEngine",
     "DecodePlan",
@@ -29,7 +31,9 @@ __all__ = [
     "PrefillCacheFactory",
     "RequestOutput",
     "RequestStatus",
+    "SamplingParams",
     "StateCacheFactory",
+    "TokenLogprob",
     "is_patched",
     "last_position_forward",
     "patch_model_attention",

@@ -11,6 +11,7 @@ looks anything up through optional fields.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -137,10 +138,11 @@ class LayerStep:
     """What one attention layer reads during one batched decode step.
 
     ``pool_layer`` is the id under which the pool addresses the layer; ``route`` is how it
-    decodes (see :data:`DecodeRoute`).
+    decodes (see :data:`DecodeRoute`). It refers to its step weakly (the step holds its
+    layers), so a finished step is freed at once, not by the cycle collector.
     """
 
-    step: DecodeStep
+    step_ref: weakref.ReferenceType[DecodeStep]
     layer_id: int
     pool_layer: int
     sub_pool: str
@@ -149,6 +151,17 @@ class LayerStep:
     new_token_slots: mx.array
     page_table: mx.array
     route: DecodeRoute
+
+    @property
+    def step(self) -> DecodeStep:
+        """The decode step this view belongs to (alive while the step is used)."""
+        step = self.step_ref()
+        if step is None:
+            raise CacheStateError(
+                f"the decode step of layer {self.layer_id}'s view is gone; a layer view is "
+                "used during its step only"
+            )
+        return step
 
     @property
     def context(self) -> BatchedDecodeContext:
@@ -220,7 +233,7 @@ class DecodeStep:
         for layer_id, address in self.addressing.layers.items():
             sub = self.sub_pools[address.sub_pool]
             layers[layer_id] = LayerStep(
-                step=self,
+                step_ref=weakref.ref(self),
                 layer_id=layer_id,
                 pool_layer=self.context.pool_layer(layer_id),
                 sub_pool=address.sub_pool,

@@ -19,15 +19,16 @@ from kv_protocol import (
     CacheLayout,
     KernelSet,
     KVCache,
+    KVLifetime,
     KVPool,
     KVPrefixCache,
+    KVRequestForking,
     LayoutError,
     RequestStateError,
     Reservation,
     UnsupportedModelError,
     check_int,
     check_int_sequence,
-    check_number,
     layout_from_model,
 )
 
@@ -40,11 +41,12 @@ from ._model_runner import ModelRunner
 from ._patching import unpatch_model_attention
 from ._prefill_budget import PrefillBudget
 from ._requests import EngineRequest, RequestOutput, RequestStatus, RequestTable
-from ._sampling import Sampler
+from ._sampling import SampledTokens, Sampler, SamplingParams, TokenLogprob, log_softmax_top
 from ._scheduler import Scheduler
 from ._state_cache import (
     StateCacheFactory,
     StateSnapshot,
+    copy_state_caches,
     group_by_state_shapes,
     model_state_caches,
     request_caches,
@@ -54,6 +56,9 @@ from ._state_cache import (
 __all__ = ["DecodeEngine", "PrefillCacheFactory"]
 
 logger = logging.getLogger(__name__)
+
+#: A keyword argument not given (``None`` is a value the checks refuse or take).
+_UNSET: Any = object()
 
 #: ``make_prefill_cache(pool, reservation, layer_id)`` -> the cache of one layer for one
 #: prefill chunk: ``reservation`` holds the chunk's request (alone), its start length and the
@@ -232,6 +237,9 @@ class DecodeEngine:
         self._sampler = Sampler(seed)
         self._prefix_cache = self._choose_prefix_cache(pool, prefix_caching)
         self._num_layers = model_layout.num_layers
+        #: Prompt positions one chunk computes full-vocabulary logits for (prompt logprobs):
+        #: about 64 MiB of float32 logits.
+        self._logit_rows = max(1, 2**24 // vocab_size)
         self._requests = RequestTable()
         # Tokens of a step that raised, handed out by the next step.
         self._undelivered: dict[int, list[int]] = {}
@@ -305,22 +313,63 @@ class DecodeEngine:
         prompt_tokens: Iterable[int] | mx.array,
         max_tokens: int,
         *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        sampling: SamplingParams | None = None,
+        temperature: float = _UNSET,
+        top_p: float = _UNSET,
         stop_tokens: Iterable[int] | mx.array = (),
-        seed: int | None = None,
+        seed: int | None = _UNSET,
     ) -> int:
         """Queue a request; returns its id. Nothing runs until :meth:`step`.
 
-        With a ``seed`` (``0 .. 2**64 - 1``) the request samples from its own random stream:
-        its n-th token depends only on the seed, n and its logits, never on the other
-        requests of the batch, preemption or retries. Without one it samples from the
-        engine's stream (``seed`` of the engine).
+        ``sampling`` says how it picks its tokens (:class:`SamplingParams`; greedy by
+        default); ``temperature``, ``top_p`` and ``seed`` are the short form of the same
+        fields (giving both forms is an error). With a seed the request samples from its own
+        random stream: its n-th token depends only on the seed, n and its logits, never on
+        the other requests of the batch, preemption or retries. Without one it samples from
+        the engine's stream (``seed`` of the engine). The request finishes (``"stop"``) when
+        it samples one of ``stop_tokens``.
 
-        Every argument is checked first (token ids in ``0 .. vocab_size - 1``, ints that are
-        not bools or floats, finite numbers); a bad one raises ``RequestStateError`` (a
-        ``ValueError``) and nothing is queued, no request id is used.
+        Every argument is checked first (token ids in ``0 .. vocab_size - 1``, the logit
+        bias's too, ints that are not bools or floats, finite numbers in range); a bad one
+        raises ``RequestStateError`` (a ``ValueError``) and nothing is queued, no request id
+        is used.
         """
+        return self.submit_n(
+            prompt_tokens,
+            max_tokens,
+            1,
+            sampling=self._sampling(sampling, temperature, top_p, seed),
+            stop_tokens=stop_tokens,
+        )[0]
+
+    def submit_n(
+        self,
+        prompt_tokens: Iterable[int] | mx.array,
+        max_tokens: int,
+        n: int,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_tokens: Iterable[int] | mx.array = (),
+    ) -> list[int]:
+        """Queue ``n`` sequences of one prompt; returns their ids (consecutive).
+
+        The prompt is prefilled once: when its prefill samples the first token, each other
+        sequence samples its own first token from the same logits and takes a fork of the
+        first one's pages (whole pages shared, the last partial page copied) and of its
+        recurrent state, and decodes on its own from there. Sequence ``i`` samples with seed
+        ``(sampling.seed + i) % 2**64`` when the params have a seed (so it equals that seed
+        submitted alone), from the engine's stream otherwise. A sequence that cannot be
+        forked then (no free page for the copy, no running slot, a pool that cannot fork)
+        prefills the prompt itself later. Each id is an ordinary request afterwards.
+
+        Refused at once (``RequestStateError``, nothing queued) when the ``n`` sequences of
+        ``len(prompt) + max_tokens`` tokens could never be in the pool together, counting the
+        prompt's full pages once; other checks as for :meth:`submit`.
+        """
+        params = sampling if sampling is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestStateError(f"sampling must be a SamplingParams, got {params!r}")
+        n = check_int(n, "n", minimum=1)
         top = self._vocab_size - 1
         prompt = check_int_sequence(
             _host_tokens(prompt_tokens, "prompt_tokens"), "prompt_tokens", minimum=0, maximum=top
@@ -328,25 +377,82 @@ class DecodeEngine:
         if not prompt:
             raise RequestStateError("prompt_tokens must hold at least one token")
         max_tokens = check_int(max_tokens, "max_tokens", minimum=1)
-        temperature = check_number(temperature, "temperature", minimum=0.0)
-        top_p = check_number(top_p, "top_p", minimum=0.0, maximum=1.0, min_inclusive=False)
         stops = check_int_sequence(
             _host_tokens(stop_tokens, "stop_tokens"), "stop_tokens", minimum=0, maximum=top
         )
-        if seed is not None:
-            seed = check_int(seed, "seed", minimum=0, maximum=2**64 - 1)
-        request = EngineRequest(
-            self._requests.next_id(),
-            prompt,
-            max_tokens,
-            temperature,
-            top_p,
-            frozenset(stops),
-            seed,
+        bad = [t for t in params.logit_bias if t > top]
+        if bad:
+            raise RequestStateError(
+                f"logit_bias names token ids {bad} past the vocabulary (ids are 0..{top})"
+            )
+        if n > 1:
+            self._check_sequences_fit(len(prompt), max_tokens, n)
+        requests = []
+        for i in range(n):
+            seed = None if params.seed is None else (params.seed + i) % 2**64
+            request = EngineRequest(
+                self._requests.next_id() + i, prompt, max_tokens, params, frozenset(stops), seed
+            )
+            requests.append(request)
+        leader, followers = requests[0], requests[1:]
+        for follower in followers:
+            follower.leader = leader
+        leader.followers = followers
+        for request in requests:
+            self._requests.add(request)
+        self._scheduler.enqueue(leader)
+        return [r.rid for r in requests]
+
+    def _sampling(
+        self, sampling: SamplingParams | None, temperature: float, top_p: float, seed: int | None
+    ) -> SamplingParams:
+        """The request's params from ``sampling`` or the short keyword form (not both)."""
+        given = [
+            name
+            for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed))
+            if value is not _UNSET
+        ]
+        if sampling is not None:
+            if given:
+                raise RequestStateError(
+                    f"give sampling= or {', '.join(given)}, not both (they set the same fields)"
+                )
+            return sampling
+        return SamplingParams(
+            temperature=0.0 if temperature is _UNSET else temperature,
+            top_p=1.0 if top_p is _UNSET else top_p,
+            seed=None if seed is _UNSET else seed,
         )
-        self._requests.add(request)
-        self._scheduler.enqueue(request)
-        return request.rid
+
+    def _check_sequences_fit(self, prompt_len: int, max_tokens: int, n: int) -> None:
+        """Refuse ``n`` sequences that could never be in the pool together."""
+        total = prompt_len + max_tokens
+        for sub in self._pool.memory_report().sub_pools:
+            lifetime = KVLifetime(sub.window)
+            own = lifetime.peak_pages(total, sub.page_size)
+            # Full pages of the prompt are shared by every sequence of a full sub-pool.
+            shared = prompt_len // sub.page_size if sub.window is None else 0
+            need = own + (n - 1) * max(own - shared, 0)
+            if need > sub.num_pages - 1:
+                raise RequestStateError(
+                    f"n={n} sequences of {total} tokens need at least {need} pages of sub-pool "
+                    f"{sub.name!r} together, which holds {sub.num_pages - 1}; ask for fewer "
+                    "sequences or tokens"
+                )
+
+    def token_logprobs(self, request_id: int, start: int = 0) -> tuple[TokenLogprob, ...]:
+        """The generated tokens' logprobs from index ``start`` on (the request asked for them).
+
+        For streaming: after each :meth:`step`, the tokens that step produced. A request that
+        did not ask for logprobs raises ``RequestStateError``.
+        """
+        request = self._requests.get(request_id)
+        if request.logprobs is None:
+            raise RequestStateError(
+                f"request {request_id} did not ask for logprobs (SamplingParams.logprobs)"
+            )
+        start = check_int(start, "start", minimum=0)
+        return tuple(request.logprobs[start:])
 
     def release(self, request_id: int) -> RequestOutput:
         """Forget a finished request and return its final output.
@@ -417,8 +523,8 @@ class DecodeEngine:
 
     @property
     def num_queued(self) -> int:
-        """Requests waiting for admission (preempted ones included)."""
-        return len(self._scheduler.queue)
+        """Requests waiting: in the queue (preempted ones too) or for their prompt's prefill."""
+        return len(self._scheduler.queue) + len(self._scheduler.waiting())
 
     def memory_report(self) -> EngineMemoryReport:
         """What the engine holds now: the pool's pages and bytes, the recurrent states' bytes."""
@@ -487,7 +593,11 @@ class DecodeEngine:
             logger.warning("prefix cache: commit for request %d failed: %r", request.rid, error)
 
     def _reuse_prefix(self, request: EngineRequest) -> None:
-        """Start a just-admitted request at the longest prefix the cache holds."""
+        """Start a just-admitted request at the longest prefix the cache holds.
+
+        A request asking for its prompt's logprobs reuses nothing (every prompt position's
+        logits are computed) but still hashes its text, so that what it writes is cached.
+        """
         cache = self._prefix_cache
         if cache is None:
             return
@@ -495,6 +605,8 @@ class DecodeEngine:
             if request.hashes is None:
                 # Once per request: its tokens' hashes then grow with what it decodes.
                 request.hashes = cache.hash_tokens(request.prefill_tokens())
+            if request.prompt_logprobs_missing:
+                return
             hit = cache.match_prefix(request.hashes)
             cache.reuse_prefix(request.rid, hit)
         except Exception as error:  # nothing was reused; prefill computes everything
@@ -504,15 +616,25 @@ class DecodeEngine:
             request.prefilled = hit.length
             self._stats.prefix_hit_tokens += hit.length
 
-    def _emit(self, request: EngineRequest, token: int, produced: dict[int, list[int]]) -> None:
+    def _emit(
+        self,
+        request: EngineRequest,
+        token: int,
+        produced: dict[int, list[int]],
+        logprob: TokenLogprob | None = None,
+    ) -> None:
         request.generated.append(token)
+        if request.logprobs is not None and logprob is not None:
+            request.logprobs.append(logprob)
         produced.setdefault(request.rid, []).append(token)
         if token in request.stop_tokens:
             self._scheduler.finish(request, "stop")
         elif len(request.generated) >= request.max_tokens:
             self._scheduler.finish(request, "length")
 
-    def _decode_batch(self, batch: Sequence[EngineRequest], reservation: Reservation) -> list[int]:
+    def _decode_batch(
+        self, batch: Sequence[EngineRequest], reservation: Reservation
+    ) -> list[tuple[int, TokenLogprob | None]]:
         """One batched decode of ``batch`` on its reservation; a rollback and a raise on error."""
         saved = self._sampler.save()
         try:
@@ -523,9 +645,9 @@ class DecodeEngine:
             )
             sampled = self._sampler.sample(out.logits, [r.sampling_row() for r in batch])
             tic = time.perf_counter()
-            # One evaluation for the tokens and the new states together.
-            mx.eval(sampled, out.state_arrays())
-            chosen = cast(list[int], sampled.tolist())
+            # One evaluation for the tokens, their logprobs and the new states together.
+            mx.eval(sampled.arrays(), out.state_arrays())
+            chosen = list(zip(sampled.token_list(), sampled.logprobs(), strict=True))
             self._stats.decode_device_seconds += time.perf_counter() - tic
             out.split_states()
             return chosen
@@ -563,13 +685,17 @@ class DecodeEngine:
         self._stats.record_decode(time.perf_counter() - start, len(batch))
 
     def _advance(
-        self, request: EngineRequest, token: int, length: int, produced: dict[int, list[int]]
+        self,
+        request: EngineRequest,
+        chosen: tuple[int, TokenLogprob | None],
+        length: int,
+        produced: dict[int, list[int]],
     ) -> None:
         """The request's decode step went through: commit what it wrote, emit its token."""
         if request.hashes is not None:
             request.hashes.extend(request.generated[-1:])
             self._commit(request, length)
-        self._emit(request, token, produced)
+        self._emit(request, chosen[0], produced, chosen[1])
 
     def _decode_group(
         self,
@@ -598,14 +724,14 @@ class DecodeEngine:
                         raise RequestStateError(
                             f"the pool no longer holds room for request {request.rid}"
                         ) from error
-                    token = self._decode_batch([request], alone)[0]
+                    picked = self._decode_batch([request], alone)[0]
                 except Exception as failure:
                     self._scheduler.fail(request, failure)
                 else:
-                    self._advance(request, token, alone.lengths[0], produced)
+                    self._advance(request, picked, alone.lengths[0], produced)
         else:
-            for request, token, length in zip(batch, chosen, reservation.lengths, strict=True):
-                self._advance(request, token, length, produced)
+            for request, picked, length in zip(batch, chosen, reservation.lengths, strict=True):
+                self._advance(request, picked, length, produced)
 
     def _prefill_chunk(
         self,
@@ -618,7 +744,9 @@ class DecodeEngine:
         begin, n = request.prefilled, reservation.n_tokens[0]
         started = time.perf_counter()
         saved = self._sampler.save()
-        first: int | None = None
+        first: SampledTokens | None = None
+        forks: list[EngineRequest] = []
+        prompt_part: tuple[int, SampledTokens] | None = None
         snapshot = StateSnapshot(request.states or [])
         try:
             if request.states is None and self._make_state_caches is not None:
@@ -630,16 +758,41 @@ class DecodeEngine:
                 request.states or [],
                 lambda layer_id: self._make_prefill_cache(self._pool, reservation, layer_id),
             )
-            logits = self._runner.prefill(tokens[begin : begin + n], caches)
+            # Prompt logprobs need the logits of every position the chunk predicts a prompt
+            # token from (position j predicts token j + 1).
+            targets = tokens[begin + 1 : min(begin + n + 1, len(request.prompt))]
+            every = bool(targets) and request.prompt_logprobs_missing
+            logits = self._runner.prefill(tokens[begin : begin + n], caches, every_position=every)
             tic = time.perf_counter()
+            pending: list[mx.array] = []
+            if every:
+                width = request.params.prompt_logprobs or 0
+                chosen, ids, values = log_softmax_top(
+                    logits[0, : len(targets)], mx.array(targets, dtype=mx.int32), width
+                )
+                part = SampledTokens(
+                    tokens=mx.array(targets, dtype=mx.int32),
+                    logprob_rows=tuple(range(len(targets))),
+                    widths=(width,) * len(targets),
+                    chosen=chosen,
+                    top_ids=ids,
+                    top_logprobs=values,
+                )
+                prompt_part = (begin + 1, part)
+                pending.extend(part.arrays())
             if begin + n < len(tokens) or request.generated:
                 # No token is sampled from this chunk: evaluate what it wrote (the caches'
                 # state), not its logits, so the last layer's attention and MLP, which only
                 # the logits need, are never computed (mlx-lm's prefill does the same).
-                mx.eval(_written_state(caches))
+                mx.eval(_written_state(caches), pending)
             else:
-                sampled = self._sampler.sample(logits[:, -1, :], [request.sampling_row()])
-                first = cast(list[int], sampled.tolist())[0]
+                forks = self._forks(request)
+                rows = [r.sampling_row() for r in (request, *forks)]
+                last = logits[:, -1, :]
+                if forks:
+                    last = mx.broadcast_to(last, (len(rows), last.shape[-1]))
+                first = self._sampler.sample(last, rows)
+                mx.eval(first.arrays(), pending)
             if request.states:
                 mx.eval([getattr(c, "cache", []) for c in request.states])
             self._stats.prefill_device_seconds += time.perf_counter() - tic
@@ -651,6 +804,9 @@ class DecodeEngine:
             self._scheduler.rollback(reservation)
             raise
         self._scheduler.note_state_bytes(request)
+        if prompt_part is not None and request.prompt_logprobs is not None:
+            start, part = prompt_part
+            request.prompt_logprobs[start : start + len(part.logprob_rows)] = part.logprobs()
         self._commit(request, begin + n)
         request.prefilled = begin + n
         self._stats.record_prefill_chunk(n)
@@ -658,8 +814,56 @@ class DecodeEngine:
         if request.prefilled < len(tokens):
             return
         self._scheduler.start_running(request)
-        if first is not None:
-            self._emit(request, first, produced)
+        if first is None:
+            return
+        picked = list(zip(first.token_list(), first.logprobs(), strict=True))
+        # The other sequences of the prompt take a fork of its pages before the first one
+        # emits (a stop token would free them).
+        for follower, pick in zip(forks, picked[1:], strict=True):
+            self._start_fork(request, follower, pick, produced)
+        self._release_followers(request)
+        self._emit(request, picked[0][0], produced, picked[0][1])
+
+    def _forks(self, request: EngineRequest) -> list[EngineRequest]:
+        """The waiting sequences of ``request``'s prompt that can fork from it now."""
+        if not request.followers or not isinstance(self._pool, KVRequestForking):
+            return []
+        room = self._scheduler.max_running - len(self._scheduler.running)
+        return [f for f in request.followers if f.status is RequestStatus.QUEUED][: max(room, 0)]
+
+    def _start_fork(
+        self,
+        leader: EngineRequest,
+        follower: EngineRequest,
+        chosen: tuple[int, TokenLogprob | None],
+        produced: dict[int, list[int]],
+    ) -> None:
+        """Give ``follower`` a fork of ``leader``'s pages and state, and its first token."""
+        pool = cast(KVRequestForking, self._pool)
+        length = leader.prefilled
+        try:
+            pool.fork_request(leader.rid, follower.rid, length)
+        except Exception as error:  # no page for the tail copy: it prefills on its own
+            logger.info("request %d prefills on its own (fork failed: %r)", follower.rid, error)
+            return
+        leader.followers.remove(follower)
+        follower.leader = None
+        follower.in_pool = True
+        follower.prefilled = length
+        follower.states = copy_state_caches(leader.states) if leader.states else None
+        if leader.hashes is not None:
+            follower.hashes = leader.hashes.copy()
+        if follower.prompt_logprobs is not None and leader.prompt_logprobs is not None:
+            follower.prompt_logprobs[:] = leader.prompt_logprobs
+        self._scheduler.start_running(follower)
+        self._emit(follower, chosen[0], produced, chosen[1])
+
+    def _release_followers(self, request: EngineRequest) -> None:
+        """Sequences still waiting for ``request`` go to the queue to prefill on their own."""
+        for follower in list(request.followers):
+            follower.leader = None
+            self._scheduler.enqueue(follower)
+        request.followers.clear()
 
     def _prefill(self, produced: dict[int, list[int]], decode_seconds: float | None) -> None:
         scheduler = self._scheduler
@@ -676,6 +880,8 @@ class DecodeEngine:
                 return
             tokens = request.prefill_tokens()
             wanted = min(budget, len(tokens) - request.prefilled)
+            if request.prompt_logprobs_missing:
+                wanted = min(wanted, self._logit_rows)
             try:
                 reservation = scheduler.reserve_chunk(request, wanted)
             except Exception as error:  # the pool raised: nothing was reserved

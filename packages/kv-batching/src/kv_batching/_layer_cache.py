@@ -43,12 +43,16 @@ def decode_mask(
 
 
 class _LayerStepCache:
-    """What both decode caches share: the layer's step view, no data of their own, a mask."""
+    """What both decode caches share: the layer's step view, no data of their own, a mask.
 
-    __slots__ = ("layer",)
+    The cache keeps its step alive (the step's layer views refer to it weakly).
+    """
+
+    __slots__ = ("_step", "layer")
 
     def __init__(self, layer: LayerStep) -> None:
         self.layer = layer
+        self._step = layer.step
 
     @property
     def layer_id(self) -> int:

@@ -83,17 +83,20 @@ class ModelRunner:
         self.prefill_attention = getattr(kernels, "prefill_attention", None)
         self._wrappers = wrapped_attention(model) if self.prefill_attention is not None else []
 
-    def prefill(self, tokens: Sequence[int], caches: list[Any]) -> mx.array:
+    def prefill(
+        self, tokens: Sequence[int], caches: list[Any], *, every_position: bool = False
+    ) -> mx.array:
         """Logits (lazy) of one request's ``tokens`` run through its per-layer ``caches``.
 
-        ``(1, T, vocab)``, or ``(1, 1, vocab)`` of the last position with ``prefill_forward``.
+        ``(1, T, vocab)``, or ``(1, 1, vocab)`` of the last position with ``prefill_forward``
+        unless ``every_position`` asks for all of them.
         """
         chunk = mx.array(list(tokens), dtype=mx.int32)[None]
         model_caches = self.nesting.nest(caches)
         for wrapper in self._wrappers:
             wrapper.prefill_attention = self.prefill_attention
         try:
-            if self.prefill_forward is not None:
+            if self.prefill_forward is not None and not every_position:
                 return self.prefill_forward(chunk, model_caches)
             logits: mx.array = self.model(chunk, cache=model_caches)
             return logits

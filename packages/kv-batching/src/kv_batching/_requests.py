@@ -12,7 +12,7 @@ from typing import Any
 
 from kv_protocol import RequestStateError, TokenHashes, UnknownRequestError, as_int
 
-from ._sampling import SamplingRow
+from ._sampling import SamplingParams, SamplingRow, TokenLogprob
 
 __all__ = ["EngineRequest", "RequestOutput", "RequestStatus", "RequestTable"]
 
@@ -33,7 +33,10 @@ class RequestOutput:
     ``finish_reason`` is ``"stop"`` (a stop token was generated, and is included),
     ``"length"`` (``max_tokens`` reached), ``"aborted"``, ``"pool_exhausted"`` (the request
     alone does not fit in the pool), ``"error"`` (its prefill or decode raised; ``error``
-    holds the exception) or ``None`` while it runs.
+    holds the exception) or ``None`` while it runs. ``logprobs`` has one
+    :class:`TokenLogprob` per generated token when the request asked for them
+    (``SamplingParams.logprobs``), ``prompt_logprobs`` one per prompt token (``None`` for
+    the first, which nothing predicts) when it asked for those.
     """
 
     request_id: int
@@ -42,6 +45,8 @@ class RequestOutput:
     status: RequestStatus
     finish_reason: str | None
     error: BaseException | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class EngineRequest:
@@ -50,19 +55,22 @@ class EngineRequest:
     __slots__ = (
         "error",
         "finish_reason",
+        "followers",
         "generated",
         "hashes",
         "in_pool",
+        "leader",
+        "logprobs",
         "max_tokens",
+        "params",
         "prefilled",
         "prompt",
+        "prompt_logprobs",
         "rid",
         "seed",
         "states",
         "status",
         "stop_tokens",
-        "temperature",
-        "top_p",
     )
 
     def __init__(
@@ -70,17 +78,16 @@ class EngineRequest:
         rid: int,
         prompt: list[int],
         max_tokens: int,
-        temperature: float,
-        top_p: float,
+        params: SamplingParams,
         stop_tokens: frozenset[int],
         seed: int | None = None,
     ) -> None:
         self.rid = rid
-        self.seed = seed
+        self.params = params
+        #: The request's own stream (``params.seed``, or a sibling's shifted seed).
+        self.seed = seed if seed is not None else params.seed
         self.prompt = prompt
         self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.top_p = top_p
         self.stop_tokens = stop_tokens
         self.generated: list[int] = []
         self.status = RequestStatus.QUEUED
@@ -90,6 +97,14 @@ class EngineRequest:
         #: The prefix cache's hashes of the tokens whose K/V the request writes (prefix
         #: caching only): made once at its first admission, extended as it decodes.
         self.hashes: TokenHashes | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] * len(prompt) if params.prompt_logprobs is not None else None
+        )
+        #: Sequences of the same prompt (``submit_n``) waiting for this one's prefill, and
+        #: the sequence a waiting one belongs to.
+        self.followers: list[EngineRequest] = []
+        self.leader: EngineRequest | None = None
         self.in_pool = False
         self.error: BaseException | None = None
 
@@ -103,12 +118,22 @@ class EngineRequest:
 
     def sampling_row(self) -> SamplingRow:
         """How this request samples its next token."""
+        params = self.params
+        penalised = params.repetition_penalty != 1.0
         return SamplingRow(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
+            params=params,
             generated=len(self.generated),
+            seed=self.seed,
+            prompt=self.prompt if penalised else (),
+            output=self.generated if params.processes_logits else (),
+            stop_tokens=self.stop_tokens if len(self.generated) < params.min_tokens else (),
         )
+
+    @property
+    def prompt_logprobs_missing(self) -> bool:
+        """Whether some prompt position still lacks its logprob (computed by prefill)."""
+        found = self.prompt_logprobs
+        return found is not None and any(lp is None for lp in found[1:])
 
     def output(self) -> RequestOutput:
         """A snapshot of the request (copies of its tokens)."""
@@ -119,6 +144,8 @@ class EngineRequest:
             self.status,
             self.finish_reason,
             self.error,
+            None if self.logprobs is None else tuple(self.logprobs),
+            None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
         )
 
 

@@ -75,9 +75,18 @@ class Scheduler:
         return bool(self.queue or self.running or self.prefilling is not None)
 
     def active(self) -> list[EngineRequest]:
-        """Every request that has not finished: running, prefilling, then queued."""
+        """Every request that has not finished: running, prefilling, queued, then waiting.
+
+        Waiting requests are the other sequences of a prompt (``submit_n``) waiting for the
+        first one's prefill.
+        """
         prefilling = [self.prefilling] if self.prefilling is not None else []
-        return [*self.running, *prefilling, *self.queue]
+        return [*self.running, *prefilling, *self.queue, *self.waiting()]
+
+    def waiting(self) -> list[EngineRequest]:
+        """Sequences waiting for their prompt's first sequence to be prefilled."""
+        leaders = [*([self.prefilling] if self.prefilling is not None else []), *self.queue]
+        return [f for leader in leaders for f in leader.followers]
 
     def state_bytes_in_use(self) -> int:
         """Bytes of recurrent state held now (running and prefilling requests)."""
@@ -110,10 +119,21 @@ class Scheduler:
             self.prefilling = None
 
     def finish(self, request: EngineRequest, reason: str) -> None:
-        """End ``request`` with ``reason`` wherever it is; its pages are freed."""
+        """End ``request`` with ``reason`` wherever it is; its pages are freed.
+
+        Sequences waiting for it (``submit_n``) go to the queue to prefill on their own; a
+        waiting sequence leaves its first sequence's list.
+        """
         self._remove(request)
         if request.status is RequestStatus.QUEUED and request in self.queue:
             self.queue.remove(request)
+        if request.leader is not None:
+            request.leader.followers.remove(request)
+            request.leader = None
+        for follower in request.followers:
+            follower.leader = None
+            self.queue.append(follower)
+        request.followers = []
         self.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -145,8 +165,9 @@ class Scheduler:
         self.queue.appendleft(request)
 
     def start_running(self, request: EngineRequest) -> None:
-        """The prefilling request has prefilled everything: it joins the running batch."""
-        self.prefilling = None
+        """The prefilling request (or a fork of it) has every position: it joins the batch."""
+        if self.prefilling is request:
+            self.prefilling = None
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 

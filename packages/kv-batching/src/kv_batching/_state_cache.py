@@ -21,6 +21,7 @@ from kv_protocol import CacheLayout, CacheStateError, UnsupportedModelError, fla
 
 __all__ = [
     "StackedStateCache",
+    "copy_state_caches",
     "install_stacked_states",
     "request_caches",
     "StateCacheFactory",
@@ -158,6 +159,22 @@ def state_nbytes(caches: Sequence[Any]) -> int:
         for array in getattr(cache, "cache", ())
         if isinstance(array, mx.array)
     )
+
+
+def copy_state_caches(caches: Sequence[Any]) -> list[Any]:
+    """Independent copies of a request's state caches (for a forked sequence).
+
+    MLX arrays are immutable and a recurrent layer replaces its slots, so a shallow copy of
+    each cache with its list attributes copied shares no state that either side changes.
+    """
+    copies = []
+    for cache in caches:
+        twin = copy.copy(cache)
+        for name, value in vars(cache).items():
+            if isinstance(value, list):
+                setattr(twin, name, list(value))
+        copies.append(twin)
+    return copies
 
 
 class StateSnapshot:

@@ -83,6 +83,14 @@ class BlockHashes:
         del tail[:full]
         self._count += len(new)
 
+    def copy(self) -> BlockHashes:
+        """Independent hashes of the same text (nothing is hashed again)."""
+        twin = BlockHashes(granularity=self.granularity, salt=self.salt)
+        twin._chain = list(self._chain)
+        twin._tail = list(self._tail)
+        twin._count = self._count
+        return twin
+
     def prefix_hash(self, length: int) -> bytes:
         """The hash standing for the first ``length`` tokens (a multiple of the granularity)."""
         index, rest = divmod(length, self.granularity)

@@ -29,6 +29,7 @@ __all__ = [
     "KVPoolStats",
     "KVPrefixCache",
     "KVRequestBookkeeping",
+    "KVRequestForking",
     "KernelSet",
     "LayerTransferCounter",
     "MaskSpec",
@@ -255,6 +256,20 @@ class KVPageAddressing(KVRequestBookkeeping, Protocol):
 
 
 @runtime_checkable
+class KVRequestForking(Protocol):
+    """A pool that can start a request as a copy of another's first positions."""
+
+    def fork_request(self, parent_id: int, child_id: int, n_tokens: int) -> None:
+        """Register ``child_id`` holding the parent's first ``n_tokens`` positions.
+
+        Whole pages are shared (no copy); a partial last page is copied for the child.
+        Atomic: on any error (``PoolExhaustedError`` for the copy's page included) nothing
+        changes.
+        """
+        ...
+
+
+@runtime_checkable
 class KVBufferStorage(Protocol):
     """The tensors of a paged KV pool: each attention layer's K/V buffers, by slot."""
 
@@ -305,6 +320,10 @@ class TokenHashes(Protocol):
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append ``tokens`` to the hashed text."""
+        ...
+
+    def copy(self) -> TokenHashes:
+        """Independent hashes of the same text (for a sequence forked from this one)."""
         ...
 
 
