@@ -22,7 +22,7 @@ from kv_serve._server_worker import (
     EngineWorker,
     Event,
     QueueFullError,
-    SamplingParams,
+    RequestParams,
     Ticket,
 )
 from kv_testing import build_tiny_model
@@ -72,7 +72,7 @@ def test_a_submit_the_engine_is_taking_still_counts_against_the_queue(
     worker, hold = worker_and_hold
     loop = asyncio.new_event_loop()
     try:
-        params = SamplingParams(max_tokens=2)
+        params = RequestParams(max_tokens=2)
         hold.hold.set()
         worker.submit(Ticket(loop), [1, 2, 3], params)
         assert hold.inside.wait(30)
@@ -95,7 +95,7 @@ def test_a_refused_engine_submit_frees_its_place_in_the_queue(
     try:
         ticket = Ticket(loop)
         # Token id past the vocabulary: the engine refuses it on its thread.
-        worker.submit(ticket, [10_000], SamplingParams(max_tokens=2))
+        worker.submit(ticket, [10_000], RequestParams(max_tokens=2))
         for _ in range(3000):
             if worker.waiting == 0 and not ticket.events.empty():
                 break
@@ -104,7 +104,7 @@ def test_a_refused_engine_submit_frees_its_place_in_the_queue(
         event = ticket.events.get_nowait()
         assert event.finish_reason == "error" and event.error is not None
         # The place is free again: another request is accepted.
-        worker.submit(Ticket(loop), [1, 2], SamplingParams(max_tokens=2))
+        worker.submit(Ticket(loop), [1, 2], RequestParams(max_tokens=2))
     finally:
         loop.close()
 
@@ -130,13 +130,13 @@ def test_a_request_whose_token_a_client_sees_no_longer_counts_as_waiting(
     loop = asyncio.new_event_loop()
     try:
         ticket = WatchingTicket(loop, worker)
-        worker.submit(ticket, [1, 2, 3], SamplingParams(max_tokens=3))
+        worker.submit(ticket, [1, 2, 3], RequestParams(max_tokens=3))
         for _ in range(3000):
-            if len(ticket.waiting_at_events) >= 4:  # three tokens and the end
+            if len(ticket.waiting_at_events) >= 3:  # three tokens, the last with the end
                 break
             loop.run_until_complete(asyncio.sleep(0.01))
         # It was admitted in the step that produced its first token: when that token (and
         # every later event) reaches the client, the queue bound has its place back.
-        assert ticket.waiting_at_events == [0, 0, 0, 0]
+        assert ticket.waiting_at_events == [0, 0, 0]
     finally:
         loop.close()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from kv_batching import DecodeEngine
+from kv_batching import DecodeEngine, SamplingParams, TokenLogprob
 from kv_pool import pages_per_request
 from kv_protocol import RequestStateError, check_int, kv_quantization_choice
 
@@ -40,12 +41,19 @@ from ._server_protocol import (
     parse_completion_request,
     parse_json_body,
 )
-from ._server_text import CompletionText
+from ._server_text import (
+    CompletionText,
+    IncrementalDecoder,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+)
 from ._server_worker import (
     EngineWorker,
     Event,
     QueueFullError,
-    SamplingParams,
+    RequestParams,
+    Submission,
     Ticket,
     WorkerStoppedError,
 )
@@ -116,13 +124,76 @@ class ServerMetrics:
 
 
 @dataclass
+class _Prompt:
+    """One prompt of a request: its tokens, the text ``echo`` gives back, its engine params.
+
+    ``skip_special``: the prompt was text, so its special tokens (BOS) are no part of the
+    echoed text.
+    """
+
+    tokens: list[int]
+    echo_text: str
+    skip_special: bool
+    params: RequestParams
+    _pieces: tuple[list[str], list[int]] | None = None
+
+    def pieces(self, tokenizer: Any) -> tuple[list[str], list[int]]:
+        """Each prompt token's text and where it starts in the echoed text."""
+        if self._pieces is None:
+            decoder = IncrementalDecoder(tokenizer, skip_special_tokens=self.skip_special)
+            pieces: list[str] = []
+            offsets: list[int] = []
+            at = 0
+            for token in self.tokens:
+                offsets.append(at)
+                pieces.append(decoder.push(token))
+                at += len(pieces[-1])
+            pieces[-1] += decoder.flush()
+            self._pieces = pieces, offsets
+        return self._pieces
+
+
+@dataclass
 class _Prepared:
-    """A checked request with its prompt tokens and engine parameters."""
+    """A checked request: its prompts with their engine parameters."""
 
     request: CompletionRequest
-    prompt: list[int]
-    params: SamplingParams
+    prompts: list[_Prompt]
     chat: bool
+    #: Token ids that end a sequence without text: end-of-sequence and stop_token_ids.
+    hidden: frozenset[int]
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt alone is answered (one token is run)."""
+        return self.request.echo and self.request.max_tokens == 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the request (each prompt once, whatever ``n``)."""
+        return sum(len(p.tokens) for p in self.prompts)
+
+
+class _Sequence:
+    """One generated sequence of a request, as its events arrive."""
+
+    def __init__(
+        self, prompt_index: int, rank: int, prompt: _Prompt, ticket: Ticket, text: CompletionText
+    ) -> None:
+        self.prompt_index = prompt_index
+        self.rank = rank
+        self.prompt = prompt
+        self.ticket = ticket
+        self.text = text
+        self.entries: list[TokenLogprob] = []
+        self.prompt_entries: tuple[TokenLogprob | None, ...] | None = None
+        self.finish: str | None = None
+        self.started = False
+
+    def score(self) -> float:
+        """Mean log-probability of its tokens under the model (``best_of`` ranks by it)."""
+        kept = self.entries[: len(self.text.tokens)]
+        return sum(e.logprob for e in kept) / len(kept) if kept else -math.inf
 
 
 def _error_response(error: OpenAIError) -> JSONResponse:
@@ -213,6 +284,7 @@ class KVServer:
         self.metrics = ServerMetrics()
         self.created = int(time.time())
         self._eos: frozenset[int] = frozenset()
+        self._texts = TokenTexts(tokenizer)
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ lifecycle
@@ -279,13 +351,24 @@ class KVServer:
 
     def _check_model(self, request: CompletionRequest) -> None:
         if request.model != self.model_name:
-            raise OpenAIError(
-                404,
-                f"The model {request.model!r} does not exist; this server serves "
-                f"{self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._no_model(request.model)
+
+    def _no_model(self, name: str) -> OpenAIError:
+        return OpenAIError(
+            404,
+            f"The model {name!r} does not exist; this server serves {self.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kv-serve",
+            "max_model_len": self.max_context,
+        }
 
     def _chat_tokens(self, request: CompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -308,28 +391,14 @@ class KVServer:
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
-    def _prompt_tokens(self, request: CompletionRequest) -> list[int]:
-        prompt = request.prompt
-        if isinstance(prompt, list):
-            vocab = self.worker.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise OpenAIError(
-                    400,
-                    f"prompt token ids must be in 0..{vocab - 1}, got {bad[0]}",
-                    param="prompt",
-                )
-            return list(prompt)
-        return [int(i) for i in self.tokenizer.encode(prompt)]
-
-    def _fit(self, prompt_tokens: int, max_tokens: int) -> None:
+    def _fit(self, prompt_tokens: int, max_tokens: int, where: str = "") -> None:
         total = prompt_tokens + max_tokens
         if total > self.max_context:
             raise OpenAIError(
                 400,
                 f"This model's maximum context length is {self.max_context} tokens. However, "
-                f"you requested {total} tokens ({prompt_tokens} in the prompt, {max_tokens} in "
-                "the completion). Please reduce the prompt or max_tokens.",
+                f"you requested {total} tokens ({prompt_tokens} in the prompt{where}, "
+                f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
@@ -349,37 +418,95 @@ class KVServer:
             if needs.get(sub.name, 0) > usable:
                 raise OpenAIError(
                     400,
-                    f"the request can never fit the KV pool: {prompt_tokens} prompt + "
+                    f"the request can never fit the KV pool: {prompt_tokens} prompt{where} + "
                     f"{max_tokens} completion tokens need {needs[sub.name]} pages of sub-pool "
                     f"{sub.name!r}, which has {usable}; reduce the prompt or max_tokens",
                     param="max_tokens",
                     code="context_length_exceeded",
                 )
 
-    def _prepare(self, body: dict[str, Any], *, chat: bool) -> _Prepared:
-        request = parse_chat_request(body) if chat else parse_completion_request(body)
-        self._check_model(request)
-        prompt = self._chat_tokens(request) if chat else self._prompt_tokens(request)
-        if not prompt:
-            raise OpenAIError(400, "the prompt encodes to no tokens", param="prompt")
-        max_tokens = request.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.max_context - len(prompt))
-        self._fit(len(prompt), max_tokens)
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            stop_tokens=self._eos,
-            # OpenAI's seed may be negative; the engine's stream takes 0 .. 2**64 - 1.
-            seed=None if request.seed is None else request.seed % 2**64,
-        )
-        return _Prepared(request, prompt, params, chat)
-
-    def _submit(self, prepared: _Prepared) -> Ticket:
-        ticket = Ticket(asyncio.get_running_loop())
+    def _sampling(self, request: CompletionRequest) -> SamplingParams:
+        fields = request.sampling
+        vocab = self.worker.vocab_size
+        k = request.logprobs
+        if k is None and request.best_of > request.n:
+            k = 0  # best_of ranks the sequences by their tokens' logprobs
         try:
-            self.worker.submit(ticket, prepared.prompt, prepared.params)
+            return SamplingParams(
+                temperature=fields.temperature,
+                top_p=fields.top_p,
+                top_k=fields.top_k if 0 < fields.top_k < vocab else 0,
+                min_p=fields.min_p,
+                presence_penalty=fields.presence_penalty,
+                frequency_penalty=fields.frequency_penalty,
+                repetition_penalty=fields.repetition_penalty,
+                logit_bias=fields.logit_bias,
+                min_tokens=fields.min_tokens,
+                seed=fields.seed,
+                logprobs=k,
+                prompt_logprobs=request.logprobs if request.echo else None,
+            )
+        except RequestStateError as err:
+            raise OpenAIError(400, str(err)) from None
+
+    def _prepare(self, body: dict[str, Any], *, chat: bool) -> _Prepared:
+        vocab = self.worker.vocab_size or None
+        if chat:
+            request = parse_chat_request(body, vocab_size=vocab)
+        else:
+            request = parse_completion_request(body, vocab_size=vocab)
+        self._check_model(request)
+        fields = request.sampling
+        extra = frozenset(fields.stop_token_ids)
+        stops = extra if fields.ignore_eos else self._eos | extra
+        hidden = self._eos | extra
+        sampling = self._sampling(request)
+        sources: list[tuple[list[int], str, bool]] = []
+        if chat:
+            sources.append((self._chat_tokens(request), "", False))
+        for prompt in request.prompts:
+            if isinstance(prompt, str):
+                tokens = [int(i) for i in self.tokenizer.encode(prompt)]
+                sources.append((tokens, prompt, True))
+            else:
+                sources.append((list(prompt), str(self.tokenizer.decode(list(prompt))), False))
+        prompts: list[_Prompt] = []
+        for i, (tokens, echo_text, skip_special) in enumerate(sources):
+            where = f" {i}" if len(sources) > 1 else ""
+            if not tokens:
+                raise OpenAIError(400, f"the prompt{where} encodes to no tokens", param="prompt")
+            max_tokens = request.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, self.max_context - len(tokens))
+            max_tokens = max(1, max_tokens)  # echo with max_tokens 0 runs one, unseen
+            self._fit(len(tokens), max_tokens, where)
+            params = RequestParams(max_tokens=max_tokens, sampling=sampling, stop_tokens=stops)
+            prompts.append(_Prompt(tokens, echo_text, skip_special, params))
+        return _Prepared(request, prompts, chat, hidden)
+
+    def _submit(self, prepared: _Prepared) -> tuple[list[_Sequence], asyncio.Queue[Event]]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        request = prepared.request
+        texts = self._texts if request.logprobs is not None else None
+        sequences: list[_Sequence] = []
+        submissions: list[Submission] = []
+        for p, prompt in enumerate(prepared.prompts):
+            tickets = []
+            for rank in range(request.best_of):
+                ticket = Ticket(loop, index=len(sequences), events=events)
+                text = CompletionText(
+                    self.tokenizer,
+                    stop=request.stop,
+                    eos_ids=prepared.hidden,
+                    min_tokens=request.sampling.min_tokens,
+                    texts=texts,
+                )
+                sequences.append(_Sequence(p, rank, prompt, ticket, text))
+                tickets.append(ticket)
+            submissions.append(Submission(tuple(tickets), prompt.tokens, prompt.params))
+        try:
+            self.worker.submit_batch(submissions)
         except QueueFullError as err:
             raise OpenAIError(
                 429,
@@ -390,7 +517,11 @@ class KVServer:
             ) from None
         except WorkerStoppedError as err:
             raise OpenAIError(503, str(err), type="server_error", code="engine_stopped") from None
-        return ticket
+        return sequences, events
+
+    def _abort_all(self, sequences: list[_Sequence]) -> None:
+        for sequence in sequences:
+            self.worker.abort(sequence.ticket)  # a no-op for those that ended
 
     @staticmethod
     def _engine_error(event: Event) -> OpenAIError:
@@ -416,188 +547,258 @@ class KVServer:
             "total_tokens": prompt + completion,
         }
 
-    async def _wait(self, ticket: Ticket, http: Request | None) -> Event:
-        """The ticket's next event; with ``http``, abort if its client goes away meanwhile."""
+    def _usage_of(self, prepared: _Prepared, sequences: list[_Sequence]) -> dict[str, int]:
+        generated = sum(s.text.completion_tokens for s in sequences)
+        return self._usage(prepared.prompt_tokens, generated)
+
+    async def _wait(self, events: asyncio.Queue[Event], http: Request | None) -> Event:
+        """The next event; with ``http``, raise :class:`_ClientGone` if the client left."""
         if http is None:
-            return await ticket.events.get()
+            return await events.get()
         while True:
             try:
-                return await asyncio.wait_for(ticket.events.get(), _DISCONNECT_POLL)
+                return await asyncio.wait_for(events.get(), _DISCONNECT_POLL)
             except TimeoutError:
                 if await http.is_disconnected():
-                    self.worker.abort(ticket)
                     raise _ClientGone from None
 
-    def _choice(
-        self, prepared: _Prepared, text: str, reason: str | None, tokens: list[int] | None
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if prepared.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+    def _absorb(self, prepared: _Prepared, sequence: _Sequence, event: Event) -> tuple[str, bool]:
+        """Take an event into its sequence: the text to send now, and whether it ended.
+
+        Raises the request's :class:`OpenAIError` when the engine failed the sequence.
+        """
+        if event.prompt_logprobs is not None:
+            sequence.prompt_entries = event.prompt_logprobs
+        piece = ""
+        if event.tokens and not prepared.echo_only:
+            piece = sequence.text.push(event.tokens)
+            sequence.entries.extend(event.logprobs)
+            if sequence.text.stopped:
+                self.worker.abort(sequence.ticket)
+                sequence.finish = "stop"
+                return piece, True
+        if not event.done:
+            return piece, False
+        sequence.ticket.closed = True
+        if event.finish_reason in ("error", "aborted"):
+            sequence.finish = "error"
+            raise self._engine_error(event)
+        if prepared.echo_only:
+            sequence.finish = "length"
         else:
-            choice["text"] = text
-        choice["logprobs"] = None
-        choice["finish_reason"] = reason
-        if tokens is not None:
-            choice["token_ids"] = tokens
+            sequence.finish = self._finish_reason(str(event.finish_reason))
+            piece += sequence.text.finish()
+        return piece, True
+
+    def _logprobs(
+        self, prepared: _Prepared, sequence: _Sequence, start: int, stop: int, *, prompt: bool
+    ) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice for its generated tokens ``start:stop``."""
+        k = prepared.request.logprobs
+        if k is None:
+            return None
+        text = sequence.text
+        entries: list[TokenLogprob | None] = list(sequence.entries[start:stop])
+        if prepared.chat:
+            content = chat_logprobs(
+                text.pieces[start:stop],
+                text.raw[start:stop],
+                sequence.entries[start:stop],
+                self._texts,
+                k,
+            )
+            return {"content": content, "refusal": None}
+        tokens = text.pieces[start:stop]
+        shift = len(sequence.prompt.echo_text) if prepared.request.echo else 0
+        offsets = [o + shift for o in text.offsets[start:stop]]
+        if prompt and prepared.request.echo:
+            prompt_tokens, prompt_offsets = sequence.prompt.pieces(self.tokenizer)
+            found = sequence.prompt_entries
+            prompt_entries: list[TokenLogprob | None] = (
+                list(found) if found is not None else [None] * len(prompt_tokens)
+            )
+            tokens = prompt_tokens + tokens
+            offsets = prompt_offsets + offsets
+            entries = prompt_entries + entries
+        return completion_logprobs(tokens, offsets, entries, self._texts, k)
+
+    def _choice(self, prepared: _Prepared, sequence: _Sequence, index: int) -> dict[str, Any]:
+        request = prepared.request
+        text = sequence.text
+        choice: dict[str, Any] = {"index": index}
+        if prepared.chat:
+            choice["message"] = {"role": "assistant", "content": text.text}
+        else:
+            echo = sequence.prompt.echo_text if request.echo else ""
+            choice["text"] = echo + text.text
+        choice["logprobs"] = self._logprobs(prepared, sequence, 0, len(text.tokens), prompt=True)
+        choice["finish_reason"] = sequence.finish
+        if request.return_token_ids:
+            choice["token_ids"] = list(text.tokens)
+            choice["prompt_token_ids"] = list(sequence.prompt.tokens)
         return choice
 
+    def _choices(self, prepared: _Prepared, sequences: list[_Sequence]) -> list[dict[str, Any]]:
+        n = prepared.request.n
+        choices = []
+        for p in range(len(prepared.prompts)):
+            mine = [s for s in sequences if s.prompt_index == p]
+            if len(mine) > n:  # best_of: the n with the highest mean logprob
+                mine = sorted(mine, key=lambda s: -s.score())[:n]
+            choices += [self._choice(prepared, s, p * n + j) for j, s in enumerate(mine)]
+        return choices
+
+    def _account(self, prepared: _Prepared, sequences: list[_Sequence], start: float) -> None:
+        reason = next((s.finish for s in sequences if s.finish == "error"), None)
+        reason = reason or sequences[0].finish or "error"
+        generated = sum(s.text.completion_tokens for s in sequences)
+        self.metrics.finished(
+            reason, prepared.prompt_tokens, generated, time.perf_counter() - start
+        )
+
     async def _complete(self, prepared: _Prepared, http: Request) -> Response:
-        ticket = self._submit(prepared)
-        text = CompletionText(self.tokenizer, stop=prepared.request.stop, eos_ids=self._eos)
+        sequences, events = self._submit(prepared)
         start = time.perf_counter()
         first: float | None = None
         try:
-            while True:
-                event = await self._wait(ticket, http)
-                if event.tokens:
-                    if first is None:
-                        first = time.perf_counter()
-                        self.metrics.first_token.observe(first - start)
-                    text.push(event.tokens)
-                    if text.stopped:
-                        self.worker.abort(ticket)
-                        reason = "stop"
-                        break
-                if event.done:
-                    ticket.closed = True
-                    if event.finish_reason == "error" or event.finish_reason == "aborted":
-                        self._account(prepared, text, "error", start)
-                        raise self._engine_error(event)
-                    reason = self._finish_reason(str(event.finish_reason))
-                    text.finish()
-                    break
+            remaining = len(sequences)
+            while remaining:
+                event = await self._wait(events, http)
+                sequence = sequences[event.index]
+                if sequence.finish is not None:
+                    continue  # what an aborted sequence still had on its way
+                if event.tokens and first is None:
+                    first = time.perf_counter()
+                    self.metrics.first_token.observe(first - start)
+                try:
+                    _, ended = self._absorb(prepared, sequence, event)
+                except OpenAIError:
+                    self._account(prepared, sequences, start)
+                    raise
+                remaining -= ended
         finally:
-            self.worker.abort(ticket)  # a no-op unless the handler leaves early
-        self._account(prepared, text, reason, start)
-        kind = "chat.completion" if prepared.chat else "text_completion"
-        ids = list(text.tokens) if prepared.request.return_token_ids else None
+            self._abort_all(sequences)  # a no-op unless the handler leaves early
+        self._account(prepared, sequences, start)
+        chat = prepared.chat
         body = {
-            "id": f"{'chatcmpl' if prepared.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-            "object": kind,
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
-            "choices": [self._choice(prepared, text.text, reason, ids)],
-            "usage": self._usage(len(prepared.prompt), text.completion_tokens),
+            "choices": self._choices(prepared, sequences),
+            "usage": self._usage_of(prepared, sequences),
         }
         return JSONResponse(body)
 
-    def _account(
-        self, prepared: _Prepared, text: CompletionText, reason: str, start: float
-    ) -> None:
-        self.metrics.finished(
-            reason, len(prepared.prompt), text.completion_tokens, time.perf_counter() - start
-        )
+    def _chunk_choice(
+        self,
+        prepared: _Prepared,
+        sequence: _Sequence,
+        piece: str,
+        reason: str | None,
+        seen: int,
+    ) -> dict[str, Any]:
+        """One streamed choice: ``piece``, and the logprobs and ids of tokens ``seen:``."""
+        request = prepared.request
+        first = not sequence.started
+        sequence.started = True
+        index = sequence.prompt_index * request.n + sequence.rank
+        choice: dict[str, Any] = {"index": index}
+        if prepared.chat:
+            choice["delta"] = {"content": piece} if piece else {}
+        else:
+            echo = sequence.prompt.echo_text if first and request.echo else ""
+            choice["text"] = echo + piece
+        now = len(sequence.text.tokens)
+        choice["logprobs"] = self._logprobs(prepared, sequence, seen, now, prompt=first)
+        choice["finish_reason"] = reason
+        if request.return_token_ids:
+            choice["token_ids"] = sequence.text.tokens[seen:now]
+            if first:
+                choice["prompt_token_ids"] = list(sequence.prompt.tokens)
+        return choice
 
     async def _stream(self, prepared: _Prepared, http: Request) -> Response:
-        ticket = self._submit(prepared)
+        sequences, events = self._submit(prepared)
         start = time.perf_counter()
         # Wait for the first event before answering, so a request that fails before its
         # first token (prefill error, refused by the engine) still gets its status code.
         try:
-            first = await self._wait(ticket, http)
+            first = await self._wait(events, http)
         except BaseException:
-            self.worker.abort(ticket)
+            self._abort_all(sequences)
             raise
-        if first.done:
-            ticket.closed = True
         if first.done and first.finish_reason in ("error", "aborted"):
-            self.metrics.finished("error", len(prepared.prompt), 0, time.perf_counter() - start)
+            self._abort_all(sequences)
+            sequences[first.index].finish = "error"
+            self._account(prepared, sequences, start)
             raise self._engine_error(first)
         self.metrics.first_token.observe(time.perf_counter() - start)
         rid = f"{'chatcmpl' if prepared.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        chat = prepared.chat
-        want_ids = prepared.request.return_token_ids
+        request = prepared.request
+        kind = "chat.completion.chunk" if prepared.chat else "text_completion"
 
-        def chunk(piece: str | None, reason: str | None, ids: list[int] | None) -> str:
-            choice: dict[str, Any] = {"index": 0}
-            if chat:
-                choice["delta"] = {} if piece is None else {"content": piece}
-            else:
-                choice["text"] = piece or ""
-            choice["logprobs"] = None
-            choice["finish_reason"] = reason
-            if want_ids and ids is not None:
-                choice["token_ids"] = ids
-            payload = {
+        def payload(choices: list[dict[str, Any]], *, usage: bool = False) -> str:
+            body: dict[str, Any] = {
                 "id": rid,
-                "object": "chat.completion.chunk" if chat else "text_completion",
+                "object": kind,
                 "created": created,
                 "model": self.model_name,
-                "choices": [choice],
+                "choices": choices,
             }
-            return _sse(payload)
+            if usage or request.continuous_usage:
+                body["usage"] = self._usage_of(prepared, sequences)
+            return _sse(body)
 
-        async def events() -> AsyncIterator[str]:
-            text = CompletionText(self.tokenizer, stop=prepared.request.stop, eos_ids=self._eos)
-            reason = "error"
+        async def stream() -> AsyncIterator[str]:
             error: OpenAIError | None = None
+            if prepared.chat:
+                empty: dict[str, Any] | None = None
+                if request.logprobs is not None:
+                    empty = {"content": [], "refusal": None}
+                for sequence in sequences:
+                    index = sequence.prompt_index * request.n + sequence.rank
+                    role = {"role": "assistant", "content": ""}
+                    choice = {"index": index, "delta": role, "logprobs": empty}
+                    yield payload([{**choice, "finish_reason": None}])
+            remaining = len(sequences)
             event: Event | None = first
             last = time.perf_counter()
-            if chat:
-                yield _sse(
-                    {
-                        "id": rid,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                )
-            while True:
+            while remaining:
                 if event is None:
-                    event = await ticket.events.get()
+                    event = await events.get()
                     now = time.perf_counter()
                     if event.tokens:
                         self.metrics.inter_token.observe(now - last)
                         last = now
-                if event.tokens:
-                    seen = len(text.tokens)
-                    piece = text.push(event.tokens)
-                    if piece or want_ids:
-                        yield chunk(piece, None, text.tokens[seen:])
-                    if text.stopped:
-                        self.worker.abort(ticket)
-                        reason = "stop"
+                sequence = sequences[event.index]
+                if sequence.finish is None:
+                    seen = len(sequence.text.tokens)
+                    try:
+                        piece, ended = self._absorb(prepared, sequence, event)
+                    except OpenAIError as err:
+                        error, piece, ended = err, "", True
+                    new = len(sequence.text.tokens) > seen
+                    extra = request.logprobs is not None or request.return_token_ids
+                    echo = request.echo and not sequence.started
+                    if piece or ended or echo or (new and (extra or request.continuous_usage)):
+                        reason = sequence.finish if ended else None
+                        choice = self._chunk_choice(prepared, sequence, piece, reason, seen)
+                        yield payload([choice])
+                    remaining -= ended
+                    if error is not None:
                         break
-                if event.done:
-                    ticket.closed = True
-                    if event.finish_reason in ("error", "aborted"):
-                        error = self._engine_error(event)
-                        reason = "error"
-                    else:
-                        reason = self._finish_reason(str(event.finish_reason))
-                    tail = text.finish() if error is None else ""
-                    if tail:
-                        yield chunk(tail, None, [])
-                    break
                 event = None
-            self._account(prepared, text, reason, start)
-            yield chunk(None if chat else "", reason, None)
+            self._abort_all(sequences)
+            self._account(prepared, sequences, start)
             if error is not None:
                 yield _sse(error.body())
-            if prepared.request.include_usage:
-                yield _sse(
-                    {
-                        "id": rid,
-                        "object": "chat.completion.chunk" if chat else "text_completion",
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [],
-                        "usage": self._usage(len(prepared.prompt), text.completion_tokens),
-                    }
-                )
+            if request.include_usage:
+                yield payload([], usage=True)
             yield "data: [DONE]\n\n"
 
-        return _AbortingStream(events(), on_close=lambda: self.worker.abort(ticket))
+        return _AbortingStream(stream(), on_close=lambda: self._abort_all(sequences))
 
     async def _handle(self, http: Request, *, chat: bool) -> Response:
         try:
@@ -733,20 +934,13 @@ class KVServer:
 
         @app.get("/v1/models")
         async def models() -> Response:
-            return JSONResponse(
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "id": self.model_name,
-                            "object": "model",
-                            "created": self.created,
-                            "owned_by": "kv-serve",
-                            "max_model_len": self.max_context,
-                        }
-                    ],
-                }
-            )
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str) -> Response:
+            if model_id != self.model_name:
+                return _error_response(self._no_model(model_id))
+            return JSONResponse(self._model_card())
 
         @app.post("/v1/completions")
         async def completions(http: Request) -> Response:

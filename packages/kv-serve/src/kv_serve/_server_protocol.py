@@ -1,19 +1,31 @@
 """The OpenAI request side: errors in OpenAI's JSON shape and checked request fields.
 
 Pure Python (no MLX): request bodies are checked here before anything reaches the engine.
+Every field a body may hold is in :data:`REQUEST_FIELDS`, with what the server does with it
+(honoured, an extension, accepted but meaningless to a local server, or refused); a field
+not listed there is refused by name, so nothing a client sends is silently ignored.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeGuard
 
 __all__ = [
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "MAX_PROMPTS",
+    "MAX_SEQUENCES",
+    "MAX_STOP_STRINGS",
+    "REQUEST_FIELDS",
     "CompletionRequest",
+    "FieldRule",
     "OpenAIError",
+    "SamplingFields",
     "parse_chat_request",
     "parse_completion_request",
     "parse_json_body",
@@ -21,7 +33,123 @@ __all__ = [
 
 #: The most stop strings one request may give (OpenAI's limit).
 MAX_STOP_STRINGS = 4
+#: The most alternatives per token: completions' ``logprobs`` (OpenAI allows 5) and chat's
+#: ``top_logprobs`` (OpenAI allows 20); the engine's limit.
+MAX_LOGPROBS = 20
+#: The most prompts one ``/v1/completions`` request may hold.
+MAX_PROMPTS = 64
+#: The largest ``n`` and ``best_of`` (OpenAI's limit for ``n``).
+MAX_N = 128
+#: The most sequences one request may generate: prompts times ``best_of`` (or ``n``).
+MAX_SEQUENCES = 256
+#: No request may ask for more tokens than this, whatever the context (a sanity bound).
+MAX_TOKENS_LIMIT = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "refusal"})
+
+Endpoint = Literal["completions", "chat"]
+Treatment = Literal["honoured", "extension", "accepted", "refused"]
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What the server does with one request field of one or both endpoints.
+
+    ``treatment``: ``honoured`` (an OpenAI field the server implements), ``extension`` (not
+    OpenAI's; the common vLLM / SGLang fields and ``return_token_ids``), ``accepted`` (an
+    OpenAI field that means nothing to a local server: type-checked, then without effect),
+    or ``refused`` (a 400 naming the field whenever it is given a value other than null
+    or the default that ``note`` names).
+    """
+
+    name: str
+    endpoints: tuple[Endpoint, ...]
+    treatment: Treatment
+    note: str
+
+
+_BOTH: tuple[Endpoint, ...] = ("completions", "chat")
+_CMPL: tuple[Endpoint, ...] = ("completions",)
+_CHAT: tuple[Endpoint, ...] = ("chat",)
+
+#: Every request field either endpoint knows, in the order of the README's table.
+REQUEST_FIELDS: tuple[FieldRule, ...] = (
+    FieldRule("model", _BOTH, "honoured", "the served model's id; another is a 404"),
+    FieldRule(
+        "prompt",
+        _CMPL,
+        "honoured",
+        f"a string, a list of token ids, or a batch of up to {MAX_PROMPTS} of either",
+    ),
+    FieldRule("messages", _CHAT, "honoured", "through the tokenizer's chat template; text only"),
+    FieldRule("max_tokens", _BOTH, "honoured", "completions: default 16, 0 only with echo"),
+    FieldRule("max_completion_tokens", _CHAT, "honoured", "wins over max_tokens"),
+    FieldRule("temperature", _BOTH, "honoured", "0..2; 0 is greedy"),
+    FieldRule("top_p", _BOTH, "honoured", "(0, 1]"),
+    FieldRule("n", _BOTH, "honoured", f"1..{MAX_N}; the prompt is prefilled once"),
+    FieldRule(
+        "best_of",
+        _CMPL,
+        "honoured",
+        f"n..{MAX_N}; the n with the highest mean token logprob; not with stream",
+    ),
+    FieldRule("stop", _BOTH, "honoured", f"up to {MAX_STOP_STRINGS} strings, cut from the text"),
+    FieldRule("seed", _BOTH, "honoured", "each sequence i of n draws from seed + i"),
+    FieldRule("presence_penalty", _BOTH, "honoured", "-2..2, over the generated tokens"),
+    FieldRule("frequency_penalty", _BOTH, "honoured", "-2..2, over the generated tokens"),
+    FieldRule("logit_bias", _BOTH, "honoured", "token id -> -100..100, added to the logits"),
+    FieldRule(
+        "logprobs",
+        _BOTH,
+        "honoured",
+        f"completions: 0..{MAX_LOGPROBS} (OpenAI: 0..5); chat: true or false",
+    ),
+    FieldRule("top_logprobs", _CHAT, "honoured", f"0..{MAX_LOGPROBS}; needs logprobs: true"),
+    FieldRule("echo", _CMPL, "honoured", "the prompt before the completion (and its logprobs)"),
+    FieldRule("stream", _BOTH, "honoured", "server-sent events ending in data: [DONE]"),
+    FieldRule("stream_options", _BOTH, "honoured", "include_usage; only with stream: true"),
+    FieldRule("modalities", _CHAT, "honoured", 'only ["text"] (the default); "audio" is a 400'),
+    FieldRule("top_k", _BOTH, "extension", "-1 or 0: off; else the k most likely tokens"),
+    FieldRule("min_p", _BOTH, "extension", "0..1 of the most likely token's probability"),
+    FieldRule(
+        "repetition_penalty",
+        _BOTH,
+        "extension",
+        "> 0, multiplicative over prompt and generated tokens",
+    ),
+    FieldRule("ignore_eos", _BOTH, "extension", "the model's end-of-sequence ids do not stop"),
+    FieldRule("min_tokens", _BOTH, "extension", "no stop token or string before this many"),
+    FieldRule("stop_token_ids", _BOTH, "extension", "more token ids that end a sequence"),
+    FieldRule("return_token_ids", _BOTH, "extension", "adds each choice's token_ids"),
+    FieldRule("user", _BOTH, "accepted", "a string; nothing is tracked"),
+    FieldRule("metadata", _CHAT, "accepted", "an object of strings; nothing is stored"),
+    FieldRule("store", _CHAT, "accepted", "a boolean; nothing is stored"),
+    FieldRule("service_tier", _CHAT, "accepted", "a string; one tier"),
+    FieldRule("safety_identifier", _CHAT, "accepted", "a string; nothing is tracked"),
+    FieldRule("prompt_cache_key", _CHAT, "accepted", "a string; prefix caching is automatic"),
+    FieldRule("prompt_cache_retention", _CHAT, "accepted", "a string; prefix caching is automatic"),
+    FieldRule("prompt_cache_options", _CHAT, "accepted", "an object; prefix caching is automatic"),
+    FieldRule("suffix", _CMPL, "refused", 'insertion is not supported (null or "" pass)'),
+    FieldRule("response_format", _CHAT, "refused", 'structured output; {"type": "text"} passes'),
+    FieldRule("tools", _CHAT, "refused", "tool calling is not supported"),
+    FieldRule("tool_choice", _CHAT, "refused", "tool calling is not supported"),
+    FieldRule("parallel_tool_calls", _CHAT, "refused", "tool calling is not supported"),
+    FieldRule("functions", _CHAT, "refused", "function calling is not supported"),
+    FieldRule("function_call", _CHAT, "refused", "function calling is not supported"),
+    FieldRule("audio", _CHAT, "refused", "audio output is not supported"),
+    FieldRule("prediction", _CHAT, "refused", "predicted outputs are not supported"),
+    FieldRule("reasoning_effort", _CHAT, "refused", "not a reasoning-effort model"),
+    FieldRule("verbosity", _CHAT, "refused", "not a verbosity-controlled model"),
+    FieldRule("web_search_options", _CHAT, "refused", "no web search"),
+    FieldRule("moderation", _CHAT, "refused", "no moderation model"),
+)
+
+_KNOWN: dict[Endpoint, frozenset[str]] = {
+    endpoint: frozenset(r.name for r in REQUEST_FIELDS if endpoint in r.endpoints)
+    for endpoint in ("completions", "chat")
+}
+_REFUSED: dict[str, FieldRule] = {r.name: r for r in REQUEST_FIELDS if r.treatment == "refused"}
+_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation", "continuous_usage_stats"})
 
 
 class OpenAIError(Exception):
@@ -62,21 +190,58 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> Ope
 
 
 @dataclass(frozen=True, kw_only=True)
-class CompletionRequest:
-    """A checked request of either endpoint (``prompt`` xor ``messages`` is set)."""
+class SamplingFields:
+    """The checked sampling fields of a request (what the engine's sampler is asked for).
 
-    model: str
-    prompt: str | list[int] | None = None
-    messages: list[dict[str, str]] | None = None
-    max_tokens: int | None = None
+    ``top_k`` 0 is off (the request's -1 is stored as 0); ``logit_bias`` maps token ids to
+    biases; ``stop_token_ids`` end a sequence besides the model's end-of-sequence ids (which
+    ``ignore_eos`` leaves out).
+    """
+
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionRequest:
+    """A checked request of either endpoint (``prompts`` xor ``messages`` is set).
+
+    ``prompts`` holds each prompt of a completions request (a string or token ids);
+    ``logprobs`` is the number of alternatives per token (completions' ``logprobs``, chat's
+    ``top_logprobs`` when ``logprobs`` is true), ``None`` when none are asked for.
+    ``best_of`` is at least ``n`` (equal when not given). ``max_tokens`` ``None`` means up
+    to the context.
+    """
+
+    model: str
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    messages: list[dict[str, str]] | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    best_of: int = 1
+    echo: bool = False
+    logprobs: int | None = None
+    sampling: SamplingFields = field(default_factory=SamplingFields)
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     return_token_ids: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> str | tuple[int, ...] | None:
+        """The first prompt (``None`` for a chat request)."""
+        return self.prompts[0] if self.prompts else None
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -97,17 +262,24 @@ def _type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _int(body: Mapping[str, Any], name: str, *, minimum: int, maximum: int) -> int | None:
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(
+    body: Mapping[str, Any], name: str, *, minimum: int, maximum: int, param: str | None = None
+) -> int | None:
     value = body.get(name)
+    param = param or name
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _is_int(value):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise _bad(f"{name} must be an integer, got {_type_name(value)} {value!r}", name)
+            raise _bad(f"{param} must be an integer, got {_type_name(value)} {value!r}", param)
     if not minimum <= value <= maximum:
-        raise _bad(f"{name} must be in {minimum}..{maximum}, got {value}", name)
+        raise _bad(f"{param} must be in {minimum}..{maximum}, got {value}", param)
     return int(value)
 
 
@@ -133,13 +305,20 @@ def _number(
     return number
 
 
-def _bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
+def _bool(body: Mapping[str, Any], name: str, default: bool = False, param: str = "") -> bool:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise _bad(f"{name} must be a boolean, got {_type_name(value)} {value!r}", name)
+        param = param or name
+        raise _bad(f"{param} must be a boolean, got {_type_name(value)} {value!r}", param)
     return value
+
+
+def _string(body: Mapping[str, Any], name: str) -> None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _bad(f"{name} must be a string, got {_type_name(value)} {value!r}", name)
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -156,80 +335,252 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _unsupported(body: Mapping[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad(f"only n=1 is supported, got n={n!r}", "n")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise _bad(f"only best_of=1 is supported, got {best_of!r}", "best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
+def _token_id(value: object, param: str, vocab_size: int | None) -> int:
+    if _is_int(value) and value >= 0 and (vocab_size is None or value < vocab_size):
+        return value
+    top = "0 or more" if vocab_size is None else f"0..{vocab_size - 1}"
+    raise _bad(f"{param} must hold token ids in {top}, got {value!r}", param)
+
+
+def _logit_bias(body: Mapping[str, Any], vocab_size: int | None) -> dict[int, float]:
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad(
+            f"logit_bias must be an object of token id -> bias, got {_type_name(value)}",
+            "logit_bias",
+        )
+    bias: dict[int, float] = {}
+    for key, amount in value.items():
+        text = str(key)
+        if not re.fullmatch(r"-?[0-9]+", text):
+            raise _bad(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token = _token_id(int(text), "logit_bias", vocab_size)
+        if isinstance(amount, bool) or not isinstance(amount, int | float):
+            raise _bad(
+                f"logit_bias[{text}] must be a number in -100..100, got {amount!r}", "logit_bias"
+            )
+        if not math.isfinite(amount) or not -100 <= amount <= 100:
+            raise _bad(f"logit_bias[{text}] must be in -100..100, got {amount!r}", "logit_bias")
+        bias[token] = float(amount)
+    return bias
+
+
+def _stop_token_ids(body: Mapping[str, Any], vocab_size: int | None) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise _bad(
+            f"stop_token_ids must be a list of token ids, got {_type_name(value)}",
+            "stop_token_ids",
+        )
+    return tuple(_token_id(v, "stop_token_ids", vocab_size) for v in value)
+
+
+def _check_fields(body: Mapping[str, Any], endpoint: Endpoint) -> None:
+    known = _KNOWN[endpoint]
+    unknown = [name for name in body if name not in known]
+    if unknown:
+        other: Endpoint = "chat" if endpoint == "completions" else "completions"
+        path = "/v1/chat/completions" if other == "chat" else "/v1/completions"
+        elsewhere = [n for n in unknown if n in _KNOWN[other]]
+        hint = f" ({', '.join(elsewhere)}: only on {path})" if elsewhere else ""
+        raise _bad(
+            f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
+            f"{', '.join(unknown)}{hint}; the kv-serve README lists every field this server "
+            "takes",
+            unknown[0],
+            code="unsupported_parameter",
+        )
+    for name, rule in _REFUSED.items():
         value = body.get(name)
-        if value is not None and value != 0:
-            raise _bad(f"{name} is not supported (only 0), got {value!r}", name)
-    if body.get("echo"):
-        raise _bad("echo is not supported", "echo")
-    if body.get("suffix"):
-        raise _bad("suffix is not supported", "suffix")
-    if body.get("logprobs") not in (None, False, 0):
-        raise _bad("logprobs are not supported", "logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise _bad("tool and function calling are not supported", "tools")
+        if value is None or name not in known:
+            continue
+        if name == "suffix" and value == "":
+            continue
+        if name == "response_format" and value == {"type": "text"}:
+            continue
+        raise _bad(
+            f"{name} is not supported by this server ({rule.note}), got {value!r}",
+            name,
+            code="unsupported_parameter",
+        )
 
 
-def _common(body: Mapping[str, Any]) -> dict[str, Any]:
+def _accepted(body: Mapping[str, Any]) -> None:
+    for name in ("user", "service_tier", "safety_identifier", "prompt_cache_key"):
+        _string(body, name)
+    _string(body, "prompt_cache_retention")
+    _bool(body, "store")
+    metadata = body.get("metadata")
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise _bad("metadata must be an object of string values", "metadata")
+    options = body.get("prompt_cache_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("prompt_cache_options must be an object", "prompt_cache_options")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _bad(
+            f'modalities must be ["text"]: this server generates text only, got {modalities!r}',
+            "modalities",
+            code="unsupported_parameter",
+        )
+
+
+def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
+    options = body.get("stream_options")
+    if options is None:
+        return False, False
+    if not stream:
+        raise _bad("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict):
+        raise _bad(f"stream_options must be an object, got {_type_name(options)}", "stream_options")
+    unknown = [k for k in options if k not in _STREAM_OPTIONS]
+    if unknown:
+        raise _bad(
+            f"unrecognized stream option {unknown[0]!r}; known: "
+            f"{', '.join(sorted(_STREAM_OPTIONS))}",
+            f"stream_options.{unknown[0]}",
+            code="unsupported_parameter",
+        )
+    include = _bool(options, "include_usage", param="stream_options.include_usage")
+    _bool(options, "include_obfuscation", param="stream_options.include_obfuscation")
+    continuous = _bool(
+        options, "continuous_usage_stats", param="stream_options.continuous_usage_stats"
+    )
+    return include, continuous and include
+
+
+def _sampling(body: Mapping[str, Any], vocab_size: int | None) -> SamplingFields:
+    top_k = _int(body, "top_k", minimum=-(2**31), maximum=2**31 - 1)
+    if top_k is not None and top_k < -1:
+        raise _bad(f"top_k must be -1 or 0 (off) or at least 1, got {top_k}", "top_k")
+    repetition = body.get("repetition_penalty")
+    if repetition is not None and (
+        isinstance(repetition, bool)
+        or not isinstance(repetition, int | float)
+        or not math.isfinite(repetition)
+        or repetition <= 0
+    ):
+        raise _bad(
+            f"repetition_penalty must be a finite number > 0, got {repetition!r}",
+            "repetition_penalty",
+        )
+    seed = _int(body, "seed", minimum=-(2**63), maximum=2**64 - 1)
+    return SamplingFields(
+        temperature=_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
+        top_p=_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, min_open=True),
+        top_k=max(0, top_k or 0),
+        min_p=_number(body, "min_p", 0.0, minimum=0.0, maximum=1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0),
+        repetition_penalty=1.0 if repetition is None else float(repetition),
+        logit_bias=_logit_bias(body, vocab_size),
+        # OpenAI's seed may be negative; the engine's stream takes 0 .. 2**64 - 1.
+        seed=None if seed is None else seed % 2**64,
+        min_tokens=_int(body, "min_tokens", minimum=0, maximum=MAX_TOKENS_LIMIT) or 0,
+        ignore_eos=_bool(body, "ignore_eos"),
+        stop_token_ids=_stop_token_ids(body, vocab_size),
+    )
+
+
+def _common(body: Mapping[str, Any], endpoint: Endpoint, vocab_size: int | None) -> dict[str, Any]:
     model = body.get("model")
     if model is None:
         raise _bad("you must provide a model parameter", "model")
     if not isinstance(model, str):
         raise _bad(f"model must be a string, got {_type_name(model)} {model!r}", "model")
-    _unsupported(body)
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict):
-            raise _bad("stream_options must be an object", "stream_options")
-        include_usage = _bool(options, "include_usage")
+    _check_fields(body, endpoint)
+    _accepted(body)
+    stream = _bool(body, "stream")
+    include_usage, continuous = _stream_options(body, stream)
+    n = _int(body, "n", minimum=1, maximum=MAX_N) or 1
     return {
         "model": model,
-        "temperature": _number(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
-        "top_p": _number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, min_open=True),
-        "seed": _int(body, "seed", minimum=-(2**63), maximum=2**64 - 1),
+        "n": n,
+        "sampling": _sampling(body, vocab_size),
         "stop": _stop(body),
-        "stream": _bool(body, "stream"),
+        "stream": stream,
         "include_usage": include_usage,
+        "continuous_usage": continuous,
         "return_token_ids": _bool(body, "return_token_ids"),
     }
 
 
-#: No request may ask for more tokens than this, whatever the context (a sanity bound).
-MAX_TOKENS_LIMIT = 2**31 - 1
+def _check_min_tokens(common: Mapping[str, Any], max_tokens: int | None) -> None:
+    minimum = common["sampling"].min_tokens
+    if max_tokens is not None and minimum > max_tokens:
+        raise _bad(
+            f"min_tokens ({minimum}) must not exceed max_tokens ({max_tokens})", "min_tokens"
+        )
 
 
-def parse_completion_request(body: Mapping[str, Any]) -> CompletionRequest:
-    """Check a ``/v1/completions`` body."""
-    common = _common(body)
+def _prompts(body: Mapping[str, Any], vocab_size: int | None) -> tuple[str | tuple[int, ...], ...]:
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("you must provide a prompt", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt:
-            raise _bad("prompt must not be empty", "prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise _bad(
-                "prompt must be a string, a list of token ids, or a list of one of those "
-                "(one prompt per request)",
-                "prompt",
-            )
-    elif not isinstance(prompt, str):
+    if isinstance(prompt, str):
+        return (prompt,)
+    shape = (
+        "prompt must be a string, a list of token ids, or a list of strings or of token-id lists"
+    )
+    if not isinstance(prompt, list):
+        raise _bad(f"{shape}, got {_type_name(prompt)}", "prompt")
+    if not prompt:
+        raise _bad("prompt must not be an empty list", "prompt")
+    if all(_is_int(t) for t in prompt):
+        return (tuple(_token_id(t, "prompt", vocab_size) for t in prompt),)
+    if len(prompt) > MAX_PROMPTS:
+        raise _bad(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt")
+    out: list[str | tuple[int, ...]] = []
+    for item in prompt:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+            out.append(tuple(_token_id(t, "prompt", vocab_size) for t in item))
+        else:
+            raise _bad(f"{shape}; a batch item was {item!r}", "prompt")
+    return tuple(out)
+
+
+def parse_completion_request(
+    body: Mapping[str, Any], *, vocab_size: int | None = None
+) -> CompletionRequest:
+    """Check a ``/v1/completions`` body (token ids against ``vocab_size`` when given)."""
+    common = _common(body, "completions", vocab_size)
+    prompts = _prompts(body, vocab_size)
+    echo = _bool(body, "echo")
+    logprobs = body.get("logprobs")
+    if isinstance(logprobs, bool):
         raise _bad(
-            f"prompt must be a string or a list of token ids, got {_type_name(prompt)}", "prompt"
+            f"logprobs must be an integer in 0..{MAX_LOGPROBS} on /v1/completions (the number "
+            f"of alternatives per token), got {logprobs!r}",
+            "logprobs",
         )
-    max_tokens = _int(body, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
+    k = _int(body, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    max_tokens = _int(body, "max_tokens", minimum=0 if echo else 1, maximum=MAX_TOKENS_LIMIT)
+    max_tokens = 16 if max_tokens is None else max_tokens
+    _check_min_tokens(common, max_tokens)
+    n = common["n"]
+    best_of = _int(body, "best_of", minimum=1, maximum=MAX_N)
+    if best_of is None:
+        best_of = n
+    if best_of < n:
+        raise _bad(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if best_of > n and common["stream"]:
+        raise _bad("best_of greater than n cannot be streamed", "best_of")
+    if len(prompts) * best_of > MAX_SEQUENCES:
+        raise _bad(
+            f"a request may generate at most {MAX_SEQUENCES} sequences; {len(prompts)} prompts "
+            f"x {'best_of' if best_of > n else 'n'} {best_of} = {len(prompts) * best_of}",
+            "best_of" if best_of > n else "n",
+        )
     return CompletionRequest(
-        prompt=prompt, max_tokens=16 if max_tokens is None else max_tokens, **common
+        prompts=prompts, max_tokens=max_tokens, best_of=best_of, echo=echo, logprobs=k, **common
     )
 
 
@@ -253,26 +604,56 @@ def _content(message: Mapping[str, Any], index: int) -> str:
     raise _bad(f"{param} must be a string or a list of text parts", param)
 
 
-def parse_chat_request(body: Mapping[str, Any]) -> CompletionRequest:
-    """Check a ``/v1/chat/completions`` body."""
-    common = _common(body)
+def _message(message: object, i: int) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise _bad(
+            f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
+            f"messages[{i}].role",
+        )
+    for key, value in message.items():
+        if key not in _MESSAGE_KEYS and value is not None:
+            raise _bad(
+                f"messages[{i}].{key} is not supported by this server (text messages only: "
+                "role, content, name)",
+                f"messages[{i}].{key}",
+                code="unsupported_parameter",
+            )
+    checked = {"role": str(role), "content": _content(message, i)}
+    for key in ("name", "tool_call_id"):
+        value = message.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise _bad(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
+            checked[key] = value
+    return checked
+
+
+def parse_chat_request(
+    body: Mapping[str, Any], *, vocab_size: int | None = None
+) -> CompletionRequest:
+    """Check a ``/v1/chat/completions`` body (token ids against ``vocab_size`` when given)."""
+    common = _common(body, "chat", vocab_size)
     messages = body.get("messages")
     if messages is None:
         raise _bad("you must provide messages", "messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
-    checked: list[dict[str, str]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise _bad(
-                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
-                f"messages[{i}].role",
-            )
-        checked.append({"role": str(role), "content": _content(message, i)})
+    checked = [_message(message, i) for i, message in enumerate(messages)]
+    want = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
+    if top and not want:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = _int(body, "max_completion_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", minimum=1, maximum=MAX_TOKENS_LIMIT)
-    return CompletionRequest(messages=checked, max_tokens=max_tokens, **common)
+    _check_min_tokens(common, max_tokens)
+    return CompletionRequest(
+        messages=checked,
+        max_tokens=max_tokens,
+        best_of=common["n"],
+        logprobs=(top or 0) if want else None,
+        **common,
+    )

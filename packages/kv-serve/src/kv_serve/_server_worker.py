@@ -12,23 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_batching import DecodeEngine
+from kv_batching import DecodeEngine, SamplingParams, TokenLogprob
 from kv_protocol import KVCacheError, PoolMemoryReport
 
 __all__ = [
     "EngineWorker",
     "Event",
     "QueueFullError",
-    "SamplingParams",
+    "RequestParams",
     "SubPoolLimits",
+    "Submission",
     "Ticket",
     "WorkerSnapshot",
     "WorkerStoppedError",
@@ -46,48 +48,74 @@ class WorkerStoppedError(KVCacheError, RuntimeError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """What one request asks of the engine."""
+class RequestParams:
+    """What one prompt's sequences ask of the engine: length, sampling, stop tokens."""
 
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_tokens: frozenset[int] = frozenset()
-    seed: int | None = None
 
 
 @dataclass(frozen=True)
 class Event:
-    """What the engine thread hands a request: new tokens, or its end (reason and error)."""
+    """What the engine thread hands a sequence: new tokens, and at its end reason and error.
+
+    ``logprobs`` holds one entry per token of ``tokens`` when the sequence asked for them;
+    ``prompt_logprobs`` comes once, with the sequence's first event, when it asked for them.
+    ``index`` is the receiving ticket's.
+    """
 
     tokens: tuple[int, ...] = ()
     finish_reason: str | None = None
     error: BaseException | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    index: int = 0
 
     @property
     def done(self) -> bool:
-        """Whether this is the request's last event."""
+        """Whether this is the sequence's last event."""
         return self.finish_reason is not None
 
 
 class Ticket:
-    """One request's mailbox: the engine thread puts events, the handler's loop reads them.
+    """One sequence's mailbox: the engine thread puts events, the handler's loop reads them.
 
-    Created on the handler's event loop; :meth:`put` may be called from any thread.
+    Created on the handler's event loop; :meth:`put` may be called from any thread. The
+    tickets of one request may share an ``events`` queue; each marks its events with its
+    ``index``.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        index: int = 0,
+        events: asyncio.Queue[Event] | None = None,
+    ) -> None:
         self._loop = loop
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.index = index
+        self.events: asyncio.Queue[Event] = asyncio.Queue() if events is None else events
         self.request_id: int | None = None
         self.submitted_at = time.perf_counter()
         self.closed = False
 
     def put(self, event: Event) -> None:
         """Hand ``event`` to the handler (thread-safe; a closed loop drops it)."""
+        if event.index != self.index:
+            event = dataclasses.replace(event, index=self.index)
         # A closed loop (the handler is gone) raises RuntimeError: nobody is listening.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One prompt for the engine: its sequences' tickets (``n`` = how many), tokens, params."""
+
+    tickets: tuple[Ticket, ...]
+    prompt: list[int]
+    params: RequestParams
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,14 +155,26 @@ class WorkerSnapshot:
 
 @dataclass
 class _Submit:
-    ticket: Ticket
-    prompt: list[int]
-    params: SamplingParams
+    submissions: tuple[Submission, ...]
+
+    @property
+    def sequences(self) -> int:
+        return sum(len(s.tickets) for s in self.submissions)
 
 
 @dataclass
 class _Abort:
     ticket: Ticket
+
+
+@dataclass
+class _Active:
+    """A sequence the engine runs for a ticket, and what was delivered of it."""
+
+    ticket: Ticket
+    logprobs: bool
+    prompt_logprobs: bool
+    delivered: int = 0
 
 
 _STOP = object()
@@ -185,7 +225,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._main, name="kv-serve-engine", daemon=True)
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
-        self._active: dict[int, Ticket] = {}
+        self._active: dict[int, _Active] = {}
         self.engine: DecodeEngine | None = None
         self.pool_limits: tuple[SubPoolLimits, ...] = ()
         self.vocab_size = 0
@@ -220,22 +260,40 @@ class EngineWorker:
 
     @property
     def waiting(self) -> int:
-        """Requests handed over and not yet running (queued in the engine or in transit)."""
+        """Sequences handed over and not yet running (queued in the engine or in transit)."""
         with self._lock:
             return self._pending_submits + self._engine_queued
 
-    def submit(self, ticket: Ticket, prompt: list[int], params: SamplingParams) -> None:
-        """Hand a request to the engine thread; its events arrive on ``ticket``."""
+    def submit(
+        self, ticket: Ticket | Sequence[Ticket], prompt: list[int], params: RequestParams
+    ) -> None:
+        """Hand one prompt to the engine thread: one sequence per ticket.
+
+        The sequences of more than one ticket are submitted together (``submit_n``: the
+        prompt is prefilled once); each ticket gets its own sequence's events.
+        """
+        tickets = (ticket,) if isinstance(ticket, Ticket) else tuple(ticket)
+        self.submit_batch([Submission(tickets, prompt, params)])
+
+    def submit_batch(self, submissions: Sequence[Submission]) -> None:
+        """Hand several prompts to the engine thread at once: all are submitted or none.
+
+        Raises :class:`QueueFullError` when ``max_queued`` sequences already wait (a batch
+        is taken whole while fewer wait, so one larger than the bound is still served).
+        If the engine refuses one of them, every ticket of the batch gets that error and
+        the others are aborted.
+        """
+        command = _Submit(tuple(submissions))
         if not self.alive:
             raise WorkerStoppedError("the engine thread is not running")
         with self._lock:
             if self._pending_submits + self._engine_queued >= self.max_queued:
                 raise QueueFullError(
-                    f"the server's waiting queue is full ({self.max_queued} requests wait for "
+                    f"the server's waiting queue is full ({self.max_queued} sequences wait for "
                     "admission); retry later"
                 )
-            self._pending_submits += 1
-        self._inbox.put(_Submit(ticket, prompt, params))
+            self._pending_submits += command.sequences
+        self._inbox.put(command)
 
     def abort(self, ticket: Ticket) -> None:
         """Abort the ticket's request if it runs; its pages are freed before the next step."""
@@ -290,30 +348,27 @@ class EngineWorker:
 
     def _apply(self, engine: DecodeEngine, command: Any) -> None:
         if isinstance(command, _Submit):
-            ticket, params = command.ticket, command.params
-            rid: int | None = None
+            started: list[int] = []
             try:
-                if not ticket.closed:
-                    rid = engine.submit(
-                        command.prompt,
-                        params.max_tokens,
-                        temperature=params.temperature,
-                        top_p=params.top_p,
-                        stop_tokens=params.stop_tokens,
-                        seed=params.seed,
-                    )
+                for sub in command.submissions:
+                    if all(t.closed for t in sub.tickets):
+                        continue
+                    started += self._start(engine, sub)
             except Exception as error:
-                ticket.put(Event(finish_reason="error", error=error))
+                for rid in started:
+                    self._active.pop(rid, None)
+                    engine.abort(rid)
+                    engine.release(rid)
+                for sub in command.submissions:
+                    for ticket in sub.tickets:
+                        ticket.put(Event(finish_reason="error", error=error))
             finally:
                 # In transit until the engine holds it, then queued there: counted in one
                 # place or the other at every moment, or a concurrent submit could pass the
                 # queue bound while this one is in between.
                 with self._lock:
-                    self._pending_submits -= 1
+                    self._pending_submits -= command.sequences
                     self._engine_queued = engine.num_queued
-            if rid is not None:
-                ticket.request_id = rid
-                self._active[rid] = ticket
         elif isinstance(command, _Abort):
             target = command.ticket.request_id
             if target is not None and target in self._active:
@@ -322,6 +377,35 @@ class EngineWorker:
                 engine.release(target)
                 command.ticket.put(Event(finish_reason="aborted"))
 
+    def _start(self, engine: DecodeEngine, sub: Submission) -> list[int]:
+        params = sub.params
+        n = len(sub.tickets)
+        if n == 1:
+            rids = [
+                engine.submit(
+                    sub.prompt,
+                    params.max_tokens,
+                    sampling=params.sampling,
+                    stop_tokens=params.stop_tokens,
+                )
+            ]
+        else:
+            rids = engine.submit_n(
+                sub.prompt,
+                params.max_tokens,
+                n,
+                sampling=params.sampling,
+                stop_tokens=params.stop_tokens,
+            )
+        for rid, ticket in zip(rids, sub.tickets, strict=True):
+            ticket.request_id = rid
+            self._active[rid] = _Active(
+                ticket,
+                logprobs=params.sampling.logprobs is not None,
+                prompt_logprobs=params.sampling.prompt_logprobs is not None,
+            )
+        return rids
+
     def _step(self, engine: DecodeEngine) -> None:
         try:
             produced = engine.step()
@@ -329,25 +413,44 @@ class EngineWorker:
             # The engine finishes failing requests itself; an exception escaping a step is
             # a bug: end every request with it rather than serve on a broken engine state.
             logger.exception("an engine step raised; ending every active request")
-            for rid, ticket in list(self._active.items()):
+            for rid, active in list(self._active.items()):
                 del self._active[rid]
                 if not engine.is_finished(rid):
                     engine.abort(rid)
                 engine.release(rid)
-                ticket.put(Event(finish_reason="error", error=error))
+                active.ticket.put(Event(finish_reason="error", error=error))
             return
         # The step may have admitted queued requests: say so before any client hears of its
         # tokens, or a client could see a token while its request still counts as waiting.
         with self._lock:
             self._engine_queued = engine.num_queued
-        for rid, tokens in produced.items():
-            listener = self._active.get(rid)
-            if listener is not None and tokens:
-                listener.put(Event(tokens=tuple(tokens)))
-        for rid in [r for r in self._active if engine.is_finished(r)]:
-            ticket = self._active.pop(rid)
+        for rid, active in list(self._active.items()):
+            tokens = tuple(produced.get(rid) or ())
+            finished = engine.is_finished(rid)
+            if not tokens and not finished:
+                continue
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if tokens and active.logprobs:
+                logprobs = engine.token_logprobs(rid, start=active.delivered)[: len(tokens)]
+            active.delivered += len(tokens)
+            prompt = None
+            if active.prompt_logprobs:
+                active.prompt_logprobs = False  # sent once, with the first event
+                prompt = engine.output(rid).prompt_logprobs
+            if not finished:
+                active.ticket.put(Event(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt))
+                continue
+            del self._active[rid]
             out = engine.release(rid)
-            ticket.put(Event(finish_reason=out.finish_reason or "error", error=out.error))
+            active.ticket.put(
+                Event(
+                    tokens=tokens,
+                    finish_reason=out.finish_reason or "error",
+                    error=out.error,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt,
+                )
+            )
 
     def _publish(self, engine: DecodeEngine) -> None:
         memory = engine.memory_report()
@@ -379,19 +482,21 @@ class EngineWorker:
 
     def _shutdown(self, engine: DecodeEngine) -> None:
         error = RuntimeError("the server is shutting down")
-        for rid, ticket in list(self._active.items()):
+        for rid, active in list(self._active.items()):
             del self._active[rid]
             if not engine.is_finished(rid):
                 engine.abort(rid)
             engine.release(rid)
-            ticket.put(Event(finish_reason="error", error=error))
+            active.ticket.put(Event(finish_reason="error", error=error))
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if isinstance(command, _Submit):
-                command.ticket.put(Event(finish_reason="error", error=error))
+                for sub in command.submissions:
+                    for ticket in sub.tickets:
+                        ticket.put(Event(finish_reason="error", error=error))
         with self._lock:
             self._pending_submits = 0
             self._snapshot = WorkerSnapshot(alive=False)
