@@ -144,6 +144,7 @@ PROTOCOL_FACE = {
     "check_number",
     "check_quantization_keys",
     "check_quantized_shape",
+    "exp_nonpositive",
     "find_layers",
     "first_attr",
     "flatten_caches",

@@ -13,8 +13,9 @@ operations, whatever mix of fields the rows ask for:
    the stop tokens masked while fewer than ``min_tokens`` were generated;
 3. greedy rows take the argmax; sampled rows are scaled by their temperature and cut by
    ``top_k``, ``top_p`` and ``min_p`` as thresholds on the scaled logits (a token tied with the
-   cut-off value stays), then drawn: from the sampler's own stream, or with a seed from the
-   row's own key (:func:`token_key`), so a seeded request's tokens do not depend on its batch.
+   cut-off value stays), then drawn by inverse transform sampling with one uniform number per
+   row: from the sampler's own stream, or with a seed from the row's own key
+   (:func:`token_key`), so a seeded request's tokens do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from kv_protocol import RequestStateError, as_int, check_int, check_number
+from kv_protocol import RequestStateError, as_int, check_int, check_number, exp_nonpositive
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -204,7 +205,10 @@ def sample_top_p(
         SamplingRow(params=SamplingParams(temperature=t, top_p=p), generated=0)
         for t, p in zip(temperatures, top_ps, strict=True)
     ]
-    return mx.random.categorical(_cut(logits.astype(mx.float32), rows), key=key)
+    sampler = Sampler(0)
+    sampler._key = key
+    greedy = mx.zeros((len(rows),), dtype=mx.uint32)
+    return sampler._draw(logits.astype(mx.float32), greedy, rows, list(range(len(rows))))
 
 
 def _cut(logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
@@ -238,7 +242,8 @@ def _cut(logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
         in_k = positions < kept
         if cut_p:
             masked = mx.where(in_k, ranked, -mx.inf)
-            probs = mx.softmax(masked, axis=-1)
+            weights = exp_nonpositive(masked - masked[:, :1])
+            probs = weights / mx.sum(weights, axis=-1, keepdims=True)
             before = mx.cumsum(probs, axis=-1) - probs
             tops = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
             in_k = in_k & (before < tops)
@@ -374,7 +379,9 @@ def log_softmax_top(
     ``width == 0``).
     """
     raw = logits.astype(mx.float32)
-    logprobs = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    peak = mx.max(raw, axis=-1, keepdims=True)
+    total = mx.sum(exp_nonpositive(raw - peak), axis=-1, keepdims=True)
+    logprobs = raw - (peak + mx.log(total))
     chosen = mx.take_along_axis(logprobs, targets[:, None].astype(mx.int32), axis=-1)[:, 0]
     if width == 0:
         return chosen, None, None
@@ -431,22 +438,35 @@ class Sampler:
         )
 
     def _draw(
-        self, processed: mx.array, greedy: mx.array, rows: Sequence[SamplingRow], sampled: list[int]
+        self,
+        processed: mx.array,
+        greedy: mx.array,
+        rows: Sequence[SamplingRow],
+        sampled: list[int],
     ) -> mx.array:
-        """``greedy`` with the sampled rows' tokens drawn in their place."""
-        cut = _cut(processed[mx.array(sampled)], [rows[b] for b in sampled])
-        drawn: list[Any] = [None] * len(sampled)
+        """``greedy`` with the sampled rows' tokens drawn in their place.
+
+        Inverse transform sampling: one uniform number per row, compared with the running sum
+        of the row's kept probabilities in vocabulary order (exact, and a seeded row's token
+        depends on its own logits and key only).
+        """
+        index = mx.array(sampled)
+        cut = _cut(processed[index], [rows[b] for b in sampled])
+        weights = exp_nonpositive(cut - mx.max(cut, axis=-1, keepdims=True))
+        running = mx.cumsum(weights, axis=-1)
+        draws: list[Any] = [None] * len(sampled)
         shared = [i for i, b in enumerate(sampled) if rows[b].seed is None]
         if shared:
             self._key, key = mx.random.split(self._key)
-            picks = mx.random.categorical(cut[mx.array(shared)], key=key)
+            values = mx.random.uniform(shape=(len(shared),), key=key)
             for j, i in enumerate(shared):
-                drawn[i] = picks[j]
+                draws[i] = values[j]
         for i, b in enumerate(sampled):
             seed = rows[b].seed
             if seed is not None:
-                key = token_key(seed, rows[b].generated)
-                drawn[i] = mx.random.categorical(cut[i : i + 1], key=key)[0]
+                draws[i] = mx.random.uniform(key=token_key(seed, rows[b].generated))
+        u = mx.stack(draws)[:, None] * running[:, -1:]
+        picks = mx.minimum(mx.sum(running <= u, axis=-1), running.shape[-1] - 1)
         tokens = mx.array(greedy)
-        tokens[mx.array(sampled)] = mx.stack(drawn).astype(greedy.dtype)
+        tokens[index] = picks.astype(greedy.dtype)
         return tokens

@@ -30,6 +30,7 @@ from ._model_layout import (
     layout_from_model,
     model_args,
 )
+from ._numerics import exp_nonpositive
 from ._pool_values import (
     PoolMemoryReport,
     PrefixCacheStats,
@@ -133,6 +134,7 @@ __all__ = [
     "check_number",
     "check_quantization_keys",
     "check_quantized_shape",
+    "exp_nonpositive",
     "find_layers",
     "first_attr",
     "flatten_caches",
