@@ -304,6 +304,14 @@ def tok() -> Any:
 EOS = (0, 5)
 
 
+def track(tok: Any, ids: list[int]) -> tuple[CompletionText, str]:
+    tracked = CompletionText(tok, eos_ids=EOS, texts=TokenTexts(tok))
+    pushed = ""
+    for token in ids:
+        pushed += tracked.push([token])
+    return tracked, pushed + tracked.finish()
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_token_pieces_and_bytes_join_to_the_text(tok: Any, data: st.DataObject) -> None:
@@ -312,16 +320,22 @@ def test_token_pieces_and_bytes_join_to_the_text(tok: Any, data: st.DataObject) 
     eos = data.draw(st.lists(st.integers(0, len(ids)), max_size=2), label="eos at")
     for at in sorted(eos, reverse=True):
         ids.insert(at, EOS[at % 2])
-    tracked = CompletionText(tok, eos_ids=EOS, texts=TokenTexts(tok))
-    pushed = ""
-    for token in ids:
-        pushed += tracked.push([token])
-    pushed += tracked.finish()
+    tracked, pushed = track(tok, ids)
     assert pushed == tracked.text == text
     assert "".join(tracked.pieces) == text
     assert b"".join(tracked.raw) == text.encode()
     assert tracked.offsets == [len("".join(tracked.pieces[:i])) for i in range(len(ids))]
     assert [p for p, t in zip(tracked.pieces, ids, strict=True) if t in EOS] == [""] * len(eos)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(6, 319), min_size=1, max_size=16))
+def test_any_token_stream_joins_to_its_decoding(tok: Any, ids: list[int]) -> None:
+    """Random tokens need not be UTF-8: the bytes then decode to the text with U+FFFD."""
+    tracked, pushed = track(tok, ids)
+    text = str(tok.decode(ids))
+    assert pushed == tracked.text == "".join(tracked.pieces) == text
+    assert b"".join(tracked.raw).decode("utf-8", errors="replace") == text
 
 
 def test_token_texts_give_a_partial_character_its_bytes(tok: Any) -> None:

@@ -79,7 +79,8 @@ class CompletionText:
     Per token it keeps :attr:`pieces` (the text the token added: they join to the text
     before any cut, so a character split over tokens belongs to the token that completed
     it), :attr:`offsets` (where that text starts) and, given ``texts``, :attr:`raw` (the
-    token's own bytes: they join to the UTF-8 of the text).
+    token's own bytes: they join to the UTF-8 of the text, or, where the tokens are no valid
+    UTF-8, to bytes that decode to the text with U+FFFD for each invalid sequence).
     """
 
     def __init__(
@@ -151,7 +152,12 @@ class CompletionText:
             return raw
         full = piece.encode()
         pending, self._pending = self._pending, b""
-        return full[len(pending) :] if pending and full.startswith(pending) else full
+        if not pending:
+            return full
+        if full.startswith(pending):  # the character the pending bytes began
+            return full[len(pending) :]
+        # The pending bytes were no character (shown as U+FFFD): this token's own bytes.
+        return self._texts.raw(token)
 
     def _add(self, piece: str) -> None:
         if not piece:
