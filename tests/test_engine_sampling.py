@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
 from kv_batching import DecodeEngine, SamplingParams
-from kv_batching._sampling import Sampler, SamplingRow, _cut, _process
+from kv_batching._sampling import Sampler, SamplingRow, _cut, _process, top_candidates
 from kv_protocol import RequestStateError
 from kv_serve import build_engine
 from kv_testing import build_tiny_model, build_zoo_model, mlx_lm_greedy
@@ -271,6 +271,29 @@ def test_the_cut_keeps_what_numpy_keeps_and_draws_only_from_it(
     drawn = [int(t) for t in sampler.sample(mx.array(logits), rows).token_list()]
     for b, token in enumerate(drawn):
         assert token in numpy_kept(logits[b], params)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    vocab=st.sampled_from([7, 300, 2049, 20_000]),
+    k=st.sampled_from([1, 5, 40]),
+    masked=st.booleans(),
+)
+def test_top_candidates_are_the_exact_top_k(seed: int, vocab: int, k: int, masked: bool) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((3, vocab)).astype(np.float32)
+    if masked:  # a row with few finite entries (a cut row)
+        x[1, 3:] = -np.inf
+    values, ids = top_candidates(mx.array(x), k)
+    width = min(k, vocab)
+    assert values.shape == (3, width) and ids.shape == (3, width)
+    got_v, got_i = np.array(values), np.array(ids)
+    for b in range(3):
+        want = np.sort(x[b])[::-1][:width]
+        np.testing.assert_array_equal(got_v[b], want)
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(x[b][got_i[b][finite]], want[finite])
 
 
 def test_a_seeded_row_draws_the_same_in_any_batch() -> None:

@@ -66,6 +66,7 @@ class EngineRequest:
         "prefilled",
         "prompt",
         "prompt_logprobs",
+        "prompt_set",
         "rid",
         "seed",
         "states",
@@ -87,6 +88,8 @@ class EngineRequest:
         #: The request's own stream (``params.seed``, or a sibling's shifted seed).
         self.seed = seed if seed is not None else params.seed
         self.prompt = prompt
+        #: The prompt's distinct tokens (the repetition penalty's), made once when needed.
+        self.prompt_set: frozenset[int] | None = None
         self.max_tokens = max_tokens
         self.stop_tokens = stop_tokens
         self.generated: list[int] = []
@@ -119,12 +122,16 @@ class EngineRequest:
     def sampling_row(self) -> SamplingRow:
         """How this request samples its next token."""
         params = self.params
-        penalised = params.repetition_penalty != 1.0
+        prompt: frozenset[int] = frozenset()
+        if params.repetition_penalty != 1.0:
+            if self.prompt_set is None:
+                self.prompt_set = frozenset(self.prompt)
+            prompt = self.prompt_set
         return SamplingRow(
             params=params,
             generated=len(self.generated),
             seed=self.seed,
-            prompt=self.prompt if penalised else (),
+            prompt=prompt,
             output=self.generated if params.processes_logits else (),
             stop_tokens=self.stop_tokens if len(self.generated) < params.min_tokens else (),
         )

@@ -174,7 +174,7 @@ class SamplingRow:
     params: SamplingParams
     generated: int
     seed: int | None = None
-    prompt: Sequence[int] = ()
+    prompt: Collection[int] = ()
     output: Sequence[int] = ()
     stop_tokens: Collection[int] = ()
 
@@ -257,67 +257,53 @@ def _cut(logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
 
 
 def _process(logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
-    """The logits after the rows' penalties, bias and ``min_tokens`` masks (float32)."""
-    which = [b for b, r in enumerate(rows) if r.params.processes_logits]
-    if not which:
-        return logits
-    sub = logits[mx.array(which)] if len(which) < len(rows) else logits
-    vocab = sub.shape[-1]
-    n = len(which)
-    prow: list[int] = []
-    ptok: list[int] = []
-    grow: list[int] = []
-    gtok: list[int] = []
-    brow: list[int] = []
-    btok: list[int] = []
-    bval: list[float] = []
-    mrow: list[int] = []
-    mtok: list[int] = []
-    rp: list[float] = []
-    freq: list[float] = []
-    pres: list[float] = []
-    for i, b in enumerate(which):
-        row = rows[b]
+    """The logits after the rows' penalties, bias and ``min_tokens`` masks (float32).
+
+    Only the entries a row's fields touch are gathered, changed and written back, one
+    gather and one scatter for the batch: repetition penalty on every token of the prompt and
+    the output, frequency and presence penalties on the output's, the bias, the masked stops.
+    """
+    cells: list[tuple[int, int]] = []
+    penalty: list[float] = []
+    subtract: list[float] = []
+    masked: list[bool] = []
+    for b, row in enumerate(rows):
         p = row.params
-        rp.append(p.repetition_penalty)
-        freq.append(p.frequency_penalty)
-        pres.append(p.presence_penalty)
+        if not p.processes_logits:
+            continue
+        # token -> [repetition penalty, amount subtracted (penalties minus bias), masked]
+        touched: dict[int, list[Any]] = {}
         if p.repetition_penalty != 1.0:
-            seen = [*row.prompt, *row.output]
-            prow.extend([i] * len(seen))
-            ptok.extend(seen)
+            for token in {*row.prompt, *row.output}:
+                touched[token] = [p.repetition_penalty, 0.0, False]
         if p.frequency_penalty or p.presence_penalty:
-            grow.extend([i] * len(row.output))
-            gtok.extend(row.output)
+            counts: dict[int, int] = {}
+            for token in row.output:
+                counts[token] = counts.get(token, 0) + 1
+            for token, count in counts.items():
+                entry = touched.setdefault(token, [1.0, 0.0, False])
+                entry[1] += p.frequency_penalty * count + p.presence_penalty
         for token, value in p.logit_bias.items():
-            brow.append(i)
-            btok.append(token)
-            bval.append(value)
+            touched.setdefault(token, [1.0, 0.0, False])[1] -= value
         if row.generated < p.min_tokens:
-            stops = list(row.stop_tokens)
-            mrow.extend([i] * len(stops))
-            mtok.extend(stops)
-    out = sub
-    if prow:
-        seen_mask = mx.zeros((n, vocab), dtype=mx.bool_)
-        seen_mask[mx.array(prow), mx.array(ptok)] = True
-        penalty = mx.array(rp, dtype=mx.float32)[:, None]
-        penalised = mx.where(out > 0, out / penalty, out * penalty)
-        out = mx.where(seen_mask, penalised, out)
-    if gtok:
-        counts = mx.zeros((n, vocab), dtype=mx.float32).at[mx.array(grow), mx.array(gtok)].add(1.0)
-        f = mx.array(freq, dtype=mx.float32)[:, None]
-        s = mx.array(pres, dtype=mx.float32)[:, None]
-        out = out - f * counts - s * (counts > 0).astype(mx.float32)
-    if btok:
-        out = out.at[mx.array(brow), mx.array(btok)].add(mx.array(bval, dtype=mx.float32))
-    if mtok:
-        out = out.at[mx.array(mrow), mx.array(mtok)].add(-mx.inf)
-    if len(which) == len(rows):
-        return out
-    full = mx.array(logits)
-    full[mx.array(which)] = out
-    return full
+            for token in row.stop_tokens:
+                touched.setdefault(token, [1.0, 0.0, False])[2] = True
+        for token, (rp, sub, mask) in touched.items():
+            cells.append((b, token))
+            penalty.append(rp)
+            subtract.append(sub)
+            masked.append(mask)
+    if not cells:
+        return logits
+    where_rows = mx.array([c[0] for c in cells])
+    where_tokens = mx.array([c[1] for c in cells])
+    old = logits[where_rows, where_tokens]
+    rp = mx.array(penalty, dtype=mx.float32)
+    new = mx.where(old > 0, old / rp, old * rp) - mx.array(subtract, dtype=mx.float32)
+    new = mx.where(mx.array(masked), -mx.inf, new)
+    out = mx.array(logits)
+    out[where_rows, where_tokens] = new
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -369,6 +355,40 @@ class SampledTokens:
         return out
 
 
+#: Tokens per block of :func:`top_candidates` (a row's largest entries lie in the blocks with
+#: the largest maxima).
+_BLOCK = 256
+
+
+def top_candidates(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The ``k`` largest entries of each row of ``x (R, V)``, largest first, and their ids.
+
+    Exact: the ``k`` largest entries lie in the ``k`` blocks of ``_BLOCK`` entries with the
+    largest maxima, so only those blocks are partitioned (one pass over the row for the block
+    maxima instead of a partition of the whole row). Rows with fewer than ``k`` finite
+    entries list ``-inf`` values last (their ids are then arbitrary).
+    """
+    rows, vocab = x.shape
+    k = max(1, min(k, vocab))
+    blocks = -(-vocab // _BLOCK)
+    if k * 4 >= blocks:
+        ids = mx.argpartition(-x, kth=k - 1, axis=-1)[:, :k]
+        values = mx.take_along_axis(x, ids, axis=-1)
+    else:
+        pad = blocks * _BLOCK - vocab
+        padded = mx.pad(x, [(0, 0), (0, pad)], constant_values=-math.inf) if pad else x
+        grid = padded.reshape(rows, blocks, _BLOCK)
+        best = mx.argpartition(-mx.max(grid, axis=-1), kth=k - 1, axis=-1)[:, :k]
+        candidates = mx.take_along_axis(grid, best[:, :, None], axis=1).reshape(rows, -1)
+        offsets = mx.arange(_BLOCK, dtype=best.dtype)[None, None, :]
+        candidate_ids = (best[:, :, None] * _BLOCK + offsets).reshape(rows, -1)
+        pick = mx.argpartition(-candidates, kth=k - 1, axis=-1)[:, :k]
+        values = mx.take_along_axis(candidates, pick, axis=-1)
+        ids = mx.minimum(mx.take_along_axis(candidate_ids, pick, axis=-1), vocab - 1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(values, order, axis=-1), mx.take_along_axis(ids, order, axis=-1)
+
+
 def log_softmax_top(
     logits: mx.array, targets: mx.array, width: int
 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
@@ -385,15 +405,8 @@ def log_softmax_top(
     chosen = mx.take_along_axis(logprobs, targets[:, None].astype(mx.int32), axis=-1)[:, 0]
     if width == 0:
         return chosen, None, None
-    width = min(width, logprobs.shape[-1])
-    ids = mx.argpartition(-logprobs, kth=width - 1, axis=-1)[:, :width]
-    values = mx.take_along_axis(logprobs, ids, axis=-1)
-    order = mx.argsort(-values, axis=-1)
-    return (
-        chosen,
-        mx.take_along_axis(ids, order, axis=-1),
-        mx.take_along_axis(values, order, axis=-1),
-    )
+    values, ids = top_candidates(logprobs, width)
+    return chosen, ids, values
 
 
 class Sampler:
@@ -447,13 +460,26 @@ class Sampler:
         """``greedy`` with the sampled rows' tokens drawn in their place.
 
         Inverse transform sampling: one uniform number per row, compared with the running sum
-        of the row's kept probabilities in vocabulary order (exact, and a seeded row's token
-        depends on its own logits and key only).
+        of the row's kept probabilities (exact; a seeded row's token depends on its own
+        logits and key only). Rows with a ``top_k`` draw among their candidates (largest
+        first); the others over the vocabulary, in its order.
         """
-        index = mx.array(sampled)
-        cut = _cut(processed[index], [rows[b] for b in sampled])
-        weights = exp_nonpositive(cut - mx.max(cut, axis=-1, keepdims=True))
-        running = mx.cumsum(weights, axis=-1)
+        uniforms = self._uniforms(rows, sampled)
+        tokens = mx.array(greedy)
+        by_k = [i for i, b in enumerate(sampled) if rows[b].params.top_k > 0]
+        whole = [i for i, b in enumerate(sampled) if rows[b].params.top_k == 0]
+        for group, draw in ((by_k, _draw_candidates), (whole, _draw_vocabulary)):
+            if not group:
+                continue
+            index = mx.array([sampled[i] for i in group])
+            picks = draw(
+                processed[index], [rows[sampled[i]] for i in group], uniforms[mx.array(group)]
+            )
+            tokens[index] = picks.astype(greedy.dtype)
+        return tokens
+
+    def _uniforms(self, rows: Sequence[SamplingRow], sampled: list[int]) -> mx.array:
+        """One uniform number per sampled row: its seed's key, or the sampler's stream."""
         draws: list[Any] = [None] * len(sampled)
         shared = [i for i, b in enumerate(sampled) if rows[b].seed is None]
         if shared:
@@ -465,8 +491,43 @@ class Sampler:
             seed = rows[b].seed
             if seed is not None:
                 draws[i] = mx.random.uniform(key=token_key(seed, rows[b].generated))
-        u = mx.stack(draws)[:, None] * running[:, -1:]
-        picks = mx.minimum(mx.sum(running <= u, axis=-1), running.shape[-1] - 1)
-        tokens = mx.array(greedy)
-        tokens[index] = picks.astype(greedy.dtype)
-        return tokens
+        return mx.stack(draws)
+
+
+def _pick(weights: mx.array, uniforms: mx.array) -> mx.array:
+    """The position where each row's running sum of ``weights`` passes ``uniforms`` of it."""
+    running = mx.cumsum(weights, axis=-1)
+    below = mx.sum(running <= uniforms[:, None] * running[:, -1:], axis=-1)
+    return mx.minimum(below, running.shape[-1] - 1)
+
+
+def _draw_vocabulary(logits: mx.array, rows: Sequence[SamplingRow], uniforms: mx.array) -> mx.array:
+    """Tokens of rows without ``top_k``: the cut logits over the whole vocabulary."""
+    cut = _cut(logits, rows)
+    return _pick(exp_nonpositive(cut - mx.max(cut, axis=-1, keepdims=True)), uniforms)
+
+
+def _draw_candidates(logits: mx.array, rows: Sequence[SamplingRow], uniforms: mx.array) -> mx.array:
+    """Tokens of rows with a ``top_k``: among each row's ``top_k`` largest, cut further.
+
+    ``top_p`` renormalises over the row's candidates (then keeps the smallest set that
+    reaches it), ``min_p`` compares with the largest; the candidates are found once for the
+    largest ``top_k`` of the rows.
+    """
+    params = [r.params for r in rows]
+    temperatures = mx.array([p.temperature or 1.0 for p in params], dtype=mx.float32)
+    scaled = logits / temperatures[:, None]
+    values, ids = top_candidates(scaled, max(p.top_k for p in params))
+    width = values.shape[-1]
+    kept = mx.arange(width)[None, :] < mx.array([min(p.top_k, width) for p in params])[:, None]
+    weights = exp_nonpositive(mx.where(kept, values, -mx.inf) - values[:, :1])
+    if any(p.top_p < 1.0 for p in params):
+        probs = weights / mx.sum(weights, axis=-1, keepdims=True)
+        before = mx.cumsum(probs, axis=-1) - probs
+        tops = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
+        weights = mx.where(before < tops, weights, 0.0)
+    if any(p.min_p > 0 for p in params):
+        floor = mx.array([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params])
+        weights = mx.where(values - values[:, :1] >= floor[:, None], weights, 0.0)
+    picks = _pick(weights, uniforms)
+    return mx.take_along_axis(ids, picks[:, None], axis=-1)[:, 0]
