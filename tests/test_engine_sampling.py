@@ -251,17 +251,21 @@ def numpy_kept(logits: np.ndarray, params: SamplingParams) -> set[int]:
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
+    vocab=st.sampled_from([24, 24, 5000]),
     temperature=st.sampled_from([0.5, 1.0, 1.7]),
     top_k=st.sampled_from([0, 1, 3, 7]),
     top_p=st.sampled_from([1.0, 0.9, 0.5, 0.1]),
     min_p=st.sampled_from([0.0, 0.05, 0.3]),
 )
 def test_the_cut_keeps_what_numpy_keeps_and_draws_only_from_it(
-    seed: int, temperature: float, top_k: int, top_p: float, min_p: float
+    seed: int, vocab: int, temperature: float, top_k: int, top_p: float, min_p: float
 ) -> None:
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    logits = (rng.standard_normal((3, 24)) * 2).astype(np.float32)
+    # Wide vocabularies take the candidate paths: a flat one (top_p past the first 1024
+    # candidates: the whole row is sorted) or a peaked one (the candidates decide).
+    spread = 2 if vocab == 24 else float(rng.choice([0.2, 6.0]))
+    logits = (rng.standard_normal((3, vocab)) * spread).astype(np.float32)
     rows = [SamplingRow(params=params, generated=0, seed=seed + b) for b in range(3)]
     cut = np.array(_cut(mx.array(logits), rows))
     sampler = Sampler(seed)

@@ -211,6 +211,11 @@ def sample_top_p(
     return sampler._draw(logits.astype(mx.float32), greedy, rows, list(range(len(rows))))
 
 
+#: Candidates a ``top_p`` cut over the whole vocabulary looks at first; only when they do not
+#: reach ``top_p`` is the whole row sorted.
+_NUCLEUS_CANDIDATES = 1024
+
+
 def _cut(logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
     """Temperature-scaled logits with the tokens ``top_k``, ``top_p`` and ``min_p`` drop at -inf.
 
@@ -228,22 +233,18 @@ def _cut(logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
     ks = [min(p.top_k, vocab) for p in params]
     cut_p = any(p.top_p < 1.0 for p in params)
     if any(ks) or cut_p:
-        # Sorted values only (thresholds, not indices): the largest top_k is enough unless a
-        # row cuts by top_p over the whole vocabulary.
-        whole = any(p.top_p < 1.0 and k == 0 for p, k in zip(params, ks, strict=True))
-        width = vocab if whole else max(ks)
-        if width < vocab:
-            part = mx.partition(-scaled, kth=width - 1, axis=-1)[:, :width]
-            ranked = -mx.sort(part, axis=-1)
-        else:
-            ranked = -mx.sort(-scaled, axis=-1)
+        nucleus = [p.top_p for p, k in zip(params, ks, strict=True) if p.top_p < 1.0 and k == 0]
+        ranked, total = _ranked(scaled, max(ks), max(nucleus) if nucleus else None)
+        width = ranked.shape[-1]
         positions = mx.arange(width)[None, :]
         kept = mx.array([k or width for k in ks], dtype=mx.int32)[:, None]
         in_k = positions < kept
         if cut_p:
-            masked = mx.where(in_k, ranked, -mx.inf)
-            weights = exp_nonpositive(masked - masked[:, :1])
-            probs = weights / mx.sum(weights, axis=-1, keepdims=True)
+            weights = exp_nonpositive(mx.where(in_k, ranked, -mx.inf) - ranked[:, :1])
+            # Rows with a top_k renormalise over their candidates, the others over the row.
+            has_k = mx.array([k > 0 for k in ks])[:, None]
+            denominator = mx.where(has_k, mx.sum(weights, axis=-1, keepdims=True), total)
+            probs = weights / denominator
             before = mx.cumsum(probs, axis=-1) - probs
             tops = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
             in_k = in_k & (before < tops)
@@ -254,6 +255,30 @@ def _cut(logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
         cuts = mx.array([k > 0 or p.top_p < 1.0 for p, k in zip(params, ks, strict=True)])
         floor = mx.maximum(floor, mx.where(cuts, threshold, -mx.inf))
     return mx.where(scaled >= floor[:, None], scaled, -mx.inf)
+
+
+def _ranked(scaled: mx.array, top_k: int, nucleus: float | None) -> tuple[mx.array, mx.array]:
+    """Each row's largest scaled logits, largest first, and its softmax denominator.
+
+    ``top_k`` of them; or, when rows cut by ``top_p`` alone (``nucleus``: the largest such
+    ``top_p``), enough to decide that cut exactly: the :data:`_NUCLEUS_CANDIDATES` largest
+    when every row's candidates hold at least ``nucleus`` of its mass (checked: one
+    evaluation), else the whole sorted row. ``total`` is ``sum(exp(scaled - max))``.
+    """
+    vocab = scaled.shape[-1]
+    total = mx.sum(
+        exp_nonpositive(scaled - mx.max(scaled, axis=-1, keepdims=True)), axis=-1, keepdims=True
+    )
+    if nucleus is None:
+        return top_candidates(scaled, top_k)[0], total
+    width = max(top_k, _NUCLEUS_CANDIDATES)
+    if width < vocab:
+        ranked = top_candidates(scaled, width)[0]
+        mass = mx.sum(exp_nonpositive(ranked - ranked[:, :1]), axis=-1, keepdims=True) / total
+        # The cut of a top_p the candidates' mass reaches lies among them.
+        if bool(mx.all(mass >= nucleus)):
+            return ranked, total
+    return -mx.sort(-scaled, axis=-1), total
 
 
 def _process(logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
