@@ -19,7 +19,7 @@ from ._extras import require_extra
 
 if TYPE_CHECKING:
     from ._engine import build_engine, build_kernels, build_pool, pool_backed_cache
-    from ._generate import GenerationStats, TextStream, generate
+    from ._generate import Completion, GenerationStats, TextStream, complete, generate
     from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
     from ._load import GEMMA3_270M, default_cache_dir, encode_prompt, load_model, stop_token_ids
     from ._server import KVServer, RunningServer, ServerMetrics
@@ -30,6 +30,7 @@ __all__ = [
     "GEMMA3_HARD_CODED",
     "BlasError",
     "BlasInfo",
+    "Completion",
     "GenerationStats",
     "KVServer",
     "RunningServer",
@@ -40,6 +41,7 @@ __all__ = [
     "build_kernels",
     "build_pool",
     "cli_main",
+    "complete",
     "convert_gguf",
     "default_cache_dir",
     "encode_prompt",
@@ -57,7 +59,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **dict.fromkeys(
         ("build_engine", "build_kernels", "build_pool", "pool_backed_cache"), ("_engine", None)
     ),
-    **dict.fromkeys(("GenerationStats", "TextStream", "generate"), ("_generate", None)),
+    **dict.fromkeys(
+        ("Completion", "GenerationStats", "TextStream", "complete", "generate"),
+        ("_generate", None),
+    ),
     **dict.fromkeys(
         ("GEMMA3_HARD_CODED", "convert_gguf", "gguf_sha256", "read_gguf_tensor"),
         ("_gguf", "gguf"),

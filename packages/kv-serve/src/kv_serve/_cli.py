@@ -11,6 +11,7 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ._blas import load_fast_blas
 from ._extras import MissingExtraError, require_extra
@@ -36,6 +37,21 @@ def _seed(text: str) -> int:
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"expected an int in 0..2**64-1, got {text!r}")
     return value
+
+
+def _int_in(low: int, high: int) -> type[int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an int in {low}..{high}, got {text!r}"
+            ) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an int in {low}..{high}, got {text!r}")
+        return value
+
+    return parse  # type: ignore[return-value]
 
 
 def _number(low: float, high: float, *, low_open: bool = False) -> type[float]:
@@ -85,6 +101,49 @@ def parser() -> argparse.ArgumentParser:
         type=_number(0.0, 1.0, low_open=True),
         default=1.0,
         help="nucleus sampling mass in (0, 1] (1: off)",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=_int_in(0, 2**31 - 1),
+        default=0,
+        help="keep the k most likely tokens (0: off)",
+    )
+    gen.add_argument(
+        "--min-p",
+        type=_number(0.0, 1.0),
+        default=0.0,
+        help="drop tokens less likely than this times the most likely one, in [0, 1] (0: off)",
+    )
+    gen.add_argument(
+        "--repetition-penalty",
+        type=_number(0.0, math.inf, low_open=True),
+        default=1.0,
+        help="divide positive (multiply negative) logits of prompt and output tokens (1: off)",
+    )
+    gen.add_argument(
+        "--presence-penalty",
+        type=_number(-2.0, 2.0),
+        default=0.0,
+        help="OpenAI's presence penalty over the generated tokens, in [-2, 2] (0)",
+    )
+    gen.add_argument(
+        "--frequency-penalty",
+        type=_number(-2.0, 2.0),
+        default=0.0,
+        help="OpenAI's frequency penalty over the generated tokens, in [-2, 2] (0)",
+    )
+    gen.add_argument(
+        "--logprobs",
+        type=_int_in(0, 20),
+        default=None,
+        help="after the text, each token's logprob and this many alternatives (0..20)",
+    )
+    gen.add_argument(
+        "--n",
+        type=_int_in(1, 128),
+        default=1,
+        help="completions of the prompt (the prompt is prefilled once; completion i samples "
+        "with seed + i); more than one are printed when all are done (1)",
     )
     gen.add_argument("--seed", type=_seed, default=0, help="sampling seed, 0..2**64-1 (0)")
     gen.add_argument(
@@ -231,7 +290,7 @@ def _port(text: str) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import time
 
-    from ._generate import GenerationStats, generate
+    from ._generate import GenerationStats, complete, generate
     from ._load import load_model
 
     def progress(message: str) -> None:
@@ -246,30 +305,58 @@ def _generate(args: argparse.Namespace) -> int:
     )
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
+    sampling = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "logprobs": args.logprobs,
+        "seed": args.seed,
+        "chat": args.chat,
+        "kv_bits": args.kv_bits,
+        "kv_group_size": args.kv_group_size,
+        "kv_quantize": args.kv_quantize,
+    }
+    if args.n > 1:
+        completions = complete(model, tokenizer, args.prompt, n=args.n, **sampling)
+        for i, done in enumerate(completions):
+            sys.stdout.write(
+                f"--- completion {i + 1} of {args.n} ({len(done.tokens)} tokens, finish: "
+                f"{done.finish_reason}) ---\n{done.text}\n"
+            )
+            if done.logprobs is not None:
+                _print_logprobs(tokenizer, done.logprobs)
+        sys.stdout.flush()
+        return 0
     stats = GenerationStats()
-    for piece in generate(
-        model,
-        tokenizer,
-        args.prompt,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        chat=args.chat,
-        stats=stats,
-        kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
-        kv_quantize=args.kv_quantize,
-    ):
+    for piece in generate(model, tokenizer, args.prompt, stats=stats, **sampling):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if args.logprobs is not None:
+        _print_logprobs(tokenizer, stats.logprobs)
     progress(
         f"prompt {stats.prompt_tokens} tokens ({stats.prefill_tokens_per_s:.1f} tok/s), "
         f"generated {stats.generated_tokens} ({stats.decode_tokens_per_s:.1f} tok/s), "
         f"finish: {stats.finish_reason}"
     )
     return 0
+
+
+def _print_logprobs(tokenizer: Any, entries: Sequence[Any]) -> None:
+    """One line per token: its text, its logprob, and its alternatives with theirs."""
+    from ._server_text import TokenTexts
+
+    texts = TokenTexts(tokenizer)
+    sys.stdout.write("logprobs (token, logprob, alternatives):\n")
+    for entry in entries:
+        alternatives = ", ".join(f"{texts.text(t)!r} {lp:.4f}" for t, lp in entry.top)
+        sys.stdout.write(f"{texts.text(entry.token)!r}\t{entry.logprob:.4f}\t{alternatives}\n")
+    sys.stdout.flush()
 
 
 def _serve(args: argparse.Namespace) -> int:
