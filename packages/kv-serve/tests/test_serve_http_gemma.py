@@ -43,4 +43,21 @@ def test_gemma3_270m_completions_equal_generate(gemma: tuple[Any, Any]) -> None:
         ):
             pieces += [c.text for c in chunk.choices]
         assert "".join(pieces) == expected
+        # SentencePiece: each logprob token is the text it adds (spaces included), so the
+        # tokens join to the echoed prompt and the completion; the first has no logprob.
+        scored: Any = client.completions.create(
+            model=GEMMA3_270M,
+            prompt=PROMPT,
+            max_tokens=TOKENS,
+            temperature=0,
+            echo=True,
+            logprobs=3,
+        )
+        choice = scored.choices[0]
+        assert choice.text == PROMPT + expected
+        assert "".join(choice.logprobs.tokens) == choice.text
+        assert choice.logprobs.token_logprobs[0] is None
+        first = len(encode_prompt(tokenizer, PROMPT))
+        best = max(choice.logprobs.top_logprobs[first], key=choice.logprobs.top_logprobs[first].get)
+        assert best == choice.logprobs.tokens[first] and best.startswith(" ")
     print(f"\ngemma3-270m: {PROMPT!r} -> {expected!r}")
