@@ -288,6 +288,60 @@ def test_streamed_logprobs_equal_the_whole_answers(served: RunningServer) -> Non
     ]
 
 
+def test_every_streamed_chunk_carries_its_tokens_logprobs(served: RunningServer) -> None:
+    """n streams of a batch, echoed: each chunk brings tokens, and their logprobs."""
+    chunks: Any = client(served).completions.create(
+        model=MODEL,
+        prompt=cast(Any, [PROMPT, encode(PROMPT)]),
+        max_tokens=8,
+        temperature=1.0,
+        seed=1,
+        n=2,
+        echo=True,
+        logprobs=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        if not chunk.choices:
+            assert chunk.usage.completion_tokens > 0
+            continue
+        choice = chunk.choices[0]
+        assert choice.logprobs.tokens and all(isinstance(t, str) for t in choice.logprobs.tokens)
+        if choice.index in texts:
+            assert all(3 <= len(top) <= 4 for top in choice.logprobs.top_logprobs)
+        else:
+            assert choice.text.startswith(PROMPT)
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == [0, 1, 2, 3]
+    messages: Any = [{"role": "user", "content": "hi"}]
+    finished: Counter[int] = Counter()
+    firsts: set[int] = set()
+    chat: Any = client(served).chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        n=2,
+        logprobs=True,
+        top_logprobs=4,
+        stream=True,
+        temperature=1.0,
+        seed=3,
+    )
+    for chunk in chat:
+        choice = chunk.choices[0]
+        if choice.index not in firsts:
+            assert choice.delta.role == "assistant"
+            firsts.add(choice.index)
+            continue
+        finished[choice.index] += choice.finish_reason is not None
+        if choice.finish_reason is None:
+            assert isinstance(choice.delta.content, str)
+            assert [len(e.top_logprobs) for e in choice.logprobs.content][:1] == [4]
+    assert finished == {0: 1, 1: 1}
+
+
 def test_echo_gives_the_prompt_and_its_logprobs(served: RunningServer) -> None:
     prompt = encode(PROMPT)
     out = complete(served, max_tokens=4, echo=True, logprobs=2)
@@ -312,12 +366,17 @@ def test_echo_gives_the_prompt_and_its_logprobs(served: RunningServer) -> None:
     assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
         lp.token_logprobs[1:n], abs=1e-6
     )
-    # Token-id prompts echo their decoding; streamed, the echo comes first.
-    ids = [1, 40, 41, 42]
+    # A text's token ids echo that text (the BOS encoding adds is not echoed) ...
+    as_ids = complete(served, prompt=prompt, max_tokens=4, echo=True, logprobs=2).choices[0]
+    assert as_ids.text == choice.text and as_ids.logprobs.tokens == lp.tokens
+    # ... other token-id prompts their decoding, special tokens included; streamed, the echo
+    # comes first.
+    ids = [40, 0, 41, 42]
     streamed = client(served).completions.create(
         model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True, stream=True
     )
     text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert "<|endoftext|>" in text
     assert text == str(tokenizer().decode(ids)) + text_of(greedy(ids, 3))
 
 

@@ -128,12 +128,14 @@ class _Prompt:
     """One prompt of a request: its tokens, the text ``echo`` gives back, its engine params.
 
     ``skip_special``: the prompt was text, so its special tokens (BOS) are no part of the
-    echoed text.
+    echoed text. ``skip_first``: a token-id prompt starting with the BOS that encoding a text
+    adds; it is not echoed either, so a text and its token ids echo the same.
     """
 
     tokens: list[int]
     echo_text: str
     skip_special: bool
+    skip_first: bool
     params: RequestParams
     _pieces: tuple[list[str], list[int]] | None = None
 
@@ -141,10 +143,11 @@ class _Prompt:
         """Each prompt token's text and where it starts in the echoed text."""
         if self._pieces is None:
             decoder = IncrementalDecoder(tokenizer, skip_special_tokens=self.skip_special)
-            pieces: list[str] = []
-            offsets: list[int] = []
+            skipped = 1 if self.skip_first else 0
+            pieces: list[str] = [""] * skipped
+            offsets: list[int] = [0] * skipped
             at = 0
-            for token in self.tokens:
+            for token in self.tokens[skipped:]:
                 offsets.append(at)
                 pieces.append(decoder.push(token))
                 at += len(pieces[-1])
@@ -461,17 +464,20 @@ class KVServer:
         stops = extra if fields.ignore_eos else self._eos | extra
         hidden = self._eos | extra
         sampling = self._sampling(request)
-        sources: list[tuple[list[int], str, bool]] = []
+        sources: list[tuple[list[int], str, bool, bool]] = []
         if chat:
-            sources.append((self._chat_tokens(request), "", False))
+            sources.append((self._chat_tokens(request), "", False, False))
+        bos = getattr(self.tokenizer, "bos_token_id", None)
         for prompt in request.prompts:
             if isinstance(prompt, str):
                 tokens = [int(i) for i in self.tokenizer.encode(prompt)]
-                sources.append((tokens, prompt, True))
+                sources.append((tokens, prompt, True, False))
             else:
-                sources.append((list(prompt), str(self.tokenizer.decode(list(prompt))), False))
+                skip = bos is not None and prompt[0] == bos
+                echo = str(self.tokenizer.decode(list(prompt[1:] if skip else prompt)))
+                sources.append((list(prompt), echo, False, skip))
         prompts: list[_Prompt] = []
-        for i, (tokens, echo_text, skip_special) in enumerate(sources):
+        for i, (tokens, echo_text, skip_special, skip_first) in enumerate(sources):
             where = f" {i}" if len(sources) > 1 else ""
             if not tokens:
                 raise OpenAIError(400, f"the prompt{where} encodes to no tokens", param="prompt")
@@ -481,7 +487,7 @@ class KVServer:
             max_tokens = max(1, max_tokens)  # echo with max_tokens 0 runs one, unseen
             self._fit(len(tokens), max_tokens, where)
             params = RequestParams(max_tokens=max_tokens, sampling=sampling, stop_tokens=stops)
-            prompts.append(_Prompt(tokens, echo_text, skip_special, params))
+            prompts.append(_Prompt(tokens, echo_text, skip_special, skip_first, params))
         return _Prepared(request, prompts, chat, hidden)
 
     def _submit(self, prepared: _Prepared) -> tuple[list[_Sequence], asyncio.Queue[Event]]:
@@ -704,12 +710,12 @@ class KVServer:
         sequence.started = True
         index = sequence.prompt_index * request.n + sequence.rank
         choice: dict[str, Any] = {"index": index}
+        now = len(sequence.text.tokens)
         if prepared.chat:
-            choice["delta"] = {"content": piece} if piece else {}
+            choice["delta"] = {"content": piece} if piece or now > seen else {}
         else:
             echo = sequence.prompt.echo_text if first and request.echo else ""
             choice["text"] = echo + piece
-        now = len(sequence.text.tokens)
         choice["logprobs"] = self._logprobs(prepared, sequence, seen, now, prompt=first)
         choice["finish_reason"] = reason
         if request.return_token_ids:
