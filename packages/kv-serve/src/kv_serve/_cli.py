@@ -194,7 +194,8 @@ def parser() -> argparse.ArgumentParser:
         "--max-queued",
         type=_positive_int,
         default=128,
-        help="requests that may wait for admission; more get 429 (128)",
+        help="sequences (a request's n, over its prompts) that may wait for admission; a "
+        "request arriving while that many wait gets 429 (128)",
     )
     srv.add_argument(
         "--max-context",

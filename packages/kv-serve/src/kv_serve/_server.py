@@ -231,7 +231,8 @@ class KVServer:
     ``make_engine`` (default: :func:`kv_serve.build_engine` with the sizing arguments) runs on
     the engine thread. Requests whose prompt plus ``max_tokens`` exceed ``max_context``, or
     that could never fit the pool even alone, are refused with 400 at once; at most
-    ``max_queued`` requests wait for admission (429 with ``Retry-After`` beyond).
+    ``max_queued`` sequences wait for admission (a request arriving then gets 429 with
+    ``Retry-After``; each of its prompts' ``n`` sequences counts).
     ``prefill_stall`` bounds how long a prompt's prefill may hold up the streams decoding
     beside it, and ``kv_bits`` / ``kv_group_size`` / ``kv_quantize`` store the pool's pages
     quantized (see :func:`kv_serve.build_engine`).
