@@ -23,6 +23,7 @@ from kv_serve._server_worker import (
     Event,
     QueueFullError,
     RequestParams,
+    Submission,
     Ticket,
 )
 from kv_testing import build_tiny_model
@@ -45,7 +46,16 @@ class HeldSubmit:
                 assert self.release.wait(30), "the test never released the submit"
             return submit(*args, **kwargs)
 
+        submit_n = engine.submit_n
+
+        def held_n(*args: Any, **kwargs: Any) -> list[int]:
+            if self.hold.is_set():
+                self.inside.set()
+                assert self.release.wait(30), "the test never released the submit"
+            return submit_n(*args, **kwargs)
+
         engine.submit = held  # type: ignore[method-assign]
+        engine.submit_n = held_n  # type: ignore[method-assign]
         return engine
 
 
@@ -138,5 +148,63 @@ def test_a_request_whose_token_a_client_sees_no_longer_counts_as_waiting(
         # It was admitted in the step that produced its first token: when that token (and
         # every later event) reaches the client, the queue bound has its place back.
         assert ticket.waiting_at_events == [0, 0, 0]
+    finally:
+        loop.close()
+
+
+def drain(loop: asyncio.AbstractEventLoop, tickets: list[Ticket], until: int) -> list[Event]:
+    """The events of ``tickets`` (one shared queue) until ``until`` of them ended."""
+    events: list[Event] = []
+    for _ in range(3000):
+        while not tickets[0].events.empty():
+            events.append(tickets[0].events.get_nowait())
+        if sum(e.done for e in events) >= until:
+            return events
+        loop.run_until_complete(asyncio.sleep(0.01))
+    raise AssertionError(f"only {events} arrived")
+
+
+def test_a_batch_is_submitted_whole_or_not_at_all(
+    worker_and_hold: tuple[EngineWorker, HeldSubmit],
+) -> None:
+    worker, hold = worker_and_hold
+    loop = asyncio.new_event_loop()
+    try:
+        shared: asyncio.Queue[Event] = asyncio.Queue()
+        tickets = [Ticket(loop, index=i, events=shared) for i in range(3)]
+        # One sequence fits the bound (max_queued=1) but the batch is taken whole: n=2 of
+        # one prompt, then a prompt the engine refuses (a token past the vocabulary).
+        worker.submit_batch(
+            [
+                Submission(tuple(tickets[:2]), [1, 2, 3], RequestParams(max_tokens=4)),
+                Submission((tickets[2],), [10_000], RequestParams(max_tokens=4)),
+            ]
+        )
+        events = drain(loop, tickets, 3)
+        assert sorted(e.index for e in events) == [0, 1, 2]
+        assert all(e.done and e.finish_reason == "error" for e in events)
+        assert all("prompt_tokens" in str(e.error) for e in events)
+        engine = worker.engine
+        assert engine is not None
+        for _ in range(300):
+            if worker.waiting == 0 and worker.snapshot().engine_requests == 0:
+                break
+            loop.run_until_complete(asyncio.sleep(0.01))
+        assert worker.waiting == 0 and worker.snapshot().engine_requests == 0
+        # A good batch: each ticket gets its own sequence's tokens, the last with the end.
+        shared = asyncio.Queue()
+        tickets = [Ticket(loop, index=i, events=shared) for i in range(2)]
+        hold.hold.set()
+        worker.submit(tickets, [1, 2, 3], RequestParams(max_tokens=3))
+        assert hold.inside.wait(30)
+        assert worker.waiting == 2  # both sequences count against the bound
+        with pytest.raises(QueueFullError):
+            worker.submit(Ticket(loop), [1, 2], RequestParams(max_tokens=2))
+        hold.hold.clear()
+        hold.release.set()
+        events = drain(loop, tickets, 2)
+        for index in (0, 1):
+            mine = [e for e in events if e.index == index]
+            assert sum(len(e.tokens) for e in mine) == 3 and mine[-1].finish_reason == "length"
     finally:
         loop.close()
