@@ -16,11 +16,11 @@ from hypothesis import given, settings
 
 from kv_batching._state_cache import (
     StackedStateCache,
-    StateSnapshot,
     group_by_state_shapes,
     state_nbytes,
     state_shapes,
 )
+from kv_batching._state_snapshots import StateSnapshot
 from kv_protocol import CacheStateError
 from kv_serve import build_engine
 from kv_testing import build_zoo_model, mlx_lm_greedy
@@ -125,17 +125,21 @@ def test_stacked_state_refuses_rows_half_prefilled() -> None:
     assert StackedStateCache(0, [_Slots([None]), _Slots([None])]).empty()
 
 
-def test_snapshot_puts_back_what_a_failed_chunk_changed() -> None:
+def test_snapshot_gives_back_the_state_it_copied_whatever_changed_since() -> None:
     cache: Any = _Slots([None, mx.ones((1, 2))])
     cache.lengths = None
-    snapshot = StateSnapshot([cache])
+    snapshot = StateSnapshot([cache], 7)
     cache.cache[0] = mx.zeros((1, 3))
     cache.cache[1] = mx.full((1, 2), 5.0)
     cache.lengths = mx.array([4])
-    snapshot.restore()
-    assert cache.cache[0] is None
-    assert bool(mx.array_equal(cache.cache[1], mx.ones((1, 2))))
-    assert cache.lengths is None
+    (back,) = snapshot.caches()
+    assert snapshot.position == 7 and snapshot.nbytes == 8
+    assert type(back) is type(cache) and back is not cache
+    assert back.cache[0] is None
+    assert bool(mx.array_equal(back.cache[1], mx.ones((1, 2))))
+    assert back.lengths is None
+    back.cache[1] = mx.zeros((1, 2))  # a copy handed out changes nothing kept
+    assert bool(mx.array_equal(snapshot.caches()[0].cache[1], mx.ones((1, 2))))
 
 
 def test_states_of_different_shapes_decode_in_groups_not_one_by_one() -> None:

@@ -76,7 +76,7 @@ def test_eviction_under_pressure_keeps_tokens_right() -> None:
         assert stats.hit_tokens == engine.stats.prefix_hit_tokens > 0
 
 
-def test_opt_out_and_state_models_prefill_whole_prompts() -> None:
+def test_opt_out_prefills_whole_prompts() -> None:
     model = build_tiny_model("gpt_oss", window=8)
     batch = prompts(24, 3)
     with build_engine(model, page_size=4, max_context=96, prefix_caching=False) as engine:
@@ -86,8 +86,9 @@ def test_opt_out_and_state_models_prefill_whole_prompts() -> None:
             engine.run()
         assert engine.stats.prefix_hit_tokens == 0
     state_model = build_zoo_model("lfm2")
-    with build_engine(state_model, page_size=4, max_context=96) as engine:
-        assert not engine.prefix_caching
+    with build_engine(state_model, page_size=4, max_context=96, prefix_caching=False) as engine:
+        assert not engine.prefix_caching and engine.state_snapshot_interval is None
+        assert engine.memory_report().state_snapshots is None
 
 
 def test_memory_report_and_metrics_show_the_cache() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kv_protocol import KVRequestBookkeeping, Reservation, check_int
 
@@ -55,6 +55,9 @@ class Scheduler:
         self.queue: deque[EngineRequest] = deque()
         self.prefilling: EngineRequest | None = None
         self.running: list[EngineRequest] = []
+        #: Called with a request that leaves the pool with a sound state (finished but not
+        #: failed, or preempted), before its pages and state are released.
+        self.on_leave: Callable[[EngineRequest], None] | None = None
 
     @property
     def state_budget_bytes(self) -> int | None:
@@ -108,9 +111,18 @@ class Scheduler:
     def release(self, request: EngineRequest) -> None:
         """Give back every page the request holds in the pool (if it holds any)."""
         request.states = None
+        request.pending_snapshot = None
+        request.step_snapshot = None
         if request.in_pool:
             request.in_pool = False
             self.pool.free_request(request.rid)
+
+    def _leave(self, request: EngineRequest) -> None:
+        if self.on_leave is not None and request.in_pool:
+            try:
+                self.on_leave(request)
+            except Exception as error:  # only what is kept for later requests is lost
+                logger.warning("keeping request %d's state failed: %r", request.rid, error)
 
     def _remove(self, request: EngineRequest) -> None:
         if request in self.running:
@@ -134,6 +146,8 @@ class Scheduler:
             follower.leader = None
             self.queue.append(follower)
         request.followers = []
+        if reason != "error":
+            self._leave(request)
         self.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -151,6 +165,7 @@ class Scheduler:
     def preempt(self, request: EngineRequest) -> None:
         """Send ``request`` back to the head of the queue: pages freed, tokens kept."""
         self._remove(request)
+        self._leave(request)
         self.release(request)
         request.prefilled = 0
         request.status = RequestStatus.QUEUED

@@ -25,7 +25,6 @@ __all__ = [
     "install_stacked_states",
     "request_caches",
     "StateCacheFactory",
-    "StateSnapshot",
     "group_by_state_shapes",
     "model_state_caches",
     "request_state_bytes",
@@ -175,26 +174,6 @@ def copy_state_caches(caches: Sequence[Any]) -> list[Any]:
                 setattr(twin, name, list(value))
         copies.append(twin)
     return copies
-
-
-class StateSnapshot:
-    """The attributes of some state caches, to put them back if a prefill chunk fails.
-
-    MLX arrays are immutable and a recurrent layer replaces its slots (``cache[i] = new``),
-    so a shallow copy of each cache's attributes (lists copied) is a complete snapshot.
-    """
-
-    def __init__(self, caches: Sequence[Any]) -> None:
-        self._saved = [
-            (cache, {k: list(v) if isinstance(v, list) else v for k, v in vars(cache).items()})
-            for cache in caches
-        ]
-
-    def restore(self) -> None:
-        """Put every cache's attributes back as they were when the snapshot was taken."""
-        for cache, attributes in self._saved:
-            vars(cache).clear()
-            vars(cache).update(attributes)
 
 
 class StackedStateCache:

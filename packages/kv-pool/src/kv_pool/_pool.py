@@ -104,7 +104,14 @@ class HybridKVPool:
         if not isinstance(prefix_salt, bytes):
             raise RequestStateError(f"prefix_salt must be bytes, got {prefix_salt!r}")
         self._prefix = (
-            PrefixCache(self._pages, self._lengths, salt=prefix_salt) if prefix_caching else None
+            PrefixCache(
+                self._pages,
+                self._lengths,
+                salt=prefix_salt,
+                boundary=page_size if isinstance(page_size, int) else 16,
+            )
+            if prefix_caching
+            else None
         )
 
     @classmethod

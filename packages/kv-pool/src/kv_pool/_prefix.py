@@ -91,6 +91,25 @@ class BlockHashes:
         twin._count = self._count
         return twin
 
+    def truncate(self, length: int, text: Sequence[int]) -> None:
+        """Keep the first ``length`` tokens only (``text``: the hashed text, at least them).
+
+        Complete blocks below ``length`` are kept as they are; the tokens of the last,
+        incomplete block come from ``text``. ``length`` past the hashed tokens or a ``text``
+        too short raises ``RequestStateError`` and changes nothing.
+        """
+        length = check_int(length, "length", minimum=0, maximum=self._count)
+        blocks = length // self.granularity
+        start = blocks * self.granularity
+        if len(text) < length:
+            raise RequestStateError(
+                f"truncating hashes to {length} tokens needs their text, got {len(text)} tokens"
+            )
+        tail = [check_int(t, "token id", minimum=0) for t in text[start:length]]
+        del self._chain[blocks:]
+        self._tail = tail
+        self._count = length
+
     def prefix_hash(self, length: int) -> bytes:
         """The hash standing for the first ``length`` tokens (a multiple of the granularity)."""
         index, rest = divmod(length, self.granularity)
@@ -125,7 +144,12 @@ class PrefixCache:
     """
 
     def __init__(
-        self, pages: Sequence[SubPoolPages], lengths: dict[int, int], *, salt: bytes = b""
+        self,
+        pages: Sequence[SubPoolPages],
+        lengths: dict[int, int],
+        *,
+        salt: bytes = b"",
+        boundary: int = 16,
     ) -> None:
         if not isinstance(salt, bytes):
             raise RequestStateError(f"prefix_salt must be bytes, got {salt!r}")
@@ -133,8 +157,11 @@ class PrefixCache:
         self._lengths = lengths
         self._salt = salt
         sizes = [p.page_size for p in self._pages]
-        self._granularity = math.gcd(*sizes) if sizes else 1
-        self._step = math.lcm(*sizes) if sizes else 0
+        # A pool of STATE layers only has no page: its prefixes end every ``boundary`` tokens
+        # (what is reused there is the caller's, e.g. a recurrent state snapshot).
+        default = check_int(boundary, "boundary", minimum=1)
+        self._granularity = math.gcd(*sizes) if sizes else default
+        self._step = math.lcm(*sizes) if sizes else default
         # request id -> pages registered (complete and written) per sub-pool
         self._registered: dict[int, list[int]] = {}
         self._queries = self._query_tokens = self._hit_tokens = 0
@@ -197,12 +224,24 @@ class PrefixCache:
                     sub.allocator.register_hash(page, own.page_hash(j, size))
             registered[i] = full
 
-    def match_prefix(self, hashes: TokenHashes) -> PrefixHit:
+    @property
+    def boundary(self) -> int:
+        """Tokens a reusable prefix's length is a multiple of: the page sizes' least multiple."""
+        return self._step
+
+    def match_prefix(
+        self, hashes: TokenHashes, *, usable: Callable[[int], bool] | None = None
+    ) -> PrefixHit:
         """The longest prefix of the hashed text, below its length, that a request can reuse.
 
-        ``length`` 0 (no pages) when there is none.
+        With ``usable``, a length counts only where ``usable(length)`` is true (the caller
+        also needs something of its own there, such as a recurrent state). ``length`` 0 (no
+        pages) when there is none. A pool without sub-pools serves any boundary ``usable``
+        accepts (with no pages); without ``usable`` it serves none.
         """
         own = self._check_hashes(hashes)
+        if usable is None and not self._pages:
+            usable = _nothing
         tokens = own.num_tokens
         self._queries += 1
         self._query_tokens += tokens
@@ -222,7 +261,7 @@ class PrefixCache:
             present.append(running)
         for length in range(longest, 0, -step):
             needed = [self._needed(sub, length) for sub in self._pages]
-            if all(
+            if (usable is None or usable(length)) and all(
                 counts[r.stop] - counts[r.start] == len(r)
                 for counts, r in zip(present, needed, strict=True)
             ):
@@ -345,3 +384,8 @@ class PrefixCache:
             min(count, n_tokens // sub.page_size)
             for count, sub in zip(parent, self._pages, strict=True)
         ]
+
+
+def _nothing(length: int) -> bool:
+    """No prefix length is usable (a pool without pages keeps nothing of its own)."""
+    return False

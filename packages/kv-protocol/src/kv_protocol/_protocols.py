@@ -10,7 +10,7 @@ reserved null page: padding entries of page tables point to it and it is never a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -326,6 +326,22 @@ class TokenHashes(Protocol):
         """Independent hashes of the same text (for a sequence forked from this one)."""
         ...
 
+    def prefix_hash(self, length: int) -> bytes:
+        """The hash standing for the first ``length`` tokens (a block boundary).
+
+        Equal hashes mean equal prefixes: what is kept for a prefix (its pages, a recurrent
+        state snapshot) is registered under this key.
+        """
+        ...
+
+    def truncate(self, length: int, text: Sequence[int]) -> None:
+        """Keep the first ``length`` tokens only; ``text`` is the hashed text (at least them).
+
+        Complete blocks are kept, not hashed again; the tokens of the last, incomplete block
+        are taken from ``text``.
+        """
+        ...
+
 
 @runtime_checkable
 class KVPrefixCache(Protocol):
@@ -350,8 +366,19 @@ class KVPrefixCache(Protocol):
         """
         ...
 
-    def match_prefix(self, hashes: TokenHashes) -> PrefixHit:
-        """The longest cached prefix of the hashed text (below its length) a request can reuse."""
+    @property
+    def boundary(self) -> int:
+        """Tokens a reusable prefix's length is a multiple of (a page of every sub-pool)."""
+        ...
+
+    def match_prefix(
+        self, hashes: TokenHashes, *, usable: Callable[[int], bool] | None = None
+    ) -> PrefixHit:
+        """The longest cached prefix of the hashed text (below its length) a request can reuse.
+
+        With ``usable``, only prefix lengths for which ``usable(length)`` is true count (the
+        caller holds something else a hit needs at that length, such as a recurrent state).
+        """
         ...
 
     def reuse_prefix(self, request_id: int, hit: PrefixHit) -> None:
@@ -360,6 +387,10 @@ class KVPrefixCache(Protocol):
 
     def stats(self) -> PrefixCacheStats:
         """Lookups, reused tokens, cached pages and evictions so far."""
+        ...
+
+    def add_eviction_listener(self, listener: Callable[[str, bytes], None]) -> None:
+        """Call ``listener(sub_pool, block_hash)`` whenever a sub-pool stops holding a block."""
         ...
 
 

@@ -128,6 +128,8 @@ def build_engine(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     kv_quantize: str = "all",
+    state_snapshot_interval: int | None = None,
+    state_cache_bytes: int | None = None,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -147,8 +149,14 @@ def build_engine(
 
     ``prefix_caching`` (on by default) keeps the complete pages of finished and running
     requests, sliding-window ones included, so a request whose prompt starts with a cached
-    prefix prefills only the rest; models with STATE layers prefill every prompt whole.
-    ``prefix_caching=False`` turns it off.
+    prefix prefills only the rest. On a model with recurrent STATE layers it also snapshots
+    each request's state every ``state_snapshot_interval`` tokens (a multiple of the page
+    size; default the largest such multiple up to 256), at the last page boundary of each
+    prompt and when a request leaves the pool, keeping the snapshots under the prefix's
+    page hash within ``state_cache_bytes`` (default
+    :data:`kv_batching.DEFAULT_STATE_CACHE_BYTES`, least recently used out first): a prefix
+    is reused there up to the longest boundary with both its pages and a snapshot.
+    ``prefix_caching=False`` turns it all off.
 
     ``prefill_stall`` bounds a step's prefill while requests decode, as a multiple of the
     step's decode time (e.g. ``2.0``: a running request's next token waits at most about
@@ -161,7 +169,7 @@ def build_engine(
     Decode and prefill read them dequantized; the fused RoPE kernel is not used on them.
     """
     layout = layout_from_model(model)
-    use_prefix = bool(prefix_caching) and not layout.state_layer_ids
+    use_prefix = bool(prefix_caching)
     if pool is None:
         pool = build_pool(
             layout,
@@ -194,4 +202,6 @@ def build_engine(
         state_budget_bytes=state_budget_bytes,
         prefix_caching=None if prefix_caching else False,
         prefill_stall=prefill_stall,
+        state_snapshot_interval=state_snapshot_interval,
+        state_cache_bytes=state_cache_bytes,
     )
