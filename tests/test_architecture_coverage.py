@@ -3,9 +3,11 @@
 ``tools.support_table.check_architecture`` checks the layout against the model's own
 ``make_cache()`` and the engine's greedy tokens against mlx-lm generating each prompt alone
 (staggered prompts crossing the window, page sizes 6 and 16, automatic and universal decode
-paths). Each architecture must keep the status recorded in ``architecture_support.json``
-(the README's table is generated from the same run): a supported one that regresses fails,
-and so does a refused one that starts working, until the table is regenerated.
+paths), and prefix hits (``prefix_hits``: a shared start and a conversation's next turn
+reuse cached tokens, state snapshots included, with mlx-lm's tokens). Each architecture
+must keep the status recorded in ``architecture_support.json`` (the README's table is
+generated from the same run): a supported one that regresses fails, and so does a refused
+one that starts working, until the table is regenerated.
 """
 
 from __future__ import annotations
@@ -38,8 +40,16 @@ def test_architecture_keeps_its_recorded_status(name: str) -> None:
     if row.status == SUPPORTED:
         assert row.decode_paths == recorded["decode_paths"]
         assert row.layer_kinds == recorded["layer_kinds"]
+        assert row.prefix_hits == recorded["prefix_hits"]
 
 
 def test_refusals_name_their_reason() -> None:
     for name, row in RECORDED.items():
         assert (row["status"] == SUPPORTED) == (row["reason"] == ""), name
+
+
+def test_every_supported_architecture_reuses_prefixes() -> None:
+    """State models included: their prefix hits resume from recurrent-state snapshots."""
+    for name, row in RECORDED.items():
+        if row["status"] == SUPPORTED:
+            assert row["prefix_hits"] == "yes", name

@@ -9,6 +9,12 @@ window, at page sizes 6 (not a power of two) and 16, on the automatic per-layer 
 paths and with every layer forced onto the universal path. The status is ``supported`` only
 when every one of those runs agrees token for token.
 
+A supported architecture is also checked for prefix hits (``prefix_hits``): a prompt, then a
+prompt sharing part of it and the next turn of its conversation (prompt, answer, more),
+with prefix caching at page sizes 6 and 5 (state snapshots every 12 tokens, then at the
+default interval, which 5 does not divide a power of two of); ``yes`` when the later prompts
+reuse cached tokens and every token equals mlx-lm's.
+
     uv run python -m tools.support_table --markdown        # the README's table
     uv run python -m tools.support_table --json tests/architecture_support.json
 """
@@ -49,6 +55,7 @@ class SupportRow:
     mlx_lm_batchable: bool
     status: str
     reason: str = ""
+    prefix_hits: str = ""
 
 
 def _prompts() -> list[list[int]]:
@@ -167,7 +174,54 @@ def check_architecture(name: str) -> SupportRow:
     row["decode_paths"] = "; ".join(
         f"{kind}: {'/'.join(sorted(paths))}" for kind, paths in sorted(paths_seen.items())
     )
-    return SupportRow(**row, status=SUPPORTED)
+    return SupportRow(**row, status=SUPPORTED, prefix_hits=check_prefix_hits(model))
+
+
+#: (page size, state snapshot interval or None for the default) of the prefix-hit check.
+PREFIX_CONFIGS = ((6, 12), (5, None))
+
+
+def check_prefix_hits(model: Any) -> str:
+    """``yes`` when prompts sharing a prefix reuse it with mlx-lm's tokens; else ``no: why``.
+
+    A 40-token prompt runs first; then, together, a prompt sharing its first 26 tokens and
+    the next turn of its conversation (the prompt, its answer and one more token). The next
+    turn must reuse cached tokens at every configuration, the shared-start prompt where
+    snapshots are taken within it (every 12 tokens).
+    """
+    from kv_serve import build_engine
+    from kv_testing import mlx_lm_greedy
+
+    first = [(7 * j + 1) % VOCAB for j in range(40)]
+    answer = mlx_lm_greedy(model, first, MAX_TOKENS)
+    shared = [*first[:26], 9, 9, 1]
+    turn = [*first, *answer, 3]
+    want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in (shared, turn)]
+    for page_size, interval in PREFIX_CONFIGS:
+        where = f"page_size={page_size}, state_snapshot_interval={interval}"
+        try:
+            with build_engine(
+                model,
+                max_running=4,
+                max_context=96,
+                page_size=page_size,
+                prefill_chunk=16,
+                state_snapshot_interval=interval,
+            ) as engine:
+                rid = engine.submit(first, MAX_TOKENS)
+                if engine.run()[rid] != answer:
+                    return f"no: the first prompt's tokens differ ({where})"
+                ids = [engine.submit(p, MAX_TOKENS) for p in (shared, turn)]
+                out = engine.run()
+                reused = engine.stats.prefix_hit_tokens
+        except Exception as error:
+            return f"no: {_short(error)} ({where})"
+        if [out[i] for i in ids] != want:
+            return f"no: tokens differ after a prefix hit ({where})"
+        least = len(first) if interval is None else len(first) + 24
+        if reused < least:
+            return f"no: {reused} tokens reused, expected at least {least} ({where})"
+    return "yes"
 
 
 def hybrid_modules() -> list[str]:
@@ -185,8 +239,8 @@ def markdown(rows: Sequence[SupportRow]) -> str:
     """The support table in Markdown, with the count of supported architectures."""
     lines = [
         "| architecture | mlx-lm module | layers | decode path per kind | BatchGenerator "
-        "| status |",
-        "|---|---|---|---|---|---|",
+        "| prefix hits | status |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         status = r.status if not r.reason else f"{r.status}: {r.reason}"
@@ -194,7 +248,7 @@ def markdown(rows: Sequence[SupportRow]) -> str:
         batch = "yes" if r.mlx_lm_batchable else "no"
         lines.append(
             f"| {r.name} | `{r.module}` | {r.layer_kinds} | {r.decode_paths or '-'} | {batch} "
-            f"| {status} |"
+            f"| {r.prefix_hits or '-'} | {status} |"
         )
     modules = set(hybrid_modules())
     # One row per hybrid mlx-lm module (variants such as plain llama are extra rows).

@@ -653,8 +653,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         (
             "/v1/chat/completions",
-            {**CHAT, "response_format": {"type": "json_object"}},
-            "response_format",
+            {**CHAT, "response_format": {"type": "xml"}},
+            "response_format.type",
         ),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {}}, "stream_options"),

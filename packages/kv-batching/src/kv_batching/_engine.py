@@ -33,6 +33,7 @@ from kv_protocol import (
 )
 
 from ._cache_nesting import CacheNesting
+from ._constraints import collect_token_masks
 from ._decode_paths import DecodePlan, choose_decode_paths
 from ._decode_step import PoolAddressing
 from ._engine_stats import DEFAULT_STATS_WINDOW, EngineMemoryReport, EngineStats
@@ -41,7 +42,14 @@ from ._model_runner import ModelRunner
 from ._patching import unpatch_model_attention
 from ._prefill_budget import PrefillBudget
 from ._requests import EngineRequest, RequestOutput, RequestStatus, RequestTable
-from ._sampling import SampledTokens, Sampler, SamplingParams, TokenLogprob, log_softmax_top
+from ._sampling import (
+    SampledTokens,
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    TokenMasks,
+    log_softmax_top,
+)
 from ._scheduler import Scheduler
 from ._state_cache import (
     StateCacheFactory,
@@ -627,7 +635,16 @@ class DecodeEngine:
         if request.logprobs is not None and logprob is not None:
             request.logprobs.append(logprob)
         produced.setdefault(request.rid, []).append(token)
-        if token in request.stop_tokens:
+        complete = False
+        constraint = request.constraint
+        if constraint is not None and token not in request.stop_tokens:
+            try:
+                constraint.accept_token(token)
+                complete = constraint.is_finished
+            except Exception as error:  # the grammar broke: this request ends with it
+                self._scheduler.fail(request, error)
+                return
+        if token in request.stop_tokens or complete:
             self._scheduler.finish(request, "stop")
         elif len(request.generated) >= request.max_tokens:
             self._scheduler.finish(request, "length")
@@ -643,7 +660,8 @@ class DecodeEngine:
                 [r.generated[-1] for r in batch],
                 [r.states or [] for r in batch],
             )
-            sampled = self._sampler.sample(out.logits, [r.sampling_row() for r in batch])
+            masks = self._token_masks(batch, out.logits)
+            sampled = self._sampler.sample(out.logits, [r.sampling_row() for r in batch], masks)
             tic = time.perf_counter()
             # One evaluation for the tokens, their logprobs and the new states together.
             mx.eval(sampled.arrays(), out.state_arrays())
@@ -655,6 +673,21 @@ class DecodeEngine:
             self._sampler.restore(saved)
             self._scheduler.rollback(reservation)
             raise
+
+    def _token_masks(self, batch: Sequence[EngineRequest], logits: mx.array) -> TokenMasks | None:
+        """The constrained rows' token masks for ``logits``, or ``None`` when no row has one.
+
+        The logits' evaluation starts first, so the host fills the masks while the device
+        runs the forward; nothing is done when no row is constrained.
+        """
+        if all(r.constraint is None for r in batch):
+            return None
+        mx.async_eval(logits)
+        tic = time.perf_counter()
+        masks = collect_token_masks([r.constraint for r in batch], logits.shape[-1])
+        self._stats.mask_seconds += time.perf_counter() - tic
+        self._stats.masks_filled += len(masks.rows) if masks is not None else 0
+        return masks
 
     def _decode(self, produced: dict[int, list[int]]) -> None:
         start = time.perf_counter()
@@ -791,7 +824,7 @@ class DecodeEngine:
                 last = logits[:, -1, :]
                 if forks:
                     last = mx.broadcast_to(last, (len(rows), last.shape[-1]))
-                first = self._sampler.sample(last, rows)
+                first = self._sampler.sample(last, rows, self._token_masks([request, *forks], last))
                 mx.eval(first.arrays(), pending)
             if request.states:
                 mx.eval([getattr(c, "cache", []) for c in request.states])

@@ -40,6 +40,11 @@ class EngineStats:
     #: tables, building the graph).
     prefill_device_seconds: float = 0.0
     decode_device_seconds: float = 0.0
+    #: Host time spent filling constrained rows' token masks (structured output); in decode
+    #: it overlaps the device's forward, which runs meanwhile.
+    mask_seconds: float = 0.0
+    #: Token masks filled (one per constrained row per sampled token).
+    masks_filled: int = 0
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0

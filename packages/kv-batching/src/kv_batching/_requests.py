@@ -10,7 +10,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kv_protocol import RequestStateError, TokenHashes, UnknownRequestError, as_int
+from kv_protocol import (
+    RequestStateError,
+    TokenConstraint,
+    TokenHashes,
+    UnknownRequestError,
+    as_int,
+)
 
 from ._sampling import SamplingParams, SamplingRow, TokenLogprob
 
@@ -53,6 +59,7 @@ class EngineRequest:
     """One request as the engine keeps it: prompt, sampling, tokens, where it is, its state."""
 
     __slots__ = (
+        "constraint",
         "error",
         "finish_reason",
         "followers",
@@ -110,6 +117,15 @@ class EngineRequest:
         self.leader: EngineRequest | None = None
         self.in_pool = False
         self.error: BaseException | None = None
+        #: The sequence's own structured-output constraint (made from the params' factory).
+        self.constraint: TokenConstraint | None = None
+        if params.constraint is not None:
+            try:
+                self.constraint = params.constraint()
+            except Exception as error:
+                raise RequestStateError(
+                    f"the request's constraint factory raised {error!r}"
+                ) from error
 
     def prefill_tokens(self) -> list[int]:
         """The tokens to prefill.

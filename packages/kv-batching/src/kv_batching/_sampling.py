@@ -11,7 +11,10 @@ operations, whatever mix of fields the rows ask for:
    prompt and generated tokens), frequency and presence penalties (OpenAI's: minus
    ``frequency * count + presence * (count > 0)`` over the generated tokens), logit bias, and
    the stop tokens masked while fewer than ``min_tokens`` were generated;
-3. greedy rows take the argmax; sampled rows are scaled by their temperature and cut by
+3. the token masks of constrained rows (structured output: :class:`TokenMasks`, one packed
+   bit set per row from its ``TokenConstraint``), applied as one operation to those rows
+   only: a step without a constrained row does no mask work at all;
+4. greedy rows take the argmax; sampled rows are scaled by their temperature and cut by
    ``top_k``, ``top_p`` and ``min_p`` as thresholds on the scaled logits (a token tied with the
    cut-off value stays), then drawn by inverse transform sampling with one uniform number per
    row: from the sampler's own stream, or with a seed from the row's own key
@@ -28,7 +31,14 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from kv_protocol import RequestStateError, as_int, check_int, check_number, exp_nonpositive
+from kv_protocol import (
+    RequestStateError,
+    TokenConstraintFactory,
+    as_int,
+    check_int,
+    check_number,
+    exp_nonpositive,
+)
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -37,6 +47,8 @@ __all__ = [
     "SamplingParams",
     "SamplingRow",
     "TokenLogprob",
+    "TokenMasks",
+    "apply_token_masks",
     "sample_top_p",
     "token_key",
 ]
@@ -64,7 +76,10 @@ class SamplingParams:
     request its own random stream. ``logprobs`` (``0 .. MAX_LOGPROBS``; ``None``: off) reports
     each generated token's log-probability and that many most likely alternatives;
     ``prompt_logprobs`` the same for every prompt token (such a request is not served from
-    the prefix cache: its prompt's logits are computed).
+    the prefix cache: its prompt's logits are computed). ``constraint`` (structured output)
+    makes a fresh ``TokenConstraint`` for each generated sequence: only the tokens its mask
+    allows are sampled, each sampled token is passed to it, and the sequence finishes
+    (``"stop"``) when it says the output is complete.
 
     A bad value raises ``RequestStateError`` (a ``ValueError``) naming the field.
     """
@@ -81,9 +96,15 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    constraint: TokenConstraintFactory | None = None
 
     def __post_init__(self) -> None:
         setter = object.__setattr__
+        if self.constraint is not None and not callable(self.constraint):
+            raise RequestStateError(
+                "constraint must be a factory (a callable returning a TokenConstraint), got "
+                f"{self.constraint!r}"
+            )
         setter(self, "temperature", check_number(self.temperature, "temperature", minimum=0.0))
         setter(
             self,
@@ -332,6 +353,41 @@ def _process(logits: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
 
 
 @dataclass(frozen=True, eq=False)
+class TokenMasks:
+    """The allowed-token masks of a step's constrained rows.
+
+    ``rows`` are the batch rows that have a constraint (increasing); ``packed`` is ``(len(rows),
+    words)`` uint32: row ``i``'s token ``t`` is allowed when bit ``t % 32`` of word ``t // 32``
+    is set (``TokenConstraint``'s layout). Tokens past ``32 * words`` are not allowed.
+    """
+
+    rows: tuple[int, ...]
+    packed: mx.array
+
+
+def apply_token_masks(logits: mx.array, masks: TokenMasks) -> mx.array:
+    """``logits (B, V)`` with every token a constrained row's mask forbids at ``-inf``.
+
+    One batched operation over the constrained rows (the bits are unpacked by a broadcast
+    shift, then one ``where`` and one scatter); the other rows are left as they are.
+    """
+    vocab = logits.shape[-1]
+    packed = masks.packed
+    words = packed.shape[-1]
+    shifts = mx.arange(32, dtype=mx.uint32)
+    bits = mx.right_shift(packed[:, :, None], shifts[None, None, :]) & mx.array(1, mx.uint32)
+    allowed = bits.reshape(packed.shape[0], words * 32).astype(mx.bool_)
+    if words * 32 >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = mx.pad(allowed, [(0, 0), (0, vocab - words * 32)], constant_values=False)
+    index = mx.array(masks.rows, dtype=mx.int32)
+    out = mx.array(logits)
+    out[index] = mx.where(allowed, logits[index], -mx.inf)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
 class SampledTokens:
     """What one batch's sampling left, lazy until evaluated with the step.
 
@@ -452,10 +508,18 @@ class Sampler:
         """Put the stream back where :meth:`save` found it."""
         self._key = saved
 
-    def sample(self, logits: mx.array, rows: Sequence[SamplingRow]) -> SampledTokens:
-        """The batch's next tokens and asked-for logprobs (lazy) for ``(B, vocab)`` logits."""
+    def sample(
+        self, logits: mx.array, rows: Sequence[SamplingRow], masks: TokenMasks | None = None
+    ) -> SampledTokens:
+        """The batch's next tokens and asked-for logprobs (lazy) for ``(B, vocab)`` logits.
+
+        ``masks`` restrict the constrained rows to the tokens their masks allow (after the
+        penalties and the bias; logprobs stay those of the model's own distribution).
+        """
         raw = logits.astype(mx.float32)
         processed = _process(raw, rows)
+        if masks is not None and masks.rows:
+            processed = apply_token_masks(processed, masks)
         tokens = mx.argmax(processed, axis=-1)
         sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
         if sampled:

@@ -1,5 +1,6 @@
 """Typed contracts, layer specs, the layer-id layout and the errors of the kv-* packages."""
 
+from ._constraint import TokenConstraint, TokenConstraintFactory, mask_words
 from ._errors import (
     CacheStateError,
     FusedRopeConfigError,
@@ -121,6 +122,8 @@ __all__ = [
     "RopeScatterKernel",
     "ShapeMismatchError",
     "SubPoolReport",
+    "TokenConstraint",
+    "TokenConstraintFactory",
     "TokenHashes",
     "TransferTimeoutError",
     "UnknownBackendError",
@@ -144,6 +147,7 @@ __all__ = [
     "kv_quantization_for",
     "language_model_container",
     "layout_from_model",
+    "mask_words",
     "model_args",
     "rope_config_from_module",
     "stored_arrays",

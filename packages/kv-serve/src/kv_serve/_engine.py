@@ -74,8 +74,12 @@ def build_pool(
     max_running = check_int(max_running, "max_running", minimum=1)
     max_context = check_int(max_context, "max_context", minimum=1)
     prefill_chunk = check_int(prefill_chunk, "prefill_chunk", minimum=1)
-    if not layout.attention_layer_ids:  # a pure recurrent model: no pages to size
-        return HybridKVPool(layout, num_pages={}, page_size={})
+    if not layout.attention_layer_ids:
+        # A pure recurrent model: no pages to size; prefixes (for state snapshots) end every
+        # ``page_size`` tokens.
+        return HybridKVPool(
+            layout, num_pages={}, page_size=page_size, prefix_caching=prefix_caching
+        )
     if num_pages is not None:
         pages = check_int(num_pages, "num_pages", minimum=2)
         return HybridKVPool(
@@ -130,6 +134,7 @@ def build_engine(
     kv_quantize: str = "all",
     state_snapshot_interval: int | None = None,
     state_cache_bytes: int | None = None,
+    step_snapshots: bool = False,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -156,7 +161,9 @@ def build_engine(
     page hash within ``state_cache_bytes`` (default
     :data:`kv_batching.DEFAULT_STATE_CACHE_BYTES`, least recently used out first): a prefix
     is reused there up to the longest boundary with both its pages and a snapshot.
-    ``prefix_caching=False`` turns it all off.
+    ``prefix_caching=False`` turns it all off. ``step_snapshots`` keeps each running
+    request's state before its last decode step, so ``engine.restore(id, length - 1)`` can
+    undo that step.
 
     ``prefill_stall`` bounds a step's prefill while requests decode, as a multiple of the
     step's decode time (e.g. ``2.0``: a running request's next token waits at most about
@@ -204,4 +211,5 @@ def build_engine(
         prefill_stall=prefill_stall,
         state_snapshot_interval=state_snapshot_interval,
         state_cache_bytes=state_cache_bytes,
+        step_snapshots=step_snapshots,
     )

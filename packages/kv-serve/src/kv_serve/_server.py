@@ -30,7 +30,12 @@ from starlette.types import Receive, Scope, Send
 
 from kv_batching import DecodeEngine, SamplingParams, TokenLogprob
 from kv_pool import pages_per_request
-from kv_protocol import RequestStateError, check_int, kv_quantization_choice
+from kv_protocol import (
+    RequestStateError,
+    TokenConstraintFactory,
+    check_int,
+    kv_quantization_choice,
+)
 
 from ._engine import build_engine
 from ._load import stop_token_ids
@@ -57,6 +62,7 @@ from ._server_worker import (
     Ticket,
     WorkerStoppedError,
 )
+from ._structured import GrammarCompiler, GrammarError
 
 __all__ = ["KVServer", "RunningServer", "ServerMetrics"]
 
@@ -289,6 +295,8 @@ class KVServer:
         self.created = int(time.time())
         self._eos: frozenset[int] = frozenset()
         self._texts = TokenTexts(tokenizer)
+        # Built at the first structured-output request (reading the vocabulary takes a while).
+        self._grammars: GrammarCompiler | None = None
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ lifecycle
@@ -449,9 +457,36 @@ class KVServer:
                 seed=fields.seed,
                 logprobs=k,
                 prompt_logprobs=request.logprobs if request.echo else None,
+                constraint=self._constraint(request),
             )
         except RequestStateError as err:
             raise OpenAIError(400, str(err)) from None
+
+    def _constraint(self, request: CompletionRequest) -> TokenConstraintFactory | None:
+        """The request's structured-output constraint; a schema that does not compile is a 400."""
+        fmt = request.response_format
+        if fmt is None:
+            return None
+        if self._grammars is None:
+            try:
+                self._grammars = GrammarCompiler(self.tokenizer, self.worker.vocab_size, self._eos)
+            except GrammarError as err:
+                raise OpenAIError(
+                    400,
+                    f"response_format: structured output is not available for this model: {err}",
+                    param="response_format",
+                    code="unsupported_parameter",
+                ) from None
+        try:
+            return self._grammars.json_schema(fmt.schema)
+        except GrammarError as err:
+            param = "response_format.json_schema.schema"
+            raise OpenAIError(
+                400,
+                f"{param} cannot be compiled into a grammar: {err}",
+                param=param,
+                code="invalid_json_schema",
+            ) from None
 
     def _prepare(self, body: dict[str, Any], *, chat: bool) -> _Prepared:
         vocab = self.worker.vocab_size or None

@@ -25,6 +25,7 @@ __all__ = [
     "CompletionRequest",
     "FieldRule",
     "OpenAIError",
+    "ResponseFormat",
     "SamplingFields",
     "parse_chat_request",
     "parse_completion_request",
@@ -109,6 +110,12 @@ REQUEST_FIELDS: tuple[FieldRule, ...] = (
     FieldRule("stream", _BOTH, "honoured", "server-sent events ending in data: [DONE]"),
     FieldRule("stream_options", _BOTH, "honoured", "include_usage; only with stream: true"),
     FieldRule("modalities", _CHAT, "honoured", 'only ["text"] (the default); "audio" is a 400'),
+    FieldRule(
+        "response_format",
+        _BOTH,
+        "honoured",
+        "text, json_object or json_schema: decoded under the schema's grammar in the batch",
+    ),
     FieldRule("top_k", _BOTH, "extension", "-1 or 0: off; else the k most likely tokens"),
     FieldRule("min_p", _BOTH, "extension", "0..1 of the most likely token's probability"),
     FieldRule(
@@ -130,7 +137,6 @@ REQUEST_FIELDS: tuple[FieldRule, ...] = (
     FieldRule("prompt_cache_retention", _CHAT, "accepted", "a string; prefix caching is automatic"),
     FieldRule("prompt_cache_options", _CHAT, "accepted", "an object; prefix caching is automatic"),
     FieldRule("suffix", _CMPL, "refused", 'insertion is not supported (null or "" pass)'),
-    FieldRule("response_format", _CHAT, "refused", 'structured output; {"type": "text"} passes'),
     FieldRule("tools", _CHAT, "refused", "tool calling is not supported"),
     FieldRule("tool_choice", _CHAT, "refused", "tool calling is not supported"),
     FieldRule("parallel_tool_calls", _CHAT, "refused", "tool calling is not supported"),
@@ -212,6 +218,22 @@ class SamplingFields:
     stop_token_ids: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A checked structured-output ``response_format`` (``{"type": "text"}`` is ``None``).
+
+    ``type`` is ``json_object`` (any JSON object) or ``json_schema`` (a value valid under
+    ``schema``, the request's ``json_schema.schema``; ``name`` is its ``json_schema.name``).
+    The schema is enforced whether ``strict`` is true or not. It is compiled by the server
+    (a schema it cannot compile is a 400 there), not here.
+    """
+
+    type: Literal["json_object", "json_schema"]
+    schema: Mapping[str, Any] = field(default_factory=dict)
+    name: str = ""
+    strict: bool | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class CompletionRequest:
     """A checked request of either endpoint (``prompts`` xor ``messages`` is set).
@@ -220,7 +242,7 @@ class CompletionRequest:
     ``logprobs`` is the number of alternatives per token (completions' ``logprobs``, chat's
     ``top_logprobs`` when ``logprobs`` is true), ``None`` when none are asked for.
     ``best_of`` is at least ``n`` (equal when not given). ``max_tokens`` ``None`` means up
-    to the context.
+    to the context. ``response_format`` is the checked structured output (``None``: text).
     """
 
     model: str
@@ -237,6 +259,7 @@ class CompletionRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
 
     @property
     def prompt(self) -> str | tuple[int, ...] | None:
@@ -400,8 +423,6 @@ def _check_fields(body: Mapping[str, Any], endpoint: Endpoint) -> None:
             continue
         if name == "suffix" and value == "":
             continue
-        if name == "response_format" and value == {"type": "text"}:
-            continue
         raise _bad(
             f"{name} is not supported by this server ({rule.note}), got {value!r}",
             name,
@@ -488,6 +509,68 @@ def _sampling(body: Mapping[str, Any], vocab_size: int | None) -> SamplingFields
     )
 
 
+_RESPONSE_TYPES = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _response_format(body: Mapping[str, Any]) -> ResponseFormat | None:
+    value = body.get("response_format")
+    if value is None:
+        return None
+    param = "response_format"
+    if not isinstance(value, dict):
+        raise _bad(f"response_format must be an object, got {_type_name(value)} {value!r}", param)
+    kind = value.get("type")
+    if kind not in _RESPONSE_TYPES:
+        raise _bad(
+            f"response_format.type must be one of {', '.join(_RESPONSE_TYPES)}, got {kind!r}",
+            "response_format.type",
+        )
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    unknown = [k for k in value if k not in allowed]
+    if unknown:
+        raise _bad(
+            f"response_format of type {kind} takes no {unknown[0]!r}",
+            f"response_format.{unknown[0]}",
+            code="unsupported_parameter",
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object", {"type": "object"})
+    spec = value.get("json_schema")
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise _bad(f"{param} must be an object with name and schema, got {_type_name(spec)}", param)
+    unknown = [k for k in spec if k not in _JSON_SCHEMA_KEYS]
+    if unknown:
+        raise _bad(
+            f"{param}.{unknown[0]} is not a json_schema field (name, description, schema, strict)",
+            f"{param}.{unknown[0]}",
+            code="unsupported_parameter",
+        )
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise _bad(
+            f"{param}.name must be 1 to 64 letters, digits, _ or -, got {name!r}",
+            f"{param}.name",
+        )
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise _bad(f"{param}.description must be a string", f"{param}.description")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _bad(f"{param}.strict must be a boolean, got {strict!r}", f"{param}.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _bad(
+            f"{param}.schema must be a JSON schema object, got {_type_name(schema)}",
+            f"{param}.schema",
+        )
+    return ResponseFormat("json_schema", schema, name, strict)
+
+
 def _common(body: Mapping[str, Any], endpoint: Endpoint, vocab_size: int | None) -> dict[str, Any]:
     model = body.get("model")
     if model is None:
@@ -499,10 +582,19 @@ def _common(body: Mapping[str, Any], endpoint: Endpoint, vocab_size: int | None)
     stream = _bool(body, "stream")
     include_usage, continuous = _stream_options(body, stream)
     n = _int(body, "n", minimum=1, maximum=MAX_N) or 1
+    response_format = _response_format(body)
+    sampling = _sampling(body, vocab_size)
+    if response_format is not None and sampling.min_tokens:
+        raise _bad(
+            "min_tokens cannot be combined with a JSON response_format: the schema's grammar "
+            "decides where the output ends",
+            "min_tokens",
+        )
     return {
         "model": model,
+        "response_format": response_format,
         "n": n,
-        "sampling": _sampling(body, vocab_size),
+        "sampling": sampling,
         "stop": _stop(body),
         "stream": stream,
         "include_usage": include_usage,

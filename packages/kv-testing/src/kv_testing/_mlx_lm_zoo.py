@@ -490,14 +490,21 @@ def zoo_config(name: str) -> dict[str, Any]:
     return config
 
 
-def build_zoo_model(name: str, *, seed: int = 0, dtype: mx.Dtype = mx.float32) -> nn.Module:
+def build_zoo_model(
+    name: str, *, seed: int = 0, dtype: mx.Dtype = mx.float32, vocab_size: int | None = None
+) -> nn.Module:
     """A tiny random-weight mlx-lm model of zoo architecture ``name`` (fp32 by default).
+
+    ``vocab_size`` replaces the zoo's vocabulary (to pair the model with a tokenizer).
 
     Weights are drawn from N(0, 0.2^2) with ``seed``, so logits are spread enough that greedy
     tokens are not decided by rounding; ``nn.Module`` parameters that are not floating point
     (indices, masks) are kept as the module built them.
     """
     config = zoo_config(name)
+    if vocab_size is not None:
+        inner = config["text_config"] if ZOO[name].text_config else config
+        inner["vocab_size"] = vocab_size
     module = importlib.import_module(f"mlx_lm.models.{ZOO[name].module}")
     mx.random.seed(seed)
     model: nn.Module = module.Model(module.ModelArgs.from_dict(config))
