@@ -15,12 +15,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.shared_params import ResponseFormatJSONSchema
 
 from kv_serve._server import KVServer, RunningServer
 from kv_testing import build_tiny_model, build_tiny_tokenizer
@@ -36,11 +38,13 @@ PERSON = {
     "required": ["name", "age", "pets"],
     "additionalProperties": False,
 }
-JSON_SCHEMA = {
+JSON_SCHEMA: ResponseFormatJSONSchema = {
     "type": "json_schema",
     "json_schema": {"name": "person", "schema": PERSON, "strict": True},
 }
-MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Describe a person as JSON."}
+]
 
 
 @cache
@@ -146,30 +150,30 @@ def test_chat_json_schema_not_streamed_and_streamed(served: RunningServer) -> No
     chat = client(served).chat.completions
     out = chat.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=200,
         temperature=0.9,
         seed=3,
         n=2,
-        response_format=JSON_SCHEMA,  # type: ignore[arg-type]
+        response_format=JSON_SCHEMA,
     )
     for choice in out.choices:
         assert choice.finish_reason == "stop"
         person(choice.message.content or "")
     stream = chat.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=200,
         temperature=0.9,
         seed=3,
         n=2,
-        response_format=JSON_SCHEMA,  # type: ignore[arg-type]
+        response_format=JSON_SCHEMA,
         stream=True,
     )
     texts = ["", ""]
     for chunk in stream:
-        for choice in chunk.choices:
-            texts[choice.index] += choice.delta.content or ""
+        for part in chunk.choices:
+            texts[part.index] += part.delta.content or ""
     # The same seeds give the same sequences, streamed or not.
     assert texts == [c.message.content for c in out.choices]
 
@@ -177,7 +181,7 @@ def test_chat_json_schema_not_streamed_and_streamed(served: RunningServer) -> No
 def test_chat_json_object_streamed(served: RunningServer) -> None:
     stream = client(served).chat.completions.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=200,
         temperature=0,
         response_format={"type": "json_object"},
@@ -315,8 +319,8 @@ def test_the_openai_client_sees_a_bad_schema_as_bad_request(served: RunningServe
     with pytest.raises(openai.BadRequestError, match="frobnicate"):
         client(served).chat.completions.create(
             model=MODEL,
-            messages=MESSAGES,  # type: ignore[arg-type]
-            response_format=schema_format({"type": "frobnicate"}),  # type: ignore[arg-type]
+            messages=MESSAGES,
+            response_format=cast(ResponseFormatJSONSchema, schema_format({"type": "frobnicate"})),
         )
 
 

@@ -148,12 +148,12 @@ def test_the_mask_allows_exactly_the_grammar_s_next_tokens() -> None:
     constraint = make()
     vocab = len(tokenizer())
     words = np.zeros(mask_words(vocab) + 1, dtype=np.uint32)  # wider than the tokenizer
-    constraint.fill_next_mask(memoryview(words))
+    constraint.fill_next_mask(words.data)
     allowed = [t for t in range(32 * len(words)) if (int(words[t // 32]) >> (t % 32)) & 1]
     assert [text_of((t,)) for t in allowed] == ["{"] * len(allowed) and allowed
     constraint.accept_token(allowed[0])
     assert not constraint.is_finished
-    constraint.fill_next_mask(memoryview(words))
+    constraint.fill_next_mask(words.data)
     allowed = [t for t in range(32 * len(words)) if (int(words[t // 32]) >> (t % 32)) & 1]
     closing = [t for t in allowed if text_of((t,)) == "}"]
     assert closing

@@ -17,11 +17,14 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kv_protocol import TokenConstraint, TokenConstraintFactory, check_int, mask_words
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 __all__ = ["GrammarCompiler", "GrammarError"]
 
@@ -31,7 +34,7 @@ class GrammarError(ValueError):
 
 
 #: JSON compile options: compact output, so a finished value leaves nothing to generate.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class _MatcherConstraint:
