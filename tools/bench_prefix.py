@@ -1,7 +1,11 @@
 """Benchmark: prefix caching, the engine with and without it against mlx-lm, in one process.
 
-Two workloads, greedy, on a gpt-oss-like (alternating sliding-window / full layers, sinks) and
-a Gemma-3-like (five sliding layers per full one) tiny model with random fp32 weights:
+Two workloads, greedy, on tiny models with random fp32 weights: a gpt-oss-like (alternating
+sliding-window / full layers, sinks) and a Gemma-3-like (five sliding layers per full one)
+attention model, and three recurrent-state hybrids: Qwen3-Next-like (gated delta-net linear
+attention, one full layer in two), LFM2-like (short convolutions, one full layer in two) and
+Nemotron-H-like (Mamba-2 with a full attention layer and an MLP per two of them), whose
+prefix hits resume from recurrent-state snapshots:
 
 1. ``shared``: 32 requests sharing a 2048-token system prompt, each with its own 64-token
    question, all submitted at once;
@@ -12,9 +16,11 @@ Each system runs the workload alone, in alternating order over ``--rounds``: the
 prefix caching, without it, and mlx-lm's ``BatchGenerator`` with its ``LRUPromptCache`` used
 the way ``mlx_lm.server`` uses it (nearest cached prefix fetched before insert, caches stored
 when a request finishes). Reported: time to first token (p50, from submission), total time,
-the engine's reused prompt tokens, and whether the greedy tokens agree.
+the engine's reused prompt tokens, the recurrent-state snapshots it holds at the end (count
+and bytes), and whether the greedy tokens agree.
 
-    uv run python -m tools.bench_prefix            # both workloads, both models (minutes)
+    uv run python -m tools.bench_prefix            # both workloads, the attention models
+    uv run python -m tools.bench_prefix --model state   # the three state hybrids
     uv run python -m tools.bench_prefix --quick    # small sizes, under a minute
     uv run python -m tools.bench_prefix --quick --model gemma3-270m   # the trained model
 """
@@ -57,11 +63,84 @@ class Run:
     ttft: list[float]
     tokens: list[list[int]]
     hit_tokens: int = 0
+    snapshots: int = 0
+    snapshot_bytes: int = 0
 
     @property
     def ttft_p50_ms(self) -> float:
         """Median time to first token in milliseconds."""
         return 1000 * quantile(self.ttft, 0.5)
+
+
+#: The recurrent-state hybrids: (zoo architecture, settings over the zoo's tiny config).
+STATE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-next-like": (
+        "qwen3_next",
+        {
+            "num_hidden_layers": 8,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+        },
+    ),
+    "lfm2-like": (
+        "lfm2",
+        {
+            "num_hidden_layers": 8,
+            "block_dim": 128,
+            "block_ff_dim": 256,
+            "layer_types": ["conv", "full_attention"] * 4,
+        },
+    ),
+    "nemotron-h-like": (
+        "nemotron_h",
+        {
+            "num_hidden_layers": 8,
+            "hybrid_override_pattern": ["M", "*", "M", "-"] * 2,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+        },
+    ),
+}
+
+
+def build_state_models() -> dict[str, Any]:
+    """The three recurrent-state hybrids (hidden 128, 8 heads of 32, 8 layers, vocab 256)."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    from kv_testing import ZOO, zoo_config
+
+    models = {}
+    for name, (arch, settings) in STATE_MODELS.items():
+        config = zoo_config(arch)
+        config.update(
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=VOCAB,
+            **settings,
+        )
+        module = importlib.import_module(f"mlx_lm.models.{ZOO[arch].module}")
+        mx.random.seed(0)
+        model = module.Model(module.ModelArgs.from_dict(config))
+        model.update(
+            tree_map(
+                lambda p: (
+                    mx.random.normal(p.shape) * 0.2 if mx.issubdtype(p.dtype, mx.floating) else p
+                ),
+                model.parameters(),
+            )
+        )
+        mx.eval(model.parameters())
+        models[name] = model
+    return models
 
 
 def build_models() -> dict[str, Any]:
@@ -125,8 +204,12 @@ def engine_run(model: Any, batches: list[list[list[int]]], max_tokens: int, *, c
             ttft += [first[i] for i in ids]
             tokens += [list(engine.output(i).tokens) for i in ids]
         hits = engine.stats.prefix_hit_tokens
+        kept = engine.memory_report().state_snapshots
     name = "engine, prefix caching" if cached else "engine, no prefix caching"
-    return Run(name, time.perf_counter() - start, ttft, tokens, hits)
+    seconds = time.perf_counter() - start
+    if kept is None:
+        return Run(name, seconds, ttft, tokens, hits)
+    return Run(name, seconds, ttft, tokens, hits, kept.snapshots, kept.bytes)
 
 
 def mlx_lm_run(model: Any, batches: list[list[list[int]]], max_tokens: int) -> Run:
@@ -197,16 +280,22 @@ def report(title: str, runs: list[Run], results: Report) -> None:
     base = runs[0].tokens
     rows = []
     print(f"\n{title}")
-    print(f"{'system':42s} {'TTFT p50':>10s} {'total':>9s} {'reused':>8s} {'tokens':>7s}")
+    print(
+        f"{'system':42s} {'TTFT p50':>10s} {'total':>9s} {'reused':>8s} {'snapshots':>18s} "
+        f"{'tokens':>7s}"
+    )
     for run in runs:
         same = "same" if run.tokens == base else "DIFFER"
         # mlx-lm does not report what its prompt cache reused.
         reused = "n/a" if run.name.startswith("mlx-lm") else str(run.hit_tokens)
+        kept = f"{run.snapshots}, {run.snapshot_bytes / 2**20:.2f} MiB" if run.snapshots else "-"
         rows.append(
-            f"| {run.name} | {run.ttft_p50_ms:.1f} ms | {run.seconds:.2f} s | {reused} | {same} |"
+            f"| {run.name} | {run.ttft_p50_ms:.1f} ms | {run.seconds:.2f} s | {reused} | {kept} "
+            f"| {same} |"
         )
         print(
-            f"{run.name:42s} {run.ttft_p50_ms:8.1f}ms {run.seconds:8.2f}s {reused:>8s} {same:>7s}"
+            f"{run.name:42s} {run.ttft_p50_ms:8.1f}ms {run.seconds:8.2f}s {reused:>8s} "
+            f"{kept:>18s} {same:>7s}"
         )
     cached, uncached = runs[0], runs[1]
     summary = (
@@ -214,7 +303,10 @@ def report(title: str, runs: list[Run], results: Report) -> None:
         f"than without; {runs[2].ttft_p50_ms / cached.ttft_p50_ms:.1f}x lower than mlx-lm"
     )
     print(summary)
-    table = "| system | TTFT p50 | total | reused | tokens |\n|---|---|---|---|---|\n"
+    table = (
+        "| system | TTFT p50 | total | reused | state snapshots kept | tokens |\n"
+        "|---|---|---|---|---|---|\n"
+    )
     results.keep(f"### {title}\n\n{table}" + "\n".join(rows) + f"\n\n{summary}")
 
 
@@ -226,10 +318,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model",
-        choices=("gpt-oss-like", "gemma3-like", "both", "gemma3-270m"),
+        choices=(
+            "gpt-oss-like",
+            "gemma3-like",
+            "both",
+            "gemma3-270m",
+            *STATE_MODELS,
+            "state",
+        ),
         default="both",
-        help="the two tiny models (both), or the trained Gemma 3 270M (token ids drawn at "
-        "random below 256, as for the tiny ones)",
+        help="the two tiny attention models (both), the three state hybrids (state), one of "
+        "them, or the trained Gemma 3 270M (token ids drawn at random below 256, as for the "
+        "tiny ones)",
     )
     parser.add_argument("--max-tokens", type=positive_int(256), default=8, help="per request (8)")
     parser.add_argument(
@@ -260,9 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kv_serve import load_model
 
         models = {"gemma3-270m": load_model("gemma3-270m")[0]}
+    elif args.model == "state" or args.model in STATE_MODELS:
+        models = build_state_models()
     else:
         models = build_models()
-    names = list(models) if args.model == "both" else [args.model]
+    names = list(models) if args.model in ("both", "state") else [args.model]
     results = Report("Prefix caching: the engine with and without it, and mlx-lm")
     results.keep(
         f"Workload sizes: {shape}; greedy, at most 16 decoding; each system alone, "

@@ -272,3 +272,62 @@ def test_a_prefix_hit_is_used_once_per_new_request() -> None:
         cache.commit(1, hashes, 13)  # past its reserved length
     for name in hit.pages:
         assert held_pages(pool, 1, name) == list(hit.pages[name])
+
+
+def test_usable_limits_a_hit_to_the_lengths_the_caller_accepts() -> None:
+    pool = HybridKVPool(layout(), num_pages=64, page_size=PAGE, prefix_caching=True)
+    cache = pool.prefix_cache
+    assert cache is not None and cache.boundary == STEP
+    tokens = list(range(1, 20))
+    hashes = cache.hash_tokens(tokens)
+    pool.add_request(0)
+    pool.reserve(0, len(tokens))
+    cache.commit(0, hashes, len(tokens))
+    asked: list[int] = []
+
+    def usable(length: int) -> bool:
+        asked.append(length)
+        return length in (4, 12)
+
+    hit = cache.match_prefix(hashes, usable=usable)
+    # Longest first, every candidate a boundary below the text's length.
+    assert hit.length == 12 and asked == [16, 12]
+    assert cache.match_prefix(hashes, usable=lambda n: False).length == 0
+    assert cache.match_prefix(hashes).length == 16
+
+
+def test_a_pool_without_pages_serves_the_boundaries_the_caller_holds() -> None:
+    state_only = CacheLayout([LayerSpec(layer_id=0, kind=LayerKind.STATE)])
+    pool = HybridKVPool(state_only, num_pages={}, page_size=5, prefix_caching=True)
+    cache = pool.prefix_cache
+    assert cache is not None and cache.boundary == 5
+    hashes = cache.hash_tokens(list(range(23)))
+    # Nothing of its own to reuse: no hit unless the caller holds something there.
+    assert cache.match_prefix(hashes).length == 0
+    hit = cache.match_prefix(hashes, usable=lambda n: n <= 15)
+    assert hit.length == 15 and hit.pages == {}
+    pool.add_request(3)
+    cache.reuse_prefix(3, hit)
+    assert pool.seq_len(3) == 15
+
+
+def test_truncated_hashes_equal_the_hashes_of_the_shorter_text() -> None:
+    pool = HybridKVPool(layout(), num_pages=8, page_size=PAGE, prefix_caching=True)
+    cache = pool.prefix_cache
+    assert cache is not None
+    text = [(3 * i + 1) % 50 for i in range(31)]
+    for length in range(0, 32):
+        cut = cache.hash_tokens(text)
+        cut.truncate(length, text)
+        fresh = cache.hash_tokens(text[:length])
+        assert cut.num_tokens == fresh.num_tokens == length
+        for end in range(2, length + 1, 2):
+            assert cut.prefix_hash(end) == fresh.prefix_hash(end)
+        cut.extend(text[length:])
+        assert cut.prefix_hash(30) == cache.hash_tokens(text).prefix_hash(30)
+    whole = cache.hash_tokens(text)
+    with pytest.raises(RequestStateError):
+        whole.truncate(32, text)  # past the hashed text
+    with pytest.raises(RequestStateError):
+        whole.truncate(9, text[:8])  # the tail's tokens are missing
+    assert whole.num_tokens == 31
