@@ -191,6 +191,16 @@ OTHER_BENCH_CASES = [
     ("tools.bench_latency", ["--long-min", "900", "--long-max", "800"], "need --long-min <="),
     ("kv_serve._cli", ["serve", "--model", "x", "--prefill-stall", "0"], "or 'off', got '0'"),
     ("kv_serve._cli", ["serve", "--model", "x", "--prefill-stall", "soon"], "--prefill-stall"),
+    (
+        "kv_serve._cli",
+        ["serve", "--model", "x", "--state-snapshot-interval", "0"],
+        "expected an int >= 1, got '0'",
+    ),
+    (
+        "kv_serve._cli",
+        ["serve", "--model", "x", "--state-cache-mib", "-1"],
+        "expected an int >= 0, got '-1'",
+    ),
 ]
 
 

@@ -20,6 +20,7 @@ PACKAGES = Path(__file__).resolve().parent.parent / "packages"
 
 FACES: dict[str, set[str]] = {
     "kv_batching": {
+        "DEFAULT_STATE_CACHE_BYTES",
         "BatchedDecodeContext",
         "DecodeEngine",
         "DecodePlan",
@@ -33,6 +34,7 @@ FACES: dict[str, set[str]] = {
         "RequestStatus",
         "SamplingParams",
         "StateCacheFactory",
+        "StateSnapshotStats",
         "TokenLogprob",
         "is_patched",
         "last_position_forward",
@@ -207,8 +209,10 @@ ENGINE_MEMBERS = {
     "pool",
     "prefix_caching",
     "release",
+    "restore",
     "run",
     "state_budget_bytes",
+    "state_snapshot_interval",
     "stats",
     "step",
     "stream",

@@ -11,15 +11,17 @@ decode caches, the recurrent-state helpers) stays importable from the private mo
 from ._context import FUSED_ROPE_MAP_ERROR, BatchedDecodeContext
 from ._decode_paths import DecodePlan
 from ._decode_step import DecodeRoute
-from ._engine import DecodeEngine, PrefillCacheFactory
+from ._engine import DEFAULT_STATE_CACHE_BYTES, DecodeEngine, PrefillCacheFactory
 from ._engine_stats import EngineMemoryReport, EngineStats
 from ._model_forward import last_position_forward, vocabulary_size
 from ._patching import is_patched, patch_model_attention, unpatch_model_attention
 from ._requests import RequestOutput, RequestStatus
 from ._sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from ._state_cache import StateCacheFactory
+from ._state_snapshots import StateSnapshotStats
 
 __all__ = [
+    "DEFAULT_STATE_CACHE_BYTES",
     "FUSED_ROPE_MAP_ERROR",
     "MAX_LOGPROBS",
     "BatchedDecodeContext",
@@ -33,6 +35,7 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "StateCacheFactory",
+    "StateSnapshotStats",
     "TokenLogprob",
     "is_patched",
     "last_position_forward",

@@ -53,20 +53,26 @@ from ._sampling import (
 from ._scheduler import Scheduler
 from ._state_cache import (
     StateCacheFactory,
-    StateSnapshot,
     copy_state_caches,
     group_by_state_shapes,
     model_state_caches,
     request_caches,
     request_state_bytes,
 )
+from ._state_snapshots import StateSnapshot, StateSnapshotCache
 
-__all__ = ["DecodeEngine", "PrefillCacheFactory"]
+__all__ = ["DEFAULT_STATE_CACHE_BYTES", "DecodeEngine", "PrefillCacheFactory"]
 
 logger = logging.getLogger(__name__)
 
 #: A keyword argument not given (``None`` is a value the checks refuse or take).
 _UNSET: Any = object()
+
+#: Bytes of recurrent-state snapshots an engine keeps for prefix reuse unless told otherwise.
+DEFAULT_STATE_CACHE_BYTES = 1 << 30
+
+#: The default snapshot interval is the largest multiple of the prefix boundary up to this.
+_SNAPSHOT_INTERVAL_TOKENS = 256
 
 #: ``make_prefill_cache(pool, reservation, layer_id)`` -> the cache of one layer for one
 #: prefill chunk: ``reservation`` holds the chunk's request (alone), its start length and the
@@ -178,6 +184,9 @@ class DecodeEngine:
         state_budget_bytes: int | None = None,
         prefix_caching: bool | None = None,
         prefill_stall: float | None = None,
+        state_snapshot_interval: int | None = None,
+        state_cache_bytes: int | None = None,
+        step_snapshots: bool = False,
     ) -> None:
         max_running = check_int(max_running, "max_running", minimum=1)
         if state_budget_bytes is not None:
@@ -188,6 +197,15 @@ class DecodeEngine:
         _check_layouts(model_layout, pool.layout)
         nesting = CacheNesting.from_model(model)
         self._state_layer_ids = model_layout.state_layer_ids
+        self._model = model
+        # Checked before anything is built (the decode paths patch the model).
+        self._prefix_cache = self._choose_prefix_cache(pool, prefix_caching)
+        self._snapshots, self._snapshot_interval = self._choose_snapshots(
+            state_snapshot_interval, state_cache_bytes
+        )
+        if not isinstance(step_snapshots, bool):
+            raise RequestStateError(f"step_snapshots must be a bool, got {step_snapshots!r}")
+        self._step_snapshots = step_snapshots and bool(self._state_layer_ids)
         if self._state_layer_ids and make_state_caches is None:
             make_state_caches = model_state_caches(model, model_layout)
         table_rows = vocabulary_size(model)
@@ -220,7 +238,6 @@ class DecodeEngine:
             nesting=nesting,
         )
         self._make_state_caches = make_state_caches
-        self._model = model
         self._pool = pool
         self._make_prefill_cache = make_prefill_cache
         self._prefill_budget = prefill_budget
@@ -243,7 +260,6 @@ class DecodeEngine:
             # Known before the first admission, so a state budget holds from the start.
             self._scheduler.state_bytes_per_request = request_state_bytes(model, model_layout)
         self._sampler = Sampler(seed)
-        self._prefix_cache = self._choose_prefix_cache(pool, prefix_caching)
         self._num_layers = model_layout.num_layers
         #: Prompt positions one chunk computes full-vocabulary logits for (prompt logprobs):
         #: about 64 MiB of float32 logits.
@@ -251,6 +267,10 @@ class DecodeEngine:
         self._requests = RequestTable()
         # Tokens of a step that raised, handed out by the next step.
         self._undelivered: dict[int, list[int]] = {}
+        if self._snapshots is not None and self._prefix_cache is not None:
+            # A snapshot is kept no longer than the pool keeps the page ending at it.
+            self._prefix_cache.add_eviction_listener(self._snapshots.forget_block)
+            self._scheduler.on_leave = self._keep_last_snapshot
 
     # ------------------------------------------------------------------ configuration
 
@@ -264,16 +284,33 @@ class DecodeEngine:
                 "prefix_caching=True needs a pool built with prefix caching on (a pool whose "
                 "prefix_cache is not None)"
             )
-        if self._state_layer_ids:
-            # A reused prefix would need each request's recurrent state at that length,
-            # which is not kept: such models prefill every prompt whole.
-            if wanted:
-                raise UnsupportedModelError(
-                    f"prefix caching is not available for {type(self._model).__name__}: its "
-                    f"STATE layers {list(self._state_layer_ids)} keep no state per prefix"
-                )
-            return None
         return cache
+
+    def _choose_snapshots(
+        self, interval: int | None, budget: int | None
+    ) -> tuple[StateSnapshotCache | None, int]:
+        """The recurrent-state snapshot cache and its interval (prefix caching, STATE layers).
+
+        Both arguments are checked whatever the model, so a bad value is refused even where
+        it would have no effect.
+        """
+        cache = self._prefix_cache
+        boundary = cache.boundary if cache is not None else None
+        if interval is not None:
+            interval = check_int(interval, "state_snapshot_interval", minimum=1)
+            if boundary is not None and interval % boundary:
+                raise RequestStateError(
+                    f"state_snapshot_interval={interval} is not a multiple of the pool's prefix "
+                    f"boundary of {boundary} tokens (the page sizes' least common multiple); "
+                    f"use a positive multiple of {boundary}"
+                )
+        if budget is not None:
+            budget = check_int(budget, "state_cache_bytes", minimum=0)
+        if cache is None or boundary is None or not self._state_layer_ids:
+            return None, 0
+        if interval is None:
+            interval = max(boundary, _SNAPSHOT_INTERVAL_TOKENS // boundary * boundary)
+        return StateSnapshotCache(DEFAULT_STATE_CACHE_BYTES if budget is None else budget), interval
 
     @property
     def pool(self) -> KVPool:
@@ -499,6 +536,77 @@ class DecodeEngine:
         self._stats.aborted += 1
         return True
 
+    def restore(self, request_id: int, position: int) -> None:
+        """Roll a running request back to its first ``position`` tokens of text.
+
+        The request then holds ``position`` positions (its prompt and the first ``position -
+        len(prompt)`` generated tokens) and decodes the token at ``position`` next, as it did
+        after that step: generated tokens past it are dropped (with their logprobs), the pool
+        gives back the positions past it, and the recurrent state (a model with STATE layers)
+        becomes the snapshot taken there: the request's state before its last decode step
+        (``step_snapshots=True``), or a snapshot kept at a prefix boundary of its own text.
+        ``position`` runs from ``len(prompt)`` to the request's current length.
+
+        ``RequestStateError`` for a request that is not running, a position out of range, a
+        state model with no snapshot at ``position`` or a request whose output is constrained
+        (its grammar state cannot be rolled back); ``CacheStateError`` when the pool cannot
+        give the positions back (a sliding window no longer holds what the position needs).
+        Nothing changes on any error.
+        """
+        request = self._requests.get(request_id)
+        if request.status is not RequestStatus.RUNNING:
+            raise RequestStateError(
+                f"request {request_id} is {request.status.value}; only a running request can "
+                "be restored to an earlier position"
+            )
+        position = check_int(position, "position", minimum=0)
+        length = _kv_length(request)
+        if not len(request.prompt) <= position <= length:
+            raise RequestStateError(
+                f"request {request_id} can be restored to positions {len(request.prompt)}.."
+                f"{length} (its prompt to its current length), not {position}"
+            )
+        if getattr(request, "constraint", None) is not None:
+            raise RequestStateError(
+                f"request {request_id} decodes under a constraint whose state cannot be rolled back"
+            )
+        states: list[Any] | None = None
+        if self._state_layer_ids:
+            snapshot = self._snapshot_at(request, position)
+            if snapshot is None:
+                raise RequestStateError(
+                    f"request {request_id} has no state snapshot at position {position}: "
+                    "restore to the position before its last decode step (step_snapshots=True) "
+                    "or to a prefix boundary where a snapshot is kept"
+                )
+            states = snapshot.caches()
+        self._pool.trim_request(request.rid, length - position)
+        text = request.prompt + request.generated
+        if request.hashes is not None:
+            request.hashes.truncate(position, text)
+        kept = position - len(request.prompt) + 1
+        del request.generated[kept:]
+        if request.logprobs is not None:
+            del request.logprobs[kept:]
+        if states is not None:
+            request.states = states
+        pending = request.pending_snapshot
+        if isinstance(pending, StateSnapshot) and pending.position > position:
+            request.pending_snapshot = None
+        request.step_snapshot = None
+
+    def _snapshot_at(self, request: EngineRequest, position: int) -> StateSnapshot | None:
+        """A snapshot of ``request``'s own state after ``position`` tokens, if one is kept."""
+        for own in (request.step_snapshot, request.pending_snapshot):
+            if isinstance(own, StateSnapshot) and own.position == position:
+                return own
+        hashes, snapshots = request.hashes, self._snapshots
+        if hashes is None or snapshots is None or position % self._boundary or position == 0:
+            return None
+        if position > hashes.num_tokens:
+            return None
+        return snapshots.get(hashes.prefix_hash(position))
+
     def output(self, request_id: int) -> RequestOutput:
         """The request's prompt, generated tokens so far, status and finish reason."""
         return self._requests.get(request_id).output()
@@ -543,7 +651,13 @@ class DecodeEngine:
             state_bytes_in_use=scheduler.state_bytes_in_use(),
             state_bytes_per_request=scheduler.state_bytes_per_request,
             state_budget_bytes=scheduler.state_budget_bytes,
+            state_snapshots=None if self._snapshots is None else self._snapshots.stats(),
         )
+
+    @property
+    def state_snapshot_interval(self) -> int | None:
+        """Tokens between recurrent-state snapshots (``None``: no snapshots are taken)."""
+        return self._snapshot_interval if self._snapshots is not None else None
 
     # ------------------------------------------------------------------ driving
 
@@ -609,19 +723,39 @@ class DecodeEngine:
         cache = self._prefix_cache
         if cache is None:
             return
+        snapshots = self._snapshots
+        states: list[Any] | None = None
         try:
             if request.hashes is None:
                 # Once per request: its tokens' hashes then grow with what it decodes.
                 request.hashes = cache.hash_tokens(request.prefill_tokens())
             if request.prompt_logprobs_missing:
                 return
-            hit = cache.match_prefix(request.hashes)
+            hashes = request.hashes
+            if self._state_layer_ids:
+                # A recurrent state cannot be cut back: a prefix is usable only where a
+                # snapshot of the state after it is kept.
+                if snapshots is None:
+                    return
+                hit = cache.match_prefix(
+                    hashes, usable=lambda length: hashes.prefix_hash(length) in snapshots
+                )
+                if hit:
+                    snapshot = snapshots.get(hashes.prefix_hash(hit.length))
+                    if snapshot is None:  # usable() saw it a moment ago
+                        return
+                    states = snapshot.caches()
+            else:
+                hit = cache.match_prefix(hashes)
             cache.reuse_prefix(request.rid, hit)
         except Exception as error:  # nothing was reused; prefill computes everything
             logger.warning("prefix cache: reuse for request %d failed: %r", request.rid, error)
             return
         if hit:
             request.prefilled = hit.length
+            if states is not None and snapshots is not None:
+                request.states = states
+                snapshots.note_hit(hit.length)
             self._stats.prefix_hit_tokens += hit.length
 
     def _emit(
@@ -728,7 +862,72 @@ class DecodeEngine:
         if request.hashes is not None:
             request.hashes.extend(request.generated[-1:])
             self._commit(request, length)
+            if self._snapshots is not None and request.states:
+                self._snapshot_decoded(request, length)
         self._emit(request, chosen[0], produced, chosen[1])
+
+    # ------------------------------------------------------------------ state snapshots
+
+    def _next_snapshot(self, begin: int, total: int) -> int:
+        """Tokens from ``begin`` to the next snapshot point of a text of ``total`` tokens.
+
+        Snapshot points are the multiples of the interval and the last prefix boundary of the
+        text (its end rounded down to a page of every sub-pool); past the last one, the rest.
+        """
+        interval = self._snapshot_interval
+        end = total // self._boundary * self._boundary
+        stop = (begin // interval + 1) * interval
+        if begin < end < stop:
+            stop = end
+        return min(stop, total) - begin
+
+    def _is_snapshot_point(self, position: int, total: int) -> bool:
+        """Whether a prefill chunk ending at ``position`` of ``total`` tokens is snapshotted."""
+        if position <= 0 or position % self._boundary:
+            return False
+        return position % self._snapshot_interval == 0 or position == total // self._boundary * (
+            self._boundary
+        )
+
+    @property
+    def _boundary(self) -> int:
+        cache = self._prefix_cache
+        return 1 if cache is None else cache.boundary
+
+    def _keep_snapshot(self, request: EngineRequest, snapshot: StateSnapshot) -> None:
+        """Keep ``snapshot`` (of ``request``'s state) under its prefix's hash."""
+        hashes, snapshots = request.hashes, self._snapshots
+        if hashes is None or snapshots is None or not snapshot.nbytes:
+            return
+        try:
+            snapshots.put(hashes.prefix_hash(snapshot.position), snapshot)
+        except Exception as error:  # only a later request's reuse is lost
+            logger.warning("state snapshot of request %d not kept: %r", request.rid, error)
+
+    def _snapshot_decoded(self, request: EngineRequest, length: int) -> None:
+        """After a decode step to ``length`` tokens: snapshot the state at a boundary.
+
+        At an interval it is kept at once; at another boundary it becomes the request's
+        pending snapshot, kept when the request leaves the pool (finished or preempted), so a
+        later turn of the conversation or the request's own re-admission resumes there.
+        """
+        if length % self._boundary:
+            return
+        # A decode row's state is a slice of the batch's; the copy holds only its own.
+        snapshot = StateSnapshot(request.states or [], length, detach=True)
+        mx.eval(snapshot.arrays())
+        if length % self._snapshot_interval == 0:
+            self._keep_snapshot(request, snapshot)
+            request.pending_snapshot = None
+        else:
+            request.pending_snapshot = snapshot
+
+    def _keep_last_snapshot(self, request: EngineRequest) -> None:
+        """``request`` leaves the pool with a sound state: keep its pending snapshot."""
+        pending = request.pending_snapshot
+        if isinstance(pending, StateSnapshot):
+            self._keep_snapshot(request, pending)
+            request.pending_snapshot = None
 
     def _decode_group(
         self,
@@ -736,6 +935,9 @@ class DecodeEngine:
         reservation: Reservation | None,
         produced: dict[int, list[int]],
     ) -> None:
+        if self._step_snapshots:
+            for request in batch:
+                request.step_snapshot = StateSnapshot(request.states or [], _kv_length(request))
         try:
             if reservation is None:
                 raise RequestStateError(
@@ -780,11 +982,11 @@ class DecodeEngine:
         first: SampledTokens | None = None
         forks: list[EngineRequest] = []
         prompt_part: tuple[int, SampledTokens] | None = None
-        snapshot = StateSnapshot(request.states or [])
+        # The state before the chunk, put back if the chunk fails.
+        before = None if request.states is None else StateSnapshot(request.states, begin)
         try:
             if request.states is None and self._make_state_caches is not None:
                 request.states = self._make_state_caches()
-                snapshot = StateSnapshot(request.states)
             caches = request_caches(
                 self._num_layers,
                 self._state_layer_ids,
@@ -833,7 +1035,7 @@ class DecodeEngine:
             self._sampler.restore(saved)
             # The recurrent states go back to what they were before the chunk, the pool to
             # the request's length before it.
-            snapshot.restore()
+            request.states = None if before is None else before.caches()
             self._scheduler.rollback(reservation)
             raise
         self._scheduler.note_state_bytes(request)
@@ -842,6 +1044,8 @@ class DecodeEngine:
             request.prompt_logprobs[start : start + len(part.logprob_rows)] = part.logprobs()
         self._commit(request, begin + n)
         request.prefilled = begin + n
+        if self._snapshots is not None and self._is_snapshot_point(begin + n, len(tokens)):
+            self._keep_snapshot(request, StateSnapshot(request.states or [], begin + n))
         self._stats.record_prefill_chunk(n)
         self._prefill_budget.note_prefill(n, time.perf_counter() - started)
         if request.prefilled < len(tokens):
@@ -913,6 +1117,9 @@ class DecodeEngine:
                 return
             tokens = request.prefill_tokens()
             wanted = min(budget, len(tokens) - request.prefilled)
+            if self._snapshots is not None:
+                # Chunks end where snapshots are taken, so a snapshot costs no forward.
+                wanted = min(wanted, self._next_snapshot(request.prefilled, len(tokens)))
             if request.prompt_logprobs_missing:
                 wanted = min(wanted, self._logit_rows)
             try:
@@ -933,6 +1140,11 @@ class DecodeEngine:
             except Exception as error:
                 scheduler.fail(request, error)
             budget -= reservation.n_tokens[0]
+
+
+def _kv_length(request: EngineRequest) -> int:
+    """Positions a running request holds: its text but the last token (the next input)."""
+    return len(request.prompt) + len(request.generated) - 1
 
 
 def _written_state(caches: Sequence[Any]) -> list[mx.array]:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from kv_protocol import PoolMemoryReport, PrefixCacheStats, check_int
 
+from ._state_snapshots import StateSnapshotStats
+
 __all__ = ["DEFAULT_STATS_WINDOW", "EngineMemoryReport", "EngineStats"]
 
 
@@ -155,12 +157,15 @@ class EngineMemoryReport:
     sub-pool, prefix-cache statistics); ``state_bytes_in_use`` is the recurrent state of the
     running and prefilling requests, ``state_bytes_per_request`` one request's (the largest
     seen, measured when the engine was built), ``state_budget_bytes`` the admission cap.
+    ``state_snapshots`` reports the recurrent-state snapshots kept for prefix reuse (count,
+    bytes against their own budget, hits; ``None`` when the engine takes none).
     """
 
     pool: PoolMemoryReport
     state_bytes_in_use: int
     state_bytes_per_request: int | None
     state_budget_bytes: int | None
+    state_snapshots: StateSnapshotStats | None = None
 
     @property
     def pool_bytes_total(self) -> int:

@@ -70,6 +70,7 @@ class EngineRequest:
         "logprobs",
         "max_tokens",
         "params",
+        "pending_snapshot",
         "prefilled",
         "prompt",
         "prompt_logprobs",
@@ -78,6 +79,7 @@ class EngineRequest:
         "seed",
         "states",
         "status",
+        "step_snapshot",
         "stop_tokens",
     )
 
@@ -104,6 +106,12 @@ class EngineRequest:
         self.finish_reason: str | None = None
         self.prefilled = 0
         self.states: list[Any] | None = None
+        #: A copy of ``states`` at the last prefix boundary a decode step reached (state
+        #: snapshots only), kept in the snapshot cache when the request leaves the pool.
+        self.pending_snapshot: Any = None
+        #: ``states`` before the last decode step (``step_snapshots`` only): what
+        #: ``DecodeEngine.restore`` puts back to undo that step.
+        self.step_snapshot: Any = None
         #: The prefix cache's hashes of the tokens whose K/V the request writes (prefix
         #: caching only): made once at its first admission, extended as it decodes.
         self.hashes: TokenHashes | None = None

@@ -29,6 +29,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
+
+
 def _seed(text: str) -> int:
     try:
         value = int(text)
@@ -229,6 +239,20 @@ def parser() -> argparse.ArgumentParser:
         action="store_false",
         help="prefill every prompt whole instead of reusing cached pages of a shared prefix",
     )
+    srv.add_argument(
+        "--state-snapshot-interval",
+        type=_positive_int,
+        default=None,
+        help="models with recurrent state layers: tokens between state snapshots for prefix "
+        "reuse, a multiple of --page-size (default: the largest multiple up to 256)",
+    )
+    srv.add_argument(
+        "--state-cache-mib",
+        type=_non_negative_int,
+        default=None,
+        help="models with recurrent state layers: MiB the state snapshots may hold (1024; 0 "
+        "keeps none, so no prefix of theirs is reused)",
+    )
     add_kv_quantization_arguments(srv)
     srv.add_argument(
         "--log-level",
@@ -397,6 +421,8 @@ def _serve(args: argparse.Namespace) -> int:
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         kv_quantize=args.kv_quantize,
+        state_snapshot_interval=args.state_snapshot_interval,
+        state_cache_bytes=None if args.state_cache_mib is None else args.state_cache_mib * 2**20,
     )
     progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
     server.serve(args.host, args.port, log_level=args.log_level)

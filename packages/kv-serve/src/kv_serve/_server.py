@@ -240,8 +240,10 @@ class KVServer:
     ``max_queued`` sequences wait for admission (a request arriving then gets 429 with
     ``Retry-After``; each of its prompts' ``n`` sequences counts).
     ``prefill_stall`` bounds how long a prompt's prefill may hold up the streams decoding
-    beside it, and ``kv_bits`` / ``kv_group_size`` / ``kv_quantize`` store the pool's pages
-    quantized (see :func:`kv_serve.build_engine`).
+    beside it, ``kv_bits`` / ``kv_group_size`` / ``kv_quantize`` store the pool's pages
+    quantized, and ``state_snapshot_interval`` / ``state_cache_bytes`` govern the recurrent
+    state snapshots that let models with STATE layers reuse prefixes (see
+    :func:`kv_serve.build_engine`; a bad value fails :meth:`start`, where the engine is built).
     """
 
     def __init__(
@@ -262,6 +264,8 @@ class KVServer:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         kv_quantize: str = "all",
+        state_snapshot_interval: int | None = None,
+        state_cache_bytes: int | None = None,
         make_engine: Callable[[], DecodeEngine] | None = None,
     ) -> None:
         # Refuse a bad quantization here, not later on the engine thread.
@@ -288,6 +292,8 @@ class KVServer:
                     kv_bits=kv_bits,
                     kv_group_size=kv_group_size,
                     kv_quantize=kv_quantize,
+                    state_snapshot_interval=state_snapshot_interval,
+                    state_cache_bytes=state_cache_bytes,
                 )
 
         self.worker = EngineWorker(make_engine, max_queued=max_queued)
@@ -909,6 +915,18 @@ class KVServer:
             "# HELP kv_serve_prefix_cache_evictions_total Cached prefix pages evicted.",
             "# TYPE kv_serve_prefix_cache_evictions_total counter",
             f"kv_serve_prefix_cache_evictions_total {snap.prefix_evictions}",
+            "# HELP kv_serve_state_snapshots Recurrent-state snapshots kept for prefix reuse.",
+            "# TYPE kv_serve_state_snapshots gauge",
+            f"kv_serve_state_snapshots {snap.state_snapshots}",
+            "# HELP kv_serve_state_snapshot_bytes Bytes of the recurrent-state snapshots kept.",
+            "# TYPE kv_serve_state_snapshot_bytes gauge",
+            f"kv_serve_state_snapshot_bytes {snap.state_snapshot_bytes}",
+            "# HELP kv_serve_state_snapshot_budget_bytes The snapshots' own byte budget.",
+            "# TYPE kv_serve_state_snapshot_budget_bytes gauge",
+            f"kv_serve_state_snapshot_budget_bytes {snap.state_snapshot_budget_bytes}",
+            "# HELP kv_serve_state_snapshot_hits_total Requests that resumed from a snapshot.",
+            "# TYPE kv_serve_state_snapshot_hits_total counter",
+            f"kv_serve_state_snapshot_hits_total {snap.state_snapshot_hits}",
             "# HELP kv_serve_engine_steps_total Engine steps.",
             "# TYPE kv_serve_engine_steps_total counter",
             f"kv_serve_engine_steps_total {snap.steps}",

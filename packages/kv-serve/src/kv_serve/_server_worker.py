@@ -151,6 +151,10 @@ class WorkerSnapshot:
     prefix_hit_tokens: int = 0
     prefix_cached_pages: int = 0
     prefix_evictions: int = 0
+    state_snapshots: int = 0
+    state_snapshot_bytes: int = 0
+    state_snapshot_budget_bytes: int = 0
+    state_snapshot_hits: int = 0
 
 
 @dataclass
@@ -457,6 +461,7 @@ class EngineWorker:
         used, total, bits = pool_pages(memory.pool)
         stats = engine.stats
         cache = memory.prefix_cache
+        kept = memory.state_snapshots
         snap = WorkerSnapshot(
             alive=True,
             running=engine.num_running,
@@ -475,6 +480,10 @@ class EngineWorker:
             prefix_hit_tokens=stats.prefix_hit_tokens,
             prefix_cached_pages=0 if cache is None else cache.cached_pages,
             prefix_evictions=0 if cache is None else cache.evictions,
+            state_snapshots=0 if kept is None else kept.snapshots,
+            state_snapshot_bytes=0 if kept is None else kept.bytes,
+            state_snapshot_budget_bytes=0 if kept is None else kept.budget_bytes,
+            state_snapshot_hits=0 if kept is None else kept.hits,
         )
         with self._lock:
             self._engine_queued = engine.num_queued
