@@ -656,7 +656,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
             {**CHAT, "response_format": {"type": "xml"}},
             "response_format.type",
         ),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {}}, "stream_options"),
         ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
     ],

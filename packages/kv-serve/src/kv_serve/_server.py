@@ -53,6 +53,7 @@ from ._server_text import (
     chat_logprobs,
     completion_logprobs,
 )
+from ._server_tools import ToolCallText, ToolFormat, ToolRequest
 from ._server_worker import (
     EngineWorker,
     Event,
@@ -171,6 +172,15 @@ class _Prepared:
     chat: bool
     #: Token ids that end a sequence without text: end-of-sequence and stop_token_ids.
     hidden: frozenset[int]
+    #: How the model writes tool calls, when the request's output is searched for them.
+    tool_format: ToolFormat | None = None
+
+    def tool_text(self) -> ToolCallText | None:
+        """A splitter of one sequence's output into content and tool calls (or ``None``)."""
+        tools = self.request.tools
+        if self.tool_format is None or tools is None:
+            return None
+        return ToolCallText(self.tool_format, tools.tools, single=not tools.parallel)
 
     @property
     def echo_only(self) -> bool:
@@ -198,6 +208,8 @@ class _Sequence:
         self.prompt_entries: tuple[TokenLogprob | None, ...] | None = None
         self.finish: str | None = None
         self.started = False
+        #: Splits the output into content and tool calls (chat requests with tools).
+        self.tools: ToolCallText | None = None
 
     def score(self) -> float:
         """Mean log-probability of its tokens under the model (``best_of`` ranks by it)."""
@@ -398,8 +410,11 @@ class KVServer:
                 code="no_chat_template",
             )
         try:
+            extra: dict[str, Any] = {}
+            if request.tools is not None:
+                extra["tools"] = [t.template_form() for t in request.tools.tools]
             ids: Any = self.tokenizer.apply_chat_template(
-                request.messages, add_generation_prompt=True
+                request.messages, add_generation_prompt=True, **extra
             )
         except Exception as err:  # a template's raise_exception (roles out of order, ...)
             raise OpenAIError(
@@ -468,11 +483,58 @@ class KVServer:
         except RequestStateError as err:
             raise OpenAIError(400, str(err)) from None
 
-    def _constraint(self, request: CompletionRequest) -> TokenConstraintFactory | None:
-        """The request's structured-output constraint; a schema that does not compile is a 400."""
-        fmt = request.response_format
-        if fmt is None:
+    def _tool_format(self, tools: ToolRequest | None) -> ToolFormat | None:
+        """How the served model writes tool calls; a request that needs one it lacks is a 400."""
+        if tools is None or not tools.parses:
             return None
+        tokenizer = self.tokenizer
+        parser = getattr(tokenizer, "tool_parser", None)
+        start = getattr(tokenizer, "tool_call_start", None)
+        end = getattr(tokenizer, "tool_call_end", None)
+        if not getattr(tokenizer, "has_tool_calling", False) or parser is None or not end:
+            raise OpenAIError(
+                400,
+                f"{self.model_name!r} has no tool-call format mlx-lm recognises in its chat "
+                'template, so its tools cannot be called; give tool_choice "none" to render '
+                "them only",
+                param="tools",
+                code="unsupported_parameter",
+            )
+        is_json = str(getattr(parser, "__module__", "")).endswith(".json_tools")
+        return ToolFormat(str(start), str(end), parser, json=is_json)
+
+    def _tool_constraint(
+        self, tools: ToolRequest, fmt: ToolFormat | None
+    ) -> TokenConstraintFactory | None:
+        enforced = tools.enforced
+        if not enforced or fmt is None:
+            return None
+        if not fmt.json:
+            raise OpenAIError(
+                400,
+                f"tool_choice {tools.choice!r} is enforced with a grammar of JSON tool calls "
+                f"(<tool_call>{{...}}</tool_call>, Hermes / Qwen style); {self.model_name!r} "
+                f"writes them as {fmt.start}...{fmt.end}, which it cannot enforce",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+        grammars = self._grammar_compiler()
+        try:
+            return grammars.tool_calls(
+                [(t.name, t.parameters) for t in enforced],
+                start=fmt.start,
+                end=fmt.end,
+                parallel=tools.parallel,
+            )
+        except GrammarError as err:
+            raise OpenAIError(
+                400,
+                f"tools: a function's parameters cannot be compiled into a grammar: {err}",
+                param="tools",
+                code="invalid_json_schema",
+            ) from None
+
+    def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
             try:
                 self._grammars = GrammarCompiler(self.tokenizer, self.worker.vocab_size, self._eos)
@@ -483,8 +545,21 @@ class KVServer:
                     param="response_format",
                     code="unsupported_parameter",
                 ) from None
+        return self._grammars
+
+    def _constraint(self, request: CompletionRequest) -> TokenConstraintFactory | None:
+        """The request's grammar (a JSON format, a required tool call), or ``None``.
+
+        A schema that does not compile is a 400 naming it.
+        """
+        if request.tools is not None and request.tools.enforced:
+            return self._tool_constraint(request.tools, self._tool_format(request.tools))
+        fmt = request.response_format
+        if fmt is None:
+            return None
+        grammars = self._grammar_compiler()
         try:
-            return self._grammars.json_schema(fmt.schema)
+            return grammars.json_schema(fmt.schema)
         except GrammarError as err:
             param = "response_format.json_schema.schema"
             raise OpenAIError(
@@ -530,7 +605,7 @@ class KVServer:
             self._fit(len(tokens), max_tokens, where)
             params = RequestParams(max_tokens=max_tokens, sampling=sampling, stop_tokens=stops)
             prompts.append(_Prompt(tokens, echo_text, skip_special, skip_first, params))
-        return _Prepared(request, prompts, chat, hidden)
+        return _Prepared(request, prompts, chat, hidden, self._tool_format(request.tools))
 
     def _submit(self, prepared: _Prepared) -> tuple[list[_Sequence], asyncio.Queue[Event]]:
         loop = asyncio.get_running_loop()
@@ -550,7 +625,9 @@ class KVServer:
                     min_tokens=request.sampling.min_tokens,
                     texts=texts,
                 )
-                sequences.append(_Sequence(p, rank, prompt, ticket, text))
+                sequence = _Sequence(p, rank, prompt, ticket, text)
+                sequence.tools = prepared.tool_text()
+                sequences.append(sequence)
                 tickets.append(ticket)
             submissions.append(Submission(tuple(tickets), prompt.tokens, prompt.params))
         try:
@@ -582,6 +659,14 @@ class KVServer:
             type="server_error",
             code="engine_error",
         )
+
+    @staticmethod
+    def _tool_finish(sequence: _Sequence) -> str | None:
+        """``tool_calls`` for a sequence that ended after calling a tool, else its reason."""
+        splitter = sequence.tools
+        if splitter is not None and splitter.calls and sequence.finish == "stop":
+            return "tool_calls"
+        return sequence.finish
 
     @staticmethod
     def _finish_reason(reason: str) -> str:
@@ -676,11 +761,21 @@ class KVServer:
         choice: dict[str, Any] = {"index": index}
         if prepared.chat:
             choice["message"] = {"role": "assistant", "content": text.text}
+            splitter = sequence.tools
+            if splitter is not None:
+                splitter.push(text.text)
+                splitter.finish()
+                if splitter.calls:
+                    choice["message"] = {
+                        "role": "assistant",
+                        "content": splitter.content or None,
+                        "tool_calls": [call.openai() for call in splitter.calls],
+                    }
         else:
             echo = sequence.prompt.echo_text if request.echo else ""
             choice["text"] = echo + text.text
         choice["logprobs"] = self._logprobs(prepared, sequence, 0, len(text.tokens), prompt=True)
-        choice["finish_reason"] = sequence.finish
+        choice["finish_reason"] = self._tool_finish(sequence)
         if request.return_token_ids:
             choice["token_ids"] = list(text.tokens)
             choice["prompt_token_ids"] = list(sequence.prompt.tokens)
@@ -755,6 +850,20 @@ class KVServer:
         now = len(sequence.text.tokens)
         if prepared.chat:
             choice["delta"] = {"content": piece} if piece or now > seen else {}
+            splitter = sequence.tools
+            if splitter is not None:
+                shown, calls = splitter.push(piece)
+                if reason is not None:
+                    shown += splitter.finish()
+                delta: dict[str, Any] = {"content": shown} if shown or now > seen else {}
+                if calls:
+                    first_index = len(splitter.calls) - len(calls)
+                    delta["tool_calls"] = [
+                        call.openai(first_index + k) for k, call in enumerate(calls)
+                    ]
+                choice["delta"] = delta
+                if reason is not None:
+                    reason = self._tool_finish(sequence)
         else:
             echo = sequence.prompt.echo_text if first and request.echo else ""
             choice["text"] = echo + piece

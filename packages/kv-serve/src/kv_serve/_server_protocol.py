@@ -15,6 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
+from ._server_tools import (
+    ToolError,
+    ToolRequest,
+    check_tool_messages,
+    parse_tools,
+    tool_calls_of_message,
+)
+
 __all__ = [
     "MAX_LOGPROBS",
     "MAX_N",
@@ -46,7 +54,7 @@ MAX_SEQUENCES = 256
 #: No request may ask for more tokens than this, whatever the context (a sanity bound).
 MAX_TOKENS_LIMIT = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "refusal"})
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "refusal"})
 
 Endpoint = Literal["completions", "chat"]
 Treatment = Literal["honoured", "extension", "accepted", "refused"]
@@ -110,6 +118,14 @@ REQUEST_FIELDS: tuple[FieldRule, ...] = (
     FieldRule("stream", _BOTH, "honoured", "server-sent events ending in data: [DONE]"),
     FieldRule("stream_options", _BOTH, "honoured", "include_usage; only with stream: true"),
     FieldRule("modalities", _CHAT, "honoured", 'only ["text"] (the default); "audio" is a 400'),
+    FieldRule("tools", _CHAT, "honoured", "function tools, rendered by the chat template"),
+    FieldRule(
+        "tool_choice",
+        _CHAT,
+        "honoured",
+        "none, auto, required or a named function; required and named are enforced",
+    ),
+    FieldRule("parallel_tool_calls", _CHAT, "honoured", "false: at most one call"),
     FieldRule(
         "response_format",
         _BOTH,
@@ -137,9 +153,6 @@ REQUEST_FIELDS: tuple[FieldRule, ...] = (
     FieldRule("prompt_cache_retention", _CHAT, "accepted", "a string; prefix caching is automatic"),
     FieldRule("prompt_cache_options", _CHAT, "accepted", "an object; prefix caching is automatic"),
     FieldRule("suffix", _CMPL, "refused", 'insertion is not supported (null or "" pass)'),
-    FieldRule("tools", _CHAT, "refused", "tool calling is not supported"),
-    FieldRule("tool_choice", _CHAT, "refused", "tool calling is not supported"),
-    FieldRule("parallel_tool_calls", _CHAT, "refused", "tool calling is not supported"),
     FieldRule("functions", _CHAT, "refused", "function calling is not supported"),
     FieldRule("function_call", _CHAT, "refused", "function calling is not supported"),
     FieldRule("audio", _CHAT, "refused", "audio output is not supported"),
@@ -242,12 +255,13 @@ class CompletionRequest:
     ``logprobs`` is the number of alternatives per token (completions' ``logprobs``, chat's
     ``top_logprobs`` when ``logprobs`` is true), ``None`` when none are asked for.
     ``best_of`` is at least ``n`` (equal when not given). ``max_tokens`` ``None`` means up
-    to the context. ``response_format`` is the checked structured output (``None``: text).
+    to the context. ``response_format`` is the checked structured output (``None``: text);
+    ``tools`` the checked tools of a chat request (``None``: none given).
     """
 
     model: str
     prompts: tuple[str | tuple[int, ...], ...] = ()
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
     n: int = 1
     best_of: int = 1
@@ -260,6 +274,7 @@ class CompletionRequest:
     continuous_usage: bool = False
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
+    tools: ToolRequest | None = None
 
     @property
     def prompt(self) -> str | tuple[int, ...] | None:
@@ -696,7 +711,7 @@ def _content(message: Mapping[str, Any], index: int) -> str:
     raise _bad(f"{param} must be a string or a list of text parts", param)
 
 
-def _message(message: object, i: int) -> dict[str, str]:
+def _message(message: object, i: int) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
     role = message.get("role")
@@ -708,12 +723,23 @@ def _message(message: object, i: int) -> dict[str, str]:
     for key, value in message.items():
         if key not in _MESSAGE_KEYS and value is not None:
             raise _bad(
-                f"messages[{i}].{key} is not supported by this server (text messages only: "
-                "role, content, name)",
+                f"messages[{i}].{key} is not supported by this server (role, content, name, "
+                "tool_calls, tool_call_id)",
                 f"messages[{i}].{key}",
                 code="unsupported_parameter",
             )
-    checked = {"role": str(role), "content": _content(message, i)}
+    checked: dict[str, Any] = {"role": str(role), "content": _content(message, i)}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise _bad(
+                f"messages[{i}].tool_calls: only assistant messages make tool calls",
+                f"messages[{i}].tool_calls",
+            )
+        try:
+            checked["tool_calls"] = tool_calls_of_message(calls, i)
+        except ToolError as err:
+            raise _bad(str(err), err.param) from None
     for key in ("name", "tool_call_id"):
         value = message.get(key)
         if value is not None:
@@ -734,6 +760,17 @@ def parse_chat_request(
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
     checked = [_message(message, i) for i, message in enumerate(messages)]
+    try:
+        tools = parse_tools(body)
+        check_tool_messages(checked)
+    except ToolError as err:
+        raise _bad(str(err), err.param) from None
+    if tools is not None and tools.choice != "none" and common["response_format"] is not None:
+        raise _bad(
+            "response_format cannot be combined with tools the model may call: the output "
+            'follows the schema or calls a tool; give tool_choice "none" or drop one',
+            "response_format",
+        )
     want = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", minimum=0, maximum=MAX_LOGPROBS)
     if top and not want:
@@ -744,6 +781,7 @@ def parse_chat_request(
     _check_min_tokens(common, max_tokens)
     return CompletionRequest(
         messages=checked,
+        tools=tools,
         max_tokens=max_tokens,
         best_of=common["n"],
         logprobs=(top or 0) if want else None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -127,6 +127,40 @@ class GrammarCompiler:
     def json_object(self) -> TokenConstraintFactory:
         """A factory of constraints to any JSON object (``response_format: json_object``)."""
         return self.json_schema({"type": "object"})
+
+    def tool_calls(
+        self,
+        tools: Sequence[tuple[str, Mapping[str, Any]]],
+        *,
+        start: str,
+        end: str,
+        parallel: bool,
+    ) -> TokenConstraintFactory:
+        """A factory of constraints to tool calls in the Hermes / Qwen form.
+
+        The output is one call (``parallel`` false) or calls separated by newlines, each
+        ``start`` + newline + ``{"name": <one of tools>, "arguments": <valid under that
+        tool's schema>}`` + newline + ``end``; ``tools`` are ``(name, parameters schema)``
+        pairs. Raises :class:`GrammarError` when a schema cannot be compiled.
+        """
+        options: list[dict[str, Any]] = []
+        for name, parameters in tools:
+            options.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": dict(parameters)},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
+        schema = {"anyOf": options, "x-guidance": dict(_JSON_OPTIONS)}
+        repeat = ' ("\\n" call)*' if parallel else ""
+        lark = (
+            f"start: call{repeat}\n"
+            f"call: {json.dumps(start + chr(10))} body {json.dumps(chr(10) + end)}\n"
+            f"body: %json {json.dumps(schema)}\n"
+        )
+        return self._compile(self._llg.LLMatcher.grammar_from_lark(lark))
 
     def _compile(self, grammar: str) -> TokenConstraintFactory:
         failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(

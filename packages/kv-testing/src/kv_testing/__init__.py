@@ -14,11 +14,17 @@ from ._reference_pool import ReferenceBookkeeping, ReferenceKVPool
 from ._stored_kv_caches import stored_kv_caches
 from ._tiny_model_dir import save_tiny_model_dir
 from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
-from ._tiny_tokenizer import TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, build_tiny_tokenizer
+from ._tiny_tokenizer import (
+    TINY_CHAT_TEMPLATE,
+    TINY_SPECIAL_TOKENS,
+    TINY_TOOL_CHAT_TEMPLATE,
+    build_tiny_tokenizer,
+)
 
 __all__ = [
     "ARCHITECTURES",
     "TINY_CHAT_TEMPLATE",
+    "TINY_TOOL_CHAT_TEMPLATE",
     "TINY_SPECIAL_TOKENS",
     "ZOO",
     "ZOO_UNBUILDABLE",

@@ -12,7 +12,12 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-__all__ = ["TINY_CHAT_TEMPLATE", "TINY_SPECIAL_TOKENS", "build_tiny_tokenizer"]
+__all__ = [
+    "TINY_CHAT_TEMPLATE",
+    "TINY_SPECIAL_TOKENS",
+    "TINY_TOOL_CHAT_TEMPLATE",
+    "build_tiny_tokenizer",
+]
 
 #: Special tokens, ids 0.. in this order: end of text, begin of text, the chat markers.
 TINY_SPECIAL_TOKENS = (
@@ -28,6 +33,28 @@ TINY_SPECIAL_TOKENS = (
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+#: A chat template with tools, Hermes / Qwen style: the tools listed as JSON in a system turn,
+#: a call written ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``, a tool's
+#: result as a ``<tool_response>`` user turn (mlx-lm reads calls in this form: ``json_tools``).
+TINY_TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>You can call these functions:\n"
+    "{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}"
+    'To call one, answer <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call>'
+    "<|end|>{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "<|assistant|>{{ message.content or '' }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}<|end|>"
+    "{%- elif message.role == 'tool' %}"
+    "<|user|><tool_response>\n{{ message.content }}\n</tool_response><|end|>"
+    "{%- else %}<|{{ message.role }}|>{{ message.content }}<|end|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|assistant|>{%- endif %}"
 )
 
 _CORPUS = (
@@ -61,14 +88,18 @@ def _backend(vocab_size: int) -> Any:
     return tokenizer
 
 
-def build_tiny_tokenizer(*, vocab_size: int = 320, chat_template: bool = True) -> Any:
+def build_tiny_tokenizer(
+    *, vocab_size: int = 320, chat_template: bool = True, tools: bool = False
+) -> Any:
     """An mlx-lm ``TokenizerWrapper`` around a byte-level BPE of about ``vocab_size`` tokens.
 
     Ids ``0 .. len(TINY_SPECIAL_TOKENS) - 1`` are :data:`TINY_SPECIAL_TOKENS`; the 256 byte
     tokens and the learned merges follow. ``len(tokenizer)`` is the real size (at most
     ``vocab_size``): build the model with that vocabulary. Encoding adds ``<|bos|>``; the end
     of sequence ids are ``<|endoftext|>`` and ``<|end|>``. Without ``chat_template`` the
-    tokenizer has none (for the "no chat template" paths).
+    tokenizer has none (for the "no chat template" paths). With ``tools`` its template is
+    :data:`TINY_TOOL_CHAT_TEMPLATE` and the wrapper knows its tool-call markers and parser
+    (mlx-lm's ``json_tools``), as :func:`mlx_lm.load` finds them for such a template.
     """
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
@@ -80,7 +111,18 @@ def build_tiny_tokenizer(*, vocab_size: int = 320, chat_template: bool = True) -
         eos_token=TINY_SPECIAL_TOKENS[0],
         additional_special_tokens=list(TINY_SPECIAL_TOKENS[2:]),
     )
+    end = TINY_SPECIAL_TOKENS.index("<|end|>")
+    if tools:
+        from mlx_lm.tool_parsers import json_tools
+
+        hf.chat_template = TINY_TOOL_CHAT_TEMPLATE
+        return TokenizerWrapper(
+            hf,
+            eos_token_ids=[0, end],
+            tool_call_start=json_tools.tool_call_start,
+            tool_call_end=json_tools.tool_call_end,
+            tool_parser=json_tools.parse_tool_call,
+        )
     if chat_template:
         hf.chat_template = TINY_CHAT_TEMPLATE
-    end = TINY_SPECIAL_TOKENS.index("<|end|>")
     return TokenizerWrapper(hf, eos_token_ids=[0, end])
