@@ -871,23 +871,25 @@ class DecodeEngine:
     def _next_snapshot(self, begin: int, total: int) -> int:
         """Tokens from ``begin`` to the next snapshot point of a text of ``total`` tokens.
 
-        Snapshot points are the multiples of the interval and the last prefix boundary of the
-        text (its end rounded down to a page of every sub-pool); past the last one, the rest.
+        Snapshot points are the multiples of the interval and the text's last prefix
+        boundary (its end rounded down to a page of every sub-pool); past the last one, the
+        rest of the text.
         """
-        interval = self._snapshot_interval
-        end = total // self._boundary * self._boundary
-        stop = (begin // interval + 1) * interval
+        stop = (begin // self._snapshot_interval + 1) * self._snapshot_interval
+        end = self._last_boundary(total)
         if begin < end < stop:
             stop = end
         return min(stop, total) - begin
 
     def _is_snapshot_point(self, position: int, total: int) -> bool:
         """Whether a prefill chunk ending at ``position`` of ``total`` tokens is snapshotted."""
-        if position <= 0 or position % self._boundary:
+        if position <= 0:
             return False
-        return position % self._snapshot_interval == 0 or position == total // self._boundary * (
-            self._boundary
-        )
+        return position % self._snapshot_interval == 0 or position == self._last_boundary(total)
+
+    def _last_boundary(self, total: int) -> int:
+        """The last prefix boundary of a text of ``total`` tokens (0 if it has none)."""
+        return total // self._boundary * self._boundary
 
     @property
     def _boundary(self) -> int:

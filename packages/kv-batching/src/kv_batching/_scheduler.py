@@ -92,9 +92,19 @@ class Scheduler:
         return [f for leader in leaders for f in leader.followers]
 
     def state_bytes_in_use(self) -> int:
-        """Bytes of recurrent state held now (running and prefilling requests)."""
+        """Bytes of recurrent state held now (running and prefilling requests).
+
+        A request's own snapshots count too: the copy at the last prefix boundary it decoded
+        past and its state before the last decode step (with state snapshots on).
+        """
         holders = [*self.running, *([self.prefilling] if self.prefilling else [])]
-        return sum(state_nbytes(r.states) for r in holders if r.states is not None)
+        total = 0
+        for request in holders:
+            if request.states is not None:
+                total += state_nbytes(request.states)
+            for own in (request.pending_snapshot, request.step_snapshot):
+                total += getattr(own, "nbytes", 0)
+        return total
 
     def note_state_bytes(self, request: EngineRequest) -> None:
         """Account the size of ``request``'s recurrent state for admission."""
