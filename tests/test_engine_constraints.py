@@ -125,6 +125,7 @@ def masked_greedy(model: nn.Module, ids: list[int], n: int, salt: int) -> list[i
 def test_batched_mask_application_equals_numpy_masking(rows: int, vocab: int, data: Any) -> None:
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+    logits[rng.random(size=(rows, vocab)) < 0.1] = -np.inf  # already masked (min_tokens, bias)
     constrained = sorted(data.draw(st.sets(st.integers(0, rows - 1), min_size=1)))
     words = mask_words(vocab) + data.draw(st.integers(0, 1))  # a wider mask allows nothing more
     packed = rng.integers(0, 2**32, size=(len(constrained), words), dtype=np.uint64)
@@ -137,6 +138,12 @@ def test_batched_mask_application_equals_numpy_masking(rows: int, vocab: int, da
             if not (int(packed[i, t // 32]) >> (t % 32)) & 1:
                 want[b, t] = -np.inf
     np.testing.assert_array_equal(got, want)
+
+
+def test_masks_narrower_than_the_vocabulary_are_refused() -> None:
+    masks = TokenMasks(rows=(0,), packed=mx.zeros((1, 1), dtype=mx.uint32))
+    with pytest.raises(ValueError, match="cannot cover a vocabulary of 33"):
+        apply_token_masks(mx.zeros((1, 33)), masks)
 
 
 # ---------------------------------------------------------------------- in the engine
