@@ -365,10 +365,6 @@ class TokenMasks:
     packed: mx.array
 
 
-#: Bit ``k`` of a byte, for unpacking masks a byte at a time.
-_BIT_SHIFTS = mx.arange(8, dtype=mx.uint8)
-
-
 def apply_token_masks(logits: mx.array, masks: TokenMasks) -> mx.array:
     """``logits (B, V)`` with every token a constrained row's mask forbids at ``-inf``.
 
@@ -388,8 +384,10 @@ def apply_token_masks(logits: mx.array, masks: TokenMasks) -> mx.array:
         full[mx.array(masks.rows, dtype=mx.int32)] = packed
         packed = full
     # Little-endian words: byte k of word w holds tokens 32 w + 8 k .. 32 w + 8 k + 7.
+    # (Made here, not at import: an MLX array belongs to the stream of the thread that made it.)
+    shifts = mx.arange(8, dtype=mx.uint8)
     octets = packed.view(mx.uint8)
-    bits = mx.right_shift(octets[:, :, None], _BIT_SHIFTS[None, None, :]) & mx.array(1, mx.uint8)
+    bits = mx.right_shift(octets[:, :, None], shifts[None, None, :]) & mx.array(1, mx.uint8)
     allowed = bits.reshape(batch, words * 32)[:, :vocab].astype(logits.dtype)
     return mx.minimum(logits, (allowed * 2 - 1) * mx.inf)
 
