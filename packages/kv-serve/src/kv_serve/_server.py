@@ -39,6 +39,13 @@ from kv_protocol import (
 
 from ._engine import build_engine
 from ._load import stop_token_ids
+from ._server_messages import (
+    MessageEvents,
+    anthropic_error,
+    message_body,
+    messages_to_chat,
+    stop_reason,
+)
 from ._server_protocol import (
     CompletionRequest,
     OpenAIError,
@@ -53,7 +60,7 @@ from ._server_text import (
     chat_logprobs,
     completion_logprobs,
 )
-from ._server_tools import ToolCallText, ToolFormat, ToolRequest
+from ._server_tools import ToolCall, ToolCallText, ToolFormat, ToolRequest
 from ._server_worker import (
     EngineWorker,
     Event,
@@ -800,6 +807,20 @@ class KVServer:
         )
 
     async def _complete(self, prepared: _Prepared, http: Request) -> Response:
+        sequences = await self._collect(prepared, http)
+        chat = prepared.chat
+        body = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": self._choices(prepared, sequences),
+            "usage": self._usage_of(prepared, sequences),
+        }
+        return JSONResponse(body)
+
+    async def _collect(self, prepared: _Prepared, http: Request) -> list[_Sequence]:
+        """Run the request to its end; its sequences with their texts and finish reasons."""
         sequences, events = self._submit(prepared)
         start = time.perf_counter()
         first: float | None = None
@@ -822,16 +843,7 @@ class KVServer:
         finally:
             self._abort_all(sequences)  # a no-op unless the handler leaves early
         self._account(prepared, sequences, start)
-        chat = prepared.chat
-        body = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": self._choices(prepared, sequences),
-            "usage": self._usage_of(prepared, sequences),
-        }
-        return JSONResponse(body)
+        return sequences
 
     def _chunk_choice(
         self,
@@ -970,6 +982,112 @@ class KVServer:
         except _ClientGone:
             self.metrics.reject(499)
             return _error_response(OpenAIError(499, "the client disconnected", code="client_gone"))
+
+    # ------------------------------------------------------------------ Anthropic's Messages
+
+    def _messages_prepared(self, body: dict[str, Any]) -> tuple[_Prepared, bool]:
+        mapped = messages_to_chat(body)
+        return self._prepare(mapped.chat, chat=True), mapped.stream
+
+    async def _handle_messages(self, http: Request) -> Response:
+        try:
+            prepared, stream = self._messages_prepared(parse_json_body(await http.body()))
+            if stream:
+                return await self._messages_stream(prepared, http)
+            sequences = await self._collect(prepared, http)
+        except OpenAIError as err:
+            self.metrics.reject(err.status)
+            return JSONResponse(anthropic_error(err), status_code=err.status)
+        except _ClientGone:
+            self.metrics.reject(499)
+            gone = OpenAIError(499, "the client disconnected", code="client_gone")
+            return JSONResponse(anthropic_error(gone), status_code=499)
+        sequence = sequences[0]
+        content, calls = self._split(sequence)
+        return JSONResponse(
+            message_body(
+                model=self.model_name,
+                text=content,
+                calls=calls,
+                finish=sequence.finish,
+                stop_string=sequence.text.stop_string,
+                input_tokens=prepared.prompt_tokens,
+                output_tokens=sequence.text.completion_tokens,
+            )
+        )
+
+    @staticmethod
+    def _split(sequence: _Sequence) -> tuple[str, list[ToolCall]]:
+        """A finished sequence's content and tool calls."""
+        splitter = sequence.tools
+        if splitter is None:
+            return sequence.text.text, []
+        splitter.push(sequence.text.text)
+        splitter.finish()
+        return splitter.content, list(splitter.calls)
+
+    async def _messages_stream(self, prepared: _Prepared, http: Request) -> Response:
+        sequences, events = self._submit(prepared)
+        sequence = sequences[0]
+        start = time.perf_counter()
+        try:
+            first = await self._wait(events, http)
+        except BaseException:
+            self._abort_all(sequences)
+            raise
+        if first.done and first.finish_reason in ("error", "aborted"):
+            self._abort_all(sequences)
+            sequence.finish = "error"
+            self._account(prepared, sequences, start)
+            raise self._engine_error(first)
+        self.metrics.first_token.observe(time.perf_counter() - start)
+        out = MessageEvents(self.model_name, prepared.prompt_tokens)
+
+        async def stream() -> AsyncIterator[str]:
+            yield out.start()
+            event: Event | None = first
+            ended = False
+            while not ended:
+                if event is None:
+                    event = await events.get()
+                try:
+                    piece, ended = self._absorb(prepared, sequence, event)
+                except OpenAIError as err:
+                    self._abort_all(sequences)
+                    self._account(prepared, sequences, start)
+                    yield out.error(err)
+                    return
+                event = None
+                calls: list[ToolCall] = []
+                splitter = sequence.tools
+                if splitter is not None:
+                    piece, calls = splitter.push(piece)
+                    if ended:
+                        piece += splitter.finish()
+                chunk = out.text(piece)
+                for call in calls:
+                    chunk += out.tool_use(call)
+                if chunk:
+                    yield chunk
+            self._abort_all(sequences)
+            self._account(prepared, sequences, start)
+            made = sequence.tools.calls if sequence.tools is not None else []
+            stop = sequence.text.stop_string
+            reason = stop_reason(sequence.finish, made, stop)
+            yield out.stop(reason, stop, sequence.text.completion_tokens)
+
+        return _AbortingStream(stream(), on_close=lambda: self._abort_all(sequences))
+
+    async def _count_tokens(self, http: Request) -> Response:
+        try:
+            mapped = messages_to_chat(parse_json_body(await http.body()), count_only=True)
+            request = parse_chat_request(mapped.chat, vocab_size=self.worker.vocab_size or None)
+            self._check_model(request)
+            count = len(self._chat_tokens(request))
+        except OpenAIError as err:
+            self.metrics.reject(err.status)
+            return JSONResponse(anthropic_error(err), status_code=err.status)
+        return JSONResponse({"input_tokens": count})
 
     # ------------------------------------------------------------------ metrics
 
@@ -1118,6 +1236,14 @@ class KVServer:
         @app.post("/v1/chat/completions")
         async def chat_completions(http: Request) -> Response:
             return await self._handle(http, chat=True)
+
+        @app.post("/v1/messages")
+        async def messages(http: Request) -> Response:
+            return await self._handle_messages(http)
+
+        @app.post("/v1/messages/count_tokens")
+        async def count_tokens(http: Request) -> Response:
+            return await self._count_tokens(http)
 
         return app
 

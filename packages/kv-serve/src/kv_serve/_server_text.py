@@ -107,6 +107,8 @@ class CompletionText:
         self.offsets: list[int] = []
         self.raw: list[bytes] = []
         self.stopped = False
+        #: The stop string that ended the text (``None`` until one does).
+        self.stop_string: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -167,9 +169,11 @@ class CompletionText:
             return
         if len(self.tokens) >= self._min_tokens:
             start = max(0, self._searched - self._longest + 1)
-            hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
-            if hits:
-                self._text = self._text[: min(hits)]
+            hits = [(self._text.find(s, start), s) for s in self._stop]
+            found = [(i, s) for i, s in hits if i >= 0]
+            if found:
+                at, self.stop_string = min(found)
+                self._text = self._text[:at]
                 self.stopped = True
         self._searched = len(self._text)
 
