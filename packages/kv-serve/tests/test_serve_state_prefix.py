@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
+from kv_protocol import RequestStateError
 from kv_serve import stop_token_ids
 from kv_serve._server import KVServer
-from kv_protocol import RequestStateError
 from kv_testing import build_tiny_tokenizer, build_zoo_model, mlx_lm_greedy
 
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 3

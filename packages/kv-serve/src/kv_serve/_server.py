@@ -24,7 +24,13 @@ from typing import Any
 
 import mlx.nn as nn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -46,6 +52,7 @@ from ._server_messages import (
     messages_to_chat,
     stop_reason,
 )
+from ._server_page import PAGE_HTML, status_payload
 from ._server_protocol import (
     CompletionRequest,
     OpenAIError,
@@ -1214,6 +1221,22 @@ class KVServer:
             if self.worker.alive:
                 return JSONResponse({"status": "ok"})
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+        @app.get("/")
+        async def page() -> Response:
+            return HTMLResponse(PAGE_HTML)
+
+        @app.get("/status")
+        async def status() -> Response:
+            return JSONResponse(
+                status_payload(
+                    model=self.model_name,
+                    chat=bool(getattr(self.tokenizer, "chat_template", None)),
+                    snapshot=self.worker.snapshot(),
+                    prompt_tokens=self.metrics.prompt_tokens,
+                    generation_tokens=self.metrics.generation_tokens,
+                )
+            )
 
         @app.get("/metrics")
         async def metrics() -> Response:
