@@ -267,6 +267,9 @@ class DecodeEngine:
         self._requests = RequestTable()
         # Tokens of a step that raised, handed out by the next step.
         self._undelivered: dict[int, list[int]] = {}
+        self._scheduler.state_copies = (
+            1 + int(self._snapshots is not None) + int(self._step_snapshots)
+        )
         if self._snapshots is not None and self._prefix_cache is not None:
             # A snapshot is kept no longer than the pool keeps the page ending at it.
             self._prefix_cache.add_eviction_listener(self._snapshots.forget_block)
@@ -344,7 +347,12 @@ class DecodeEngine:
 
     @property
     def state_budget_bytes(self) -> int | None:
-        """Bytes of recurrent state the running requests may hold together (``None``: no cap)."""
+        """Bytes of recurrent state the running requests may hold together (``None``: no cap).
+
+        Each running request counts its state and, with state snapshots, the copies it keeps
+        (the last boundary it decoded past; with ``step_snapshots``, its state before the
+        last step).
+        """
         return self._scheduler.state_budget_bytes
 
     @state_budget_bytes.setter

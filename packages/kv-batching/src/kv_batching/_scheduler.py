@@ -52,6 +52,10 @@ class Scheduler:
         self.state_budget_bytes = state_budget_bytes
         #: Bytes of one request's recurrent state (largest seen; ``None`` until one is known).
         self.state_bytes_per_request: int | None = None
+        #: Copies of its state a running request may hold: its state, plus the snapshot of
+        #: the last boundary it decoded past and its state before the last step when the
+        #: engine keeps them. Admission counts them all against ``state_budget_bytes``.
+        self.state_copies = 1
         self.queue: deque[EngineRequest] = deque()
         self.prefilling: EngineRequest | None = None
         self.running: list[EngineRequest] = []
@@ -242,11 +246,15 @@ class Scheduler:
         self.pool.rollback(reservation)
 
     def state_room(self) -> bool:
-        """Whether one more request's recurrent state fits ``state_budget_bytes``."""
+        """Whether one more request's recurrent state fits ``state_budget_bytes``.
+
+        A request is always let in when none runs: a budget below one request's state (and
+        its copies) runs requests one at a time instead of none ever.
+        """
         per = self.state_bytes_per_request
-        if self.state_budget_bytes is None or per is None:
+        if self.state_budget_bytes is None or per is None or not self.running:
             return True
-        return (len(self.running) + 1) * per <= self.state_budget_bytes
+        return (len(self.running) + 1) * per * self.state_copies <= self.state_budget_bytes
 
     def may_admit(self) -> bool:
         """Whether a queued request could start now (running slots and state budget)."""
