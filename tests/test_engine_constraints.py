@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import make_prompt_cache
 
 from kv_batching import DecodeEngine, SamplingParams
 from kv_batching._sampling import TokenMasks, apply_token_masks
@@ -101,16 +100,7 @@ def obeys(tokens: tuple[int, ...], salt: int) -> bool:
 
 def masked_greedy(model: nn.Module, ids: list[int], n: int, salt: int) -> list[int]:
     """mlx-lm alone, its own caches: argmax of its logits over the allowed set, n times."""
-    caches = make_prompt_cache(model)
-    logits = model(mx.array([ids]), cache=caches)[0, -1]
-    out: list[int] = []
-    for _ in range(n):
-        row = np.array(logits.astype(mx.float32))
-        allowed = sorted(allowed_after(out, salt))
-        token = allowed[int(np.argmax(row[allowed]))]
-        out.append(token)
-        logits = model(mx.array([[token]]), cache=caches)[0, -1]
-    return out
+    return mlx_lm_greedy(model, ids, n, allowed=lambda out: allowed_after(list(out), salt))
 
 
 # ---------------------------------------------------------------------- the batched mask

@@ -147,14 +147,6 @@ def _decode(model: Any, prompts: list[list[int]], args: Any, make: Any) -> _Run:
         engine.close()
 
 
-def _median(values: Any) -> float:
-    """The median of the rounds (nearest rank).
-
-    One busy round on a shared machine moves it less than it moves a mean.
-    """
-    return quantile(list(values), 0.5)
-
-
 def _run(args: argparse.Namespace) -> None:
     model, tokenizer, prompts, name = _model_and_work(args)
     print(f"model: {name}; BLAS: {active_blas().describe()}")
@@ -185,20 +177,24 @@ def _run(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|")
     for label, values in runs.items():
         print(
-            f"| {label} | {_median(r.decode_rate for r in values):.1f} "
-            f"| {_median(r.total_rate for r in values):.1f} "
-            f"| {_median(r.step_ms for r in values):.2f} "
-            f"| {_median(r.device_ms for r in values):.2f} "
-            f"| {_median(r.mask_row_us for r in values):.0f} "
+            f"| {label} | {quantile([r.decode_rate for r in values], 0.5):.1f} "
+            f"| {quantile([r.total_rate for r in values], 0.5):.1f} "
+            f"| {quantile([r.step_ms for r in values], 0.5):.2f} "
+            f"| {quantile([r.device_ms for r in values], 0.5):.2f} "
+            f"| {quantile([r.mask_row_us for r in values], 0.5):.0f} "
             f"| {' '.join(f'{r.decode_rate:.1f}' for r in values)} |"
         )
     free = runs["free (greedy)"]
     constrained = runs["JSON schema (greedy)"]
-    decode = _median(r.decode_rate for r in constrained) / _median(r.decode_rate for r in free)
-    total = _median(r.total_rate for r in constrained) / _median(r.total_rate for r in free)
+    decode = quantile([r.decode_rate for r in constrained], 0.5) / quantile(
+        [r.decode_rate for r in free], 0.5
+    )
+    total = quantile([r.total_rate for r in constrained], 0.5) / quantile(
+        [r.total_rate for r in free], 0.5
+    )
     rows = min(args.running, len(prompts))
-    mask = _median(r.mask_row_us for r in constrained) * rows / 1000
-    forward = _median(r.step_ms for r in free)
+    mask = quantile([r.mask_row_us for r in constrained], 0.5) * rows / 1000
+    forward = quantile([r.step_ms for r in free], 0.5)
     print(
         f"\nJSON schema / free: {decode:.3f}x decode throughput, {total:.3f}x end to end "
         f"(cost {100 * (1 - decode):.1f}% of decode throughput; goal <= 15%)"

@@ -8,7 +8,7 @@ stays independent of the code it checks.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +26,7 @@ def mlx_lm_greedy(
     caches: list[Any] | None = None,
     prefill_chunk: int | None = None,
     stop_tokens: Collection[int] = (),
+    allowed: Callable[[Sequence[int]], Collection[int]] | None = None,
 ) -> list[int]:
     """Greedy tokens of ``model`` for ``prompt`` alone: prefill, then argmax steps.
 
@@ -34,7 +35,8 @@ def mlx_lm_greedy(
     model in one pass, or in pieces of ``prefill_chunk`` tokens; a piece that samples no token
     evaluates only the caches, so its logits (the vocabulary head) are never computed.
     Generation stops after ``max_tokens`` tokens or at the first token in ``stop_tokens``
-    (which is returned).
+    (which is returned). ``allowed(generated)`` (a constrained decode's oracle) names the
+    tokens the next one is taken from: the argmax over those alone.
     """
     if not prompt:
         raise ValueError("prompt must contain at least one token")
@@ -49,7 +51,9 @@ def mlx_lm_greedy(
         mx.eval([c.state for c in caches])
     last = (len(tokens) - 1) // step * step
     logits = model(mx.array([tokens[last:]]), cache=caches)
-    return greedy_continue(model, caches, logits, max_tokens, stop_tokens=stop_tokens)
+    return greedy_continue(
+        model, caches, logits, max_tokens, stop_tokens=stop_tokens, allowed=allowed
+    )
 
 
 def greedy_continue(
@@ -60,16 +64,23 @@ def greedy_continue(
     *,
     stop_tokens: Collection[int] = (),
     record: list[mx.array] | None = None,
+    allowed: Callable[[Sequence[int]], Collection[int]] | None = None,
 ) -> list[int]:
     """Greedy tokens from ``logits`` (``(1, T, vocab)``; the last position is sampled) on.
 
     Each token is fed back through ``model`` with ``caches`` until ``max_tokens`` tokens or a
     token in ``stop_tokens``; the last token is not fed. ``record`` receives the
     ``(1, vocab)`` logits of each token fed (for a comparison of logits step by step).
+    ``allowed(generated)``, when given, names the tokens each next one is taken from.
     """
     out: list[int] = []
     while len(out) < max_tokens:
-        token = int(mx.argmax(logits[0, -1]))
+        if allowed is None:
+            token = int(mx.argmax(logits[0, -1]))
+        else:
+            choices = sorted(allowed(out))
+            row = logits[0, -1][mx.array(choices, dtype=mx.int32)]
+            token = choices[int(mx.argmax(row))]
         out.append(token)
         if token in stop_tokens or len(out) == max_tokens:
             break
