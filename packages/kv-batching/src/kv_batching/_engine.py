@@ -159,6 +159,14 @@ class DecodeEngine:
     prefill caches take their slots from it. With prefix caching, each request's block
     hashes are computed once, kept with the request and extended as it decodes.
 
+    On a model with recurrent STATE layers, prefix caching keeps snapshots of each request's
+    state (``state_snapshot_interval``: every that many tokens, a multiple of the pool's
+    prefix boundary; also at each prompt's last boundary and the last boundary a request
+    decoded past) under the prefix's block hash, within ``state_cache_bytes``; a hit is the
+    longest boundary where the pool serves the prefix and a snapshot is kept, and prefill
+    resumes from a copy of it (see :mod:`kv_batching._state_snapshots`). ``step_snapshots``
+    keeps each running request's state before its last decode step for :meth:`restore`.
+
     Bounded memory for long-running callers (a server): the engine keeps every request it was
     given until :meth:`release` forgets a finished one (its output is read once, then
     dropped), and :attr:`stats` keeps its per-step series over the last ``stats_window``
