@@ -37,7 +37,7 @@ from ._constraints import collect_token_masks
 from ._decode_paths import DecodePlan, choose_decode_paths
 from ._decode_step import PoolAddressing
 from ._engine_stats import DEFAULT_STATS_WINDOW, EngineMemoryReport, EngineStats
-from ._model_forward import last_position_forward, vocabulary_size
+from ._model_forward import decode_forward, last_position_forward, vocabulary_size
 from ._model_runner import ModelRunner
 from ._patching import unpatch_model_attention
 from ._prefill_budget import PrefillBudget
@@ -260,6 +260,7 @@ class DecodeEngine:
             state_layer_ids=self._state_layer_ids,
             nesting=nesting,
             prefill_forward=self._prefill_forward,
+            decode_forward=decode_forward(model, vocab_size),
         )
         self._scheduler = Scheduler(
             pool, self._stats, max_running=max_running, state_budget_bytes=state_budget_bytes

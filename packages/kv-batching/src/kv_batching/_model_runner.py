@@ -18,7 +18,7 @@ from kv_protocol import KernelSet, KVPool, Reservation
 from ._cache_nesting import CacheNesting
 from ._decode_step import DecodeStep, PoolAddressing
 from ._layer_cache import batched_layer_caches
-from ._model_forward import LastPositionForward
+from ._model_forward import DecodeForward, LastPositionForward
 from ._patching import wrapped_attention
 from ._state_cache import StackedStateCache, install_stacked_states
 
@@ -58,8 +58,10 @@ class ModelRunner:
     ``nesting`` puts
     the flat per-layer caches back into the model's own cache structure. ``prefill_forward``
     (from :func:`~kv_batching.last_position_forward`) projects only the last position of a
-    prefill chunk when given. When ``kernels`` carry a ``prefill_attention``, the wrapped
-    (fast-path) layers attend through it during :meth:`prefill`.
+    prefill chunk when given; ``decode_forward`` (``_model_forward.decode_forward``) replaces
+    the model's call in a batched decode when given. When ``kernels`` carry a
+    ``prefill_attention``, the wrapped (fast-path) layers attend through it during
+    :meth:`prefill`.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class ModelRunner:
         state_layer_ids: Sequence[int] = (),
         nesting: CacheNesting | None = None,
         prefill_forward: LastPositionForward | None = None,
+        decode_forward: DecodeForward | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -79,6 +82,7 @@ class ModelRunner:
         self.state_layer_ids = tuple(state_layer_ids)
         self.nesting = nesting if nesting is not None else CacheNesting.from_model(model)
         self.prefill_forward = prefill_forward
+        self.decode_forward = decode_forward
         self.addressing = addressing
         self.prefill_attention = getattr(kernels, "prefill_attention", None)
         self._wrappers = wrapped_attention(model) if self.prefill_attention is not None else []
@@ -124,5 +128,6 @@ class ModelRunner:
             if self.state_layer_ids
             else []
         )
-        logits = self.model(tokens, cache=self.nesting.nest(caches))
+        forward = self.decode_forward if self.decode_forward is not None else self.model
+        logits = forward(tokens, cache=self.nesting.nest(caches))
         return DecodeOutput(logits=logits[:, -1, :], step=step, states=stacked)

@@ -1,0 +1,58 @@
+"""The vocabulary head in the operand order MLX's CPU backend runs fastest, with mlx-lm's tokens.
+
+A batched decode projects a few rows onto the vocabulary; ``(W @ h.T).T`` is then about twice
+as fast on the CPU as mlx-lm's ``h @ W.T`` for a large head (``tools/profile_decode.py``). The
+engine takes that order only for a plain head of at least ``HEAD_REORDER_MIN_WEIGHTS`` weights
+whose probe matches the model's own logits; greedy tokens must stay mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kv_batching._model_forward import HEAD_REORDER_MIN_WEIGHTS, decode_forward
+from kv_serve import build_engine
+from kv_testing import build_tiny_model, mlx_lm_greedy
+
+VOCAB = 65536
+HIDDEN = 256  # VOCAB x HIDDEN = HEAD_REORDER_MIN_WEIGHTS: the smallest head that is reordered
+
+
+def big_head_model() -> nn.Module:
+    return build_tiny_model(
+        "gemma3_text", window=8, num_layers=6, vocab_size=VOCAB, hidden_size=HIDDEN
+    )
+
+
+def test_a_large_head_decodes_in_the_fast_order_with_mlx_lm_tokens() -> None:
+    model = big_head_model()
+    assert VOCAB * HIDDEN == HEAD_REORDER_MIN_WEIGHTS
+    prompts = [
+        [(97 * i + 31 * j + 5) % VOCAB for j in range(n)] for i, n in enumerate((3, 9, 14, 20, 6))
+    ]
+    want = [mlx_lm_greedy(model, p, 10) for p in prompts]
+    with build_engine(model, max_running=8, max_context=64, page_size=4) as engine:
+        assert engine._runner.decode_forward is not None
+        ids = [engine.submit(p, 10) for p in prompts]
+        out = engine.run()
+    assert [out[i] for i in ids] == want
+
+
+def test_the_reordered_head_matches_the_model_row_for_row() -> None:
+    model = big_head_model()
+    forward = decode_forward(model, VOCAB)
+    assert forward is not None
+    tokens = mx.array([[5], [77], [60001], [1234]], dtype=mx.int32)
+    mine, theirs = forward(tokens), model(tokens)
+    assert mine.shape == theirs.shape == (4, 1, VOCAB)
+    assert bool(mx.allclose(mine, theirs, rtol=1e-4, atol=1e-4))
+    assert bool(mx.array_equal(mine.argmax(-1), theirs.argmax(-1)))
+
+
+def test_small_quantized_and_untied_heads_keep_the_model_call() -> None:
+    small = build_tiny_model("gemma3_text", window=8, num_layers=6, vocab_size=256)
+    assert decode_forward(small, 256) is None
+    quantized = big_head_model()
+    nn.quantize(quantized, group_size=64, bits=8)
+    assert decode_forward(quantized, VOCAB) is None

@@ -1,0 +1,163 @@
+"""Profile: where a batched decode step of Gemma 3 270M spends its time on this machine.
+
+For each batch size the engine decodes ``B`` requests (128-token random prompts, greedy,
+prefix caching off) and reports its mean decode step and the part spent waiting for MLX's
+evaluation (the rest is host work: Python, scheduling, page tables, graph building). Then the
+step's parts run alone on the model's own modules with the step's shapes (``B`` rows of one
+token): the vocabulary head (the tied 262144 x 640 embedding, as mlx-lm calls it, ``h @ W.T``,
+and in the other operand order, ``(W @ h.T).T``, which the engine uses on the CPU; the
+table marks the one not used), the attention projections and the MLPs of
+all 18 layers, and the greedy pick over the vocabulary. Each part is one evaluation of all
+its layers' work, the best of ``--repeats``. What the parts do not cover (attention over the
+pages, norms, RoPE, the pool writes, sampling bookkeeping) is the step minus their sum.
+
+    uv run python -m tools.profile_decode                    # B = 1, 4, 16
+    uv run python -m tools.profile_decode --batches 4 --markdown docs/results/profile_decode.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tools.cli_args import ArgumentParser, add_run_options, int_list
+from tools.harness import Report
+
+PROMPT = 128
+DECODE = 32
+
+
+def best_seconds(work: Callable[[], Any], repeats: int) -> float:
+    """The fastest of ``repeats`` evaluations of ``work()`` (after one warm-up)."""
+    import mlx.core as mx
+
+    mx.eval(work())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(work())
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
+    """Seconds of each part of a decode step of ``batch`` rows, run alone."""
+    import mlx.core as mx
+
+    layers = model.model.layers
+    width = model.model.embed_tokens.weight.shape[1]
+    hidden = mx.random.normal((batch, 1, width))
+    inner = layers[0].mlp.down_proj.weight.shape[1]
+    heads = layers[0].self_attn.o_proj.weight.shape[1]
+    mlp_in = mx.random.normal((batch, 1, width))
+    o_in = mx.random.normal((batch, 1, heads))
+    mx.eval(hidden, mlp_in, o_in)
+    weight = model.model.embed_tokens.weight
+    rows = hidden.reshape(batch, width)
+
+    def projections() -> list[Any]:
+        out = []
+        for layer in layers:
+            attn = layer.self_attn
+            out += [attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)]
+            out.append(attn.o_proj(o_in))
+        return out
+
+    def mlps() -> list[Any]:
+        return [layer.mlp(mlp_in) for layer in layers]
+
+    logits = model.model.embed_tokens.as_linear(hidden)
+    mx.eval(logits)
+    del inner
+    return {
+        "vocabulary head, h @ W.T (mlx-lm)": best_seconds(
+            lambda: model.model.embed_tokens.as_linear(hidden), repeats
+        ),
+        "vocabulary head, (W @ h.T).T": best_seconds(lambda: (weight @ rows.T).T, repeats),
+        "attention projections (q, k, v, o; 18 layers)": best_seconds(projections, repeats),
+        "MLPs (18 layers)": best_seconds(mlps, repeats),
+        "greedy pick (argmax over 262144)": best_seconds(
+            lambda: mx.argmax(logits, axis=-1), repeats
+        ),
+    }
+
+
+def engine_step(model: Any, batch: int, seed: int) -> tuple[float, float, bool]:
+    """The engine's decode step at ``batch`` rows: mean seconds, device part, head order.
+
+    The last is whether the engine projects in the ``(W @ h.T).T`` order.
+    """
+    from kv_serve import build_engine
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 200000) for _ in range(PROMPT)] for _ in range(batch)]
+    with build_engine(
+        model, max_running=batch, max_context=PROMPT + DECODE, prefix_caching=False
+    ) as engine:
+        for prompt in prompts:
+            engine.submit(prompt, DECODE)
+        engine.run()
+        stats = engine.stats
+        steps = max(stats.decode_steps, 1)
+        reordered = engine._runner.decode_forward is not None
+        return stats.decode_seconds / steps, stats.decode_device_seconds / steps, reordered
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    parser = ArgumentParser(prog="python -m tools.profile_decode", description=__doc__)
+    parser.add_argument(
+        "--batches",
+        type=int_list(1, 64),
+        default=[1, 4, 16],
+        help="decode batch sizes, comma-separated (1,4,16)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timings per part, best kept (5)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (0)")
+    add_run_options(parser, quick=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Profile the decode step and print one table per batch size."""
+    args = build_parser().parse_args(argv)
+    from kv_serve import active_blas, load_fast_blas, load_model
+
+    load_fast_blas()
+    model, _ = load_model("gemma3-270m")
+    report = Report("Where a decode step of Gemma 3 270M goes")
+    with report.capturing():
+        print(f"BLAS: {active_blas().describe()}; prompts of {PROMPT} tokens, {DECODE} decoded")
+        for batch in args.batches:
+            measured = parts(model, batch, args.repeats)
+            step, device, reordered = engine_step(model, batch, args.seed)
+            used = "(W @ h.T)" if reordered else "h @ W.T"
+            print(f"\n### B = {batch}: engine decode step {1000 * step:.1f} ms\n")
+            print("| part | ms | share of the step |")
+            print("|---|---|---|")
+            print(
+                f"| host (not waiting for MLX) | {1000 * (step - device):.1f} | "
+                f"{100 * (step - device) / step:.0f}% |"
+            )
+            counted = 0.0
+            for name, seconds in measured.items():
+                share = f"{100 * seconds / step:.0f}%"
+                if "vocabulary head" in name and used not in name:
+                    share = "(not the engine's order)"
+                else:
+                    counted += seconds
+                print(f"| {name} | {1000 * seconds:.1f} | {share} |")
+            rest = device - counted
+            print(
+                f"| the rest of the device time (attention over pages, norms, RoPE, pool "
+                f"writes) | {1000 * rest:.1f} | {100 * rest / step:.0f}% |"
+            )
+    report.write(args.markdown, prog="tools.profile_decode", argv=argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
