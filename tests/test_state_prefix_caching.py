@@ -1,8 +1,9 @@
 """Prefix reuse on models with recurrent STATE layers, through state snapshots.
 
 The oracle is mlx-lm generating each prompt alone with the model's own caches (and, for a
-restored state, the model's own caches run over exactly that prefix). Every architecture
-of the support table is also checked by ``tools.support_table.check_prefix_hits``.
+restored state, ``kv_testing.mlx_lm_states``: the model's own caches run over that prefix).
+Every architecture of the support table is also checked by
+``tools.support_table.check_prefix_hits``.
 """
 
 from __future__ import annotations
@@ -14,34 +15,15 @@ import pytest
 
 from kv_batching import DecodeEngine, is_patched
 from kv_batching._state_snapshots import StateSnapshotCache
-from kv_protocol import CacheStateError, RequestStateError, flatten_caches, layout_from_model
+from kv_protocol import CacheStateError, RequestStateError
 from kv_serve import build_engine
-from kv_testing import build_zoo_model, mlx_lm_greedy, zoo_config
+from kv_testing import build_zoo_model, mlx_lm_greedy, mlx_lm_states, states_close, zoo_config
 
 VOCAB = 128
 MAX_TOKENS = 8
 #: A long first prompt; one sharing its start; the next turn of its conversation follows.
 FIRST = [(7 * j + 1) % VOCAB for j in range(40)]
 SHARED = [*FIRST[:26], 9, 9, 1]
-
-
-def oracle_states(model: Any, tokens: list[int]) -> list[list[Any]]:
-    """The model's own state caches after ``tokens`` (mlx-lm's ``make_cache``), per layer."""
-    caches = list(model.make_cache())
-    mx.eval(model(mx.array([tokens], dtype=mx.int32), cache=caches))
-    flat: list[Any] = flatten_caches(caches)
-    ids = layout_from_model(model).state_layer_ids
-    return [list(flat[i].cache) for i in ids]
-
-
-def same_states(got: list[Any], want: list[list[Any]]) -> bool:
-    for cache, slots in zip(got, want, strict=True):
-        for mine, theirs in zip(cache.cache, slots, strict=True):
-            if (mine is None) != (theirs is None):
-                return False
-            if mine is not None and not mx.allclose(mine, theirs, rtol=1e-4, atol=1e-5):
-                return False
-    return True
 
 
 @pytest.mark.parametrize(
@@ -91,8 +73,8 @@ def test_restored_state_is_the_state_of_exactly_that_prefix() -> None:
         assert request.hashes is not None
         snapshot = snapshots.get(request.hashes.prefix_hash(24))
         assert snapshot is not None and snapshot.position == 24
-        assert same_states(snapshot.caches(), oracle_states(model, SHARED[:24]))
-        assert not same_states(snapshot.caches(), oracle_states(model, SHARED[:16]))
+        assert states_close(snapshot.caches(), mlx_lm_states(model, SHARED[:24]))
+        assert not states_close(snapshot.caches(), mlx_lm_states(model, SHARED[:16]))
         engine.run()
         assert engine.stats.prefix_hit_tokens == 24
 

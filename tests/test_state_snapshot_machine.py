@@ -14,7 +14,6 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -23,9 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kv_batching import DecodeEngine, RequestStatus
 from kv_pool import HybridKVPool
 from kv_pool._inspect import allocator, sub_pool_names
-from kv_protocol import flatten_caches, layout_from_model
 from kv_serve import build_engine
-from kv_testing import build_zoo_model, mlx_lm_greedy
+from kv_testing import build_zoo_model, mlx_lm_greedy, mlx_lm_states, states_close
 
 BASES = (
     [(5 * j + 2) % 128 for j in range(28)],
@@ -52,23 +50,6 @@ def state_bytes() -> int:
     return per
 
 
-def oracle_states(tokens: list[int]) -> list[list[Any]]:
-    caches = list(model().make_cache())  # type: ignore[operator]
-    mx.eval(model()(mx.array([tokens], dtype=mx.int32), cache=caches))
-    flat: list[Any] = flatten_caches(caches)
-    return [list(flat[i].cache) for i in layout_from_model(model()).state_layer_ids]
-
-
-def same_states(got: list[Any], want: list[list[Any]]) -> bool:
-    for state, slots in zip(got, want, strict=True):
-        for mine, theirs in zip(state.cache, slots, strict=True):
-            if (mine is None) != (theirs is None):
-                return False
-            if mine is not None and not mx.allclose(mine, theirs, rtol=1e-4, atol=1e-5):
-                return False
-    return True
-
-
 class SnapshotMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -92,7 +73,7 @@ class SnapshotMachine(RuleBasedStateMachine):
                 # The state it resumes from is the state of exactly its own prefix.
                 assert request.states is not None
                 prefix = request.prefill_tokens()[: request.prefilled]
-                assert same_states(request.states, oracle_states(prefix)), prefix
+                assert states_close(request.states, mlx_lm_states(model(), prefix)), prefix
                 self.resumed += 1
 
         self.engine._reuse_prefix = checked  # type: ignore[method-assign]

@@ -608,14 +608,14 @@ class DecodeEngine:
         if states is not None:
             request.states = states
         pending = request.pending_snapshot
-        if isinstance(pending, StateSnapshot) and pending.position > position:
+        if pending is not None and pending.position > position:
             request.pending_snapshot = None
         request.step_snapshot = None
 
     def _snapshot_at(self, request: EngineRequest, position: int) -> StateSnapshot | None:
         """A snapshot of ``request``'s own state after ``position`` tokens, if one is kept."""
         for own in (request.step_snapshot, request.pending_snapshot):
-            if isinstance(own, StateSnapshot) and own.position == position:
+            if own is not None and own.position == position:
                 return own
         hashes, snapshots = request.hashes, self._snapshots
         if hashes is None or snapshots is None or position % self._boundary or position == 0:
@@ -944,7 +944,7 @@ class DecodeEngine:
     def _keep_last_snapshot(self, request: EngineRequest) -> None:
         """``request`` leaves the pool with a sound state: keep its pending snapshot."""
         pending = request.pending_snapshot
-        if isinstance(pending, StateSnapshot):
+        if pending is not None:
             self._keep_snapshot(request, pending)
             request.pending_snapshot = None
 

@@ -19,6 +19,7 @@ from kv_protocol import (
 )
 
 from ._sampling import SamplingParams, SamplingRow, TokenLogprob
+from ._state_snapshots import StateSnapshot
 
 __all__ = ["EngineRequest", "RequestOutput", "RequestStatus", "RequestTable"]
 
@@ -108,10 +109,10 @@ class EngineRequest:
         self.states: list[Any] | None = None
         #: A copy of ``states`` at the last prefix boundary a decode step reached (state
         #: snapshots only), kept in the snapshot cache when the request leaves the pool.
-        self.pending_snapshot: Any = None
+        self.pending_snapshot: StateSnapshot | None = None
         #: ``states`` before the last decode step (``step_snapshots`` only): what
         #: ``DecodeEngine.restore`` puts back to undo that step.
-        self.step_snapshot: Any = None
+        self.step_snapshot: StateSnapshot | None = None
         #: The prefix cache's hashes of the tokens whose K/V the request writes (prefix
         #: caching only): made once at its first admission, extended as it decodes.
         self.hashes: TokenHashes | None = None

@@ -107,7 +107,7 @@ class Scheduler:
             if request.states is not None:
                 total += state_nbytes(request.states)
             for own in (request.pending_snapshot, request.step_snapshot):
-                total += getattr(own, "nbytes", 0)
+                total += 0 if own is None else own.nbytes
         return total
 
     def note_state_bytes(self, request: EngineRequest) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from kv_batching import SamplingParams, TokenLogprob
+from kv_batching import DecodeEngine, SamplingParams, TokenLogprob
 from kv_protocol import check_int
 
 from ._engine import build_engine
@@ -117,6 +117,37 @@ def _sampling(
     )
 
 
+def _engine_for(
+    model: nn.Module,
+    ids: list[int],
+    *,
+    running: int,
+    max_tokens: int,
+    prefill_chunk: int,
+    seed: int,
+    kv_bits: int | None,
+    kv_group_size: int,
+    kv_quantize: str,
+) -> DecodeEngine:
+    """An engine sized for ``running`` sequences of the prompt ``ids`` and ``max_tokens``."""
+    return build_engine(
+        model,
+        max_running=running,
+        max_context=len(ids) + max_tokens,
+        prefill_chunk=prefill_chunk,
+        seed=seed,
+        record_pages=False,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        kv_quantize=kv_quantize,
+    )
+
+
+def _stops(tokenizer: Any, engine: DecodeEngine) -> set[int]:
+    """The tokenizer's end-of-sequence ids inside the engine's vocabulary."""
+    return {t for t in stop_token_ids(tokenizer) if t < engine.vocab_size}
+
+
 def generate(
     model: nn.Module,
     tokenizer: Any,
@@ -168,18 +199,18 @@ def generate(
     ids = encode_prompt(tokenizer, prompt, chat=chat)
     record = stats if stats is not None else GenerationStats()
     record.prompt_tokens = len(ids)
-    engine = build_engine(
+    engine = _engine_for(
         model,
-        max_running=1,
-        max_context=len(ids) + max_tokens,
+        ids,
+        running=1,
+        max_tokens=max_tokens,
         prefill_chunk=prefill_chunk,
         seed=seed,
-        record_pages=False,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         kv_quantize=kv_quantize,
     )
-    stops = {t for t in stop_token_ids(tokenizer) if t < engine.vocab_size}
+    stops = _stops(tokenizer, engine)
     rid = engine.submit(ids, max_tokens, sampling=sampling, stop_tokens=stops)
     stream = TextStream(tokenizer)
     start = time.perf_counter()
@@ -246,18 +277,18 @@ def complete(
         logprobs,
     )
     ids = encode_prompt(tokenizer, prompt, chat=chat)
-    engine = build_engine(
+    engine = _engine_for(
         model,
-        max_running=n,
-        max_context=len(ids) + max_tokens,
+        ids,
+        running=n,
+        max_tokens=max_tokens,
         prefill_chunk=prefill_chunk,
         seed=seed,
-        record_pages=False,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         kv_quantize=kv_quantize,
     )
-    stops = {t for t in stop_token_ids(tokenizer) if t < engine.vocab_size}
+    stops = _stops(tokenizer, engine)
     rids = engine.submit_n(ids, max_tokens, n, sampling=sampling, stop_tokens=stops)
     engine.run()
     completions = []

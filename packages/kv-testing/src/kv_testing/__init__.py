@@ -9,7 +9,7 @@ the one greedy oracle: mlx-lm generating one prompt alone with its own model and
 """
 
 from ._mlx_lm_zoo import ZOO, ZOO_UNBUILDABLE, ZooEntry, build_zoo_model, zoo_config
-from ._oracle import greedy_continue, mlx_lm_greedy
+from ._oracle import greedy_continue, mlx_lm_greedy, mlx_lm_states, states_close
 from ._reference_pool import ReferenceBookkeeping, ReferenceKVPool
 from ._stored_kv_caches import stored_kv_caches
 from ._tiny_model_dir import save_tiny_model_dir
@@ -36,7 +36,9 @@ __all__ = [
     "build_zoo_model",
     "greedy_continue",
     "mlx_lm_greedy",
+    "mlx_lm_states",
     "save_tiny_model_dir",
+    "states_close",
     "stored_kv_caches",
     "tiny_model_config",
     "zoo_config",

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-__all__ = ["greedy_continue", "mlx_lm_greedy"]
+__all__ = ["greedy_continue", "mlx_lm_greedy", "mlx_lm_states", "states_close"]
 
 
 def mlx_lm_greedy(
@@ -88,3 +88,46 @@ def greedy_continue(
         if record is not None:
             record.append(logits[0])
     return out
+
+
+def mlx_lm_states(model: nn.Module, tokens: Sequence[int]) -> list[list[mx.array | None]]:
+    """The recurrent state mlx-lm's model holds after ``tokens``: slots per STATE layer.
+
+    The model runs ``tokens`` in one pass on its own ``make_prompt_cache`` caches; the slots of
+    each recurrent-state layer's cache come back in layer order (what a state snapshot of
+    that prefix must hold).
+    """
+    from kv_protocol import flatten_caches, layout_from_model
+
+    caches = make_prompt_cache(model)
+    forward: Any = model
+    mx.eval(forward(mx.array([list(tokens)], dtype=mx.int32), cache=caches))
+    flat: list[Any] = flatten_caches(caches)
+    return [list(flat[i].cache) for i in layout_from_model(model).state_layer_ids]
+
+
+def states_close(
+    caches: Sequence[Any],
+    states: Sequence[Sequence[mx.array | None]],
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> bool:
+    """Whether state caches (``.cache`` slot lists) hold ``states`` (:func:`mlx_lm_states`)."""
+    if len(caches) != len(states):
+        return False
+    for cache, slots in zip(caches, states, strict=True):
+        mine = list(cache.cache)
+        if len(mine) != len(slots):
+            return False
+        for got, want in zip(mine, slots, strict=True):
+            if (got is None) != (want is None):
+                return False
+            close = (
+                got is None
+                or want is None
+                or (got.shape == want.shape and mx.allclose(got, want, rtol=rtol, atol=atol))
+            )
+            if not close:
+                return False
+    return True
