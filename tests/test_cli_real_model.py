@@ -115,7 +115,9 @@ def test_tools_generate_streams_a_completion(run_tools: Run) -> None:
 
 
 def test_chat_on_a_model_without_a_template_is_one_error_line(run_tools: Run) -> None:
-    result = run_tools("generate", "--model", "gemma3-270m", "--prompt", "Hi", "--chat")
+    result = run_tools(
+        "generate", "--model", "gemma3-270m", "--prompt", "Hi", "--chat", "--chat-template", "none"
+    )
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [

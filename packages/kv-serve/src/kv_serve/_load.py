@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from kv_protocol import UnsupportedModelError
 
+from ._chat_templates import CHAT_TEMPLATES, resolve_chat_template
 from ._gguf import Progress, convert_gguf
 
 __all__ = ["GEMMA3_270M", "default_cache_dir", "encode_prompt", "load_model", "stop_token_ids"]
@@ -52,6 +53,7 @@ def load_model(
     dtype: str = "float32",
     cache_dir: str | Path | None = None,
     progress: Progress | None = None,
+    chat_template: str | Path = "auto",
 ) -> tuple[nn.Module, Any]:
     """Load ``(model, tokenizer)``.
 
@@ -60,11 +62,19 @@ def load_model(
     GGUF is converted once into ``cache_dir`` (default :func:`default_cache_dir`) keyed by its
     sha256 and ``dtype`` (``float32`` by default: exact on CPU, where bf16 is also slower).
     The tokenizer is mlx-lm's ``TokenizerWrapper``.
+
+    ``chat_template``: ``"auto"`` keeps the model's own template, and gives a Gemma 3 GGUF
+    that has none (the packaged base model) the shipped ``gemma3`` one; ``"none"`` loads the
+    tokenizer without a template (chat is then refused); a shipped template's name
+    (``kv_serve.CHAT_TEMPLATES``) or a Jinja file replaces the model's. mlx-lm finds the
+    tool-call parser from the template as it does for a model's own.
     """
     from mlx_lm.utils import load
 
     if dtype not in _DTYPES:
         raise UnsupportedModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    choice = str(chat_template)
+    template = None if choice in ("auto", "none") else resolve_chat_template(choice)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     text = str(name_or_path)
     sha: str | None = None
@@ -80,10 +90,30 @@ def load_model(
         if path.suffix != ".gguf":
             raise UnsupportedModelError(f"{path} is a file but not a .gguf file")
         path = convert_gguf(path, cache, dtype=_DTYPES[dtype], sha256=sha, progress=progress)
+        if choice == "auto" and not _has_own_template(path):
+            template = CHAT_TEMPLATES["gemma3"]
     elif not (path / "config.json").exists():
         raise UnsupportedModelError(f"{path} is a directory without config.json: not a model")
-    loaded = load(str(path))
-    return loaded[0], loaded[1]
+    extra: dict[str, Any] = {}
+    if template is not None:
+        extra["chat_template"] = template.text
+        if template.tool_parser is not None:
+            extra["tool_parser_type"] = template.tool_parser
+    loaded = load(str(path), tokenizer_config=extra or None)
+    tokenizer = loaded[1]
+    if choice == "none":
+        tokenizer._tokenizer.chat_template = None
+    return loaded[0], tokenizer
+
+
+def _has_own_template(model_dir: Path) -> bool:
+    """Whether a model directory's tokenizer files carry a chat template."""
+    if (model_dir / "chat_template.jinja").exists() or (model_dir / "chat_template.json").exists():
+        return True
+    config = model_dir / "tokenizer_config.json"
+    if not config.exists():
+        return False
+    return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
 
 
 def stop_token_ids(tokenizer: Any, model_dir: Path | None = None) -> set[int]:
