@@ -37,7 +37,8 @@ def run_tools(
 
     def load_model(name: str | Path, *, dtype: str = "float32", **kwargs: Any) -> Any:
         loads.append(str(name))
-        if str(name) == kv_serve.GEMMA3_270M and dtype == "float32":
+        preloaded = kwargs.get("chat_template", "auto") == "auto"
+        if str(name) == kv_serve.GEMMA3_270M and dtype == "float32" and preloaded:
             return gemma
         return real_load(name, dtype=dtype, **kwargs)
 
