@@ -45,6 +45,7 @@ from kv_protocol import (
 
 from ._engine import build_engine
 from ._load import stop_token_ids
+from ._server_harmony import HarmonyText, harmony_call_grammar, is_harmony
 from ._server_messages import (
     MessageEvents,
     anthropic_error,
@@ -67,7 +68,14 @@ from ._server_text import (
     chat_logprobs,
     completion_logprobs,
 )
-from ._server_tools import ToolCall, ToolCallText, ToolFormat, ToolRequest
+from ._server_tools import (
+    OutputSplitter,
+    ToolCall,
+    ToolCallText,
+    ToolFormat,
+    ToolRequest,
+    split_piece,
+)
 from ._server_worker import (
     EngineWorker,
     Event,
@@ -188,10 +196,15 @@ class _Prepared:
     hidden: frozenset[int]
     #: How the model writes tool calls, when the request's output is searched for them.
     tool_format: ToolFormat | None = None
+    #: The model answers in harmony channels (gpt-oss): every chat output is split.
+    harmony: bool = False
 
-    def tool_text(self) -> ToolCallText | None:
+    def tool_text(self) -> OutputSplitter | None:
         """A splitter of one sequence's output into content and tool calls (or ``None``)."""
         tools = self.request.tools
+        if self.harmony and self.chat:
+            parse = tools is not None and tools.parses
+            return HarmonyText(parse=parse, single=tools is not None and not tools.parallel)
         if self.tool_format is None or tools is None:
             return None
         return ToolCallText(self.tool_format, tools.tools, single=not tools.parallel)
@@ -222,8 +235,9 @@ class _Sequence:
         self.prompt_entries: tuple[TokenLogprob | None, ...] | None = None
         self.finish: str | None = None
         self.started = False
-        #: Splits the output into content and tool calls (chat requests with tools).
-        self.tools: ToolCallText | None = None
+        #: Splits the output into content, reasoning and tool calls (chat requests with
+        #: tools; every chat request on a harmony model).
+        self.tools: OutputSplitter | None = None
 
     def score(self) -> float:
         """Mean log-probability of its tokens under the model (``best_of`` ranks by it)."""
@@ -298,6 +312,7 @@ class KVServer:
         kv_quantization_choice(kv_bits, kv_group_size, kv_quantize)
         self.model_name = model_name
         self.tokenizer = tokenizer
+        self._harmony = is_harmony(tokenizer)
         self.max_context = check_int(max_context, "max_context", minimum=1)
         max_running = check_int(max_running, "max_running", minimum=1)
         max_queued = check_int(max_queued, "max_queued", minimum=0)
@@ -499,7 +514,7 @@ class KVServer:
 
     def _tool_format(self, tools: ToolRequest | None) -> ToolFormat | None:
         """How the served model writes tool calls; a request that needs one it lacks is a 400."""
-        if tools is None or not tools.parses:
+        if tools is None or not tools.parses or self._harmony:
             return None
         tokenizer = self.tokenizer
         parser = getattr(tokenizer, "tool_parser", None)
@@ -521,6 +536,17 @@ class KVServer:
         self, tools: ToolRequest, fmt: ToolFormat | None
     ) -> TokenConstraintFactory | None:
         enforced = tools.enforced
+        if enforced and self._harmony:
+            try:
+                grammar = harmony_call_grammar([(t.name, t.parameters) for t in enforced])
+                return self._grammar_compiler().lark(grammar)
+            except GrammarError as err:
+                raise OpenAIError(
+                    400,
+                    f"tools: a function's parameters cannot be compiled into a grammar: {err}",
+                    param="tools",
+                    code="invalid_json_schema",
+                ) from None
         if not enforced or fmt is None:
             return None
         if not fmt.json:
@@ -619,7 +645,9 @@ class KVServer:
             self._fit(len(tokens), max_tokens, where)
             params = RequestParams(max_tokens=max_tokens, sampling=sampling, stop_tokens=stops)
             prompts.append(_Prompt(tokens, echo_text, skip_special, skip_first, params))
-        return _Prepared(request, prompts, chat, hidden, self._tool_format(request.tools))
+        return _Prepared(
+            request, prompts, chat, hidden, self._tool_format(request.tools), self._harmony
+        )
 
     def _submit(self, prepared: _Prepared) -> tuple[list[_Sequence], asyncio.Queue[Event]]:
         loop = asyncio.get_running_loop()
@@ -777,14 +805,14 @@ class KVServer:
             choice["message"] = {"role": "assistant", "content": text.text}
             splitter = sequence.tools
             if splitter is not None:
-                splitter.push(text.text)
-                splitter.finish()
+                split_piece(splitter, text.text, last=True)
+                message: dict[str, Any] = {"role": "assistant", "content": splitter.content}
+                if splitter.reasoning:
+                    message["reasoning_content"] = splitter.reasoning
                 if splitter.calls:
-                    choice["message"] = {
-                        "role": "assistant",
-                        "content": splitter.content or None,
-                        "tool_calls": [call.openai() for call in splitter.calls],
-                    }
+                    message["content"] = splitter.content or None
+                    message["tool_calls"] = [call.openai() for call in splitter.calls]
+                choice["message"] = message
         else:
             echo = sequence.prompt.echo_text if request.echo else ""
             choice["text"] = echo + text.text
@@ -871,10 +899,11 @@ class KVServer:
             choice["delta"] = {"content": piece} if piece or now > seen else {}
             splitter = sequence.tools
             if splitter is not None:
-                shown, calls = splitter.push(piece)
-                if reason is not None:
-                    shown += splitter.finish()
+                shown, calls = split_piece(splitter, piece, last=reason is not None)
                 delta: dict[str, Any] = {"content": shown} if shown or now > seen else {}
+                thought = splitter.take_reasoning()
+                if thought:
+                    delta["reasoning_content"] = thought
                 if calls:
                     first_index = len(splitter.calls) - len(calls)
                     delta["tool_calls"] = [
@@ -1029,8 +1058,7 @@ class KVServer:
         splitter = sequence.tools
         if splitter is None:
             return sequence.text.text, []
-        splitter.push(sequence.text.text)
-        splitter.finish()
+        split_piece(splitter, sequence.text.text, last=True)
         return splitter.content, list(splitter.calls)
 
     async def _messages_stream(self, prepared: _Prepared, http: Request) -> Response:
@@ -1068,9 +1096,7 @@ class KVServer:
                 calls: list[ToolCall] = []
                 splitter = sequence.tools
                 if splitter is not None:
-                    piece, calls = splitter.push(piece)
-                    if ended:
-                        piece += splitter.finish()
+                    piece, calls = split_piece(splitter, piece, last=ended)
                 chunk = out.text(piece)
                 for call in calls:
                     chunk += out.tool_use(call)

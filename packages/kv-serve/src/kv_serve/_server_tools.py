@@ -15,11 +15,12 @@ import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 __all__ = [
     "Tool",
     "ToolCall",
+    "OutputSplitter",
     "ToolCallText",
     "ToolChoice",
     "ToolError",
@@ -27,6 +28,7 @@ __all__ = [
     "ToolRequest",
     "check_tool_messages",
     "parse_tools",
+    "split_piece",
     "tool_calls_of_message",
 ]
 
@@ -300,6 +302,12 @@ class ToolCallText:
         self._space = ""
         self.calls: list[ToolCall] = []
         self.content = ""
+        #: Always empty: these formats carry no separate reasoning.
+        self.reasoning = ""
+
+    def take_reasoning(self) -> str:
+        """The reasoning added since the last call: none in these formats."""
+        return ""
 
     def push(self, piece: str) -> tuple[str, list[ToolCall]]:
         """The content to send now and the calls that ``piece`` completed."""
@@ -369,6 +377,41 @@ class ToolCallText:
         arguments = parsed.get("arguments", {})
         text = arguments if isinstance(arguments, str) else json.dumps(arguments)
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", parsed["name"], text)
+
+
+class OutputSplitter(Protocol):
+    """Splits a chat sequence's text into content, reasoning and tool calls as it streams.
+
+    :class:`ToolCallText` (calls between markers) and the harmony splitter implement it.
+    """
+
+    calls: list[ToolCall]
+    content: str
+    reasoning: str
+
+    def push(self, piece: str) -> tuple[str, list[ToolCall]]:
+        """The content to show now and the calls ``piece`` completed."""
+        ...
+
+    def finish(self) -> str:
+        """The content still held, at the end of the output."""
+        ...
+
+    def take_reasoning(self) -> str:
+        """The reasoning text added since the last call."""
+        ...
+
+
+def split_piece(splitter: OutputSplitter, piece: str, *, last: bool) -> tuple[str, list[ToolCall]]:
+    """Feed ``piece`` (the output's last with ``last``): the content to show and new calls.
+
+    The calls include any that only the end of the output completes.
+    """
+    before = len(splitter.calls)
+    shown, _ = splitter.push(piece)
+    if last:
+        shown += splitter.finish()
+    return shown, splitter.calls[before:]
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -162,6 +162,14 @@ class GrammarCompiler:
         )
         return self._compile(self._llg.LLMatcher.grammar_from_lark(lark))
 
+    def lark(self, grammar: str) -> TokenConstraintFactory:
+        """A factory of constraints to a grammar in llguidance's Lark dialect.
+
+        Special tokens are written ``<|name|>``. Raises :class:`GrammarError` when it does
+        not compile.
+        """
+        return self._compile(self._llg.LLMatcher.grammar_from_lark(grammar))
+
     def _compile(self, grammar: str) -> TokenConstraintFactory:
         failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(
             grammar, self._tokenizer

@@ -16,6 +16,8 @@ from ._tiny_model_dir import save_tiny_model_dir
 from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
 from ._tiny_tokenizer import (
     TINY_CHAT_TEMPLATE,
+    TINY_HARMONY_CHAT_TEMPLATE,
+    TINY_HARMONY_TOKENS,
     TINY_SPECIAL_TOKENS,
     TINY_TOOL_CHAT_TEMPLATE,
     build_tiny_tokenizer,
@@ -24,6 +26,8 @@ from ._tiny_tokenizer import (
 __all__ = [
     "ARCHITECTURES",
     "TINY_CHAT_TEMPLATE",
+    "TINY_HARMONY_CHAT_TEMPLATE",
+    "TINY_HARMONY_TOKENS",
     "TINY_TOOL_CHAT_TEMPLATE",
     "TINY_SPECIAL_TOKENS",
     "ZOO",

@@ -29,19 +29,21 @@ def save_tiny_model_dir(
     seed: int = 0,
     chat_template: bool = True,
     tools: bool = False,
+    harmony: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a tiny ``arch`` model (fp32, random weights from ``seed``) into ``path``.
 
     Its vocabulary is the tiny tokenizer's; ``eos_token_id`` lists the tokenizer's end ids.
     With ``tools``, its chat template is the tool-calling one (``TINY_TOOL_CHAT_TEMPLATE``),
-    which ``mlx_lm.load`` reads as ``json_tools``.
+    which ``mlx_lm.load`` reads as ``json_tools``; with ``harmony``, gpt-oss's harmony format
+    (``TINY_HARMONY_CHAT_TEMPLATE``).
     ``overrides`` change the architecture's ``ModelArgs`` (``head_dim=64``, say). Returns the
     directory.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(chat_template=chat_template, tools=tools)
+    tokenizer = build_tiny_tokenizer(chat_template=chat_template, tools=tools, harmony=harmony)
     vocab = len(tokenizer)
     model = build_tiny_model(
         arch, window=window, num_layers=num_layers, vocab_size=vocab, seed=seed, **overrides

@@ -15,6 +15,8 @@ from typing import Any
 __all__ = [
     "TINY_CHAT_TEMPLATE",
     "TINY_SPECIAL_TOKENS",
+    "TINY_HARMONY_CHAT_TEMPLATE",
+    "TINY_HARMONY_TOKENS",
     "TINY_TOOL_CHAT_TEMPLATE",
     "build_tiny_tokenizer",
 ]
@@ -57,6 +59,47 @@ TINY_TOOL_CHAT_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}<|assistant|>{%- endif %}"
 )
 
+#: gpt-oss's harmony markers, added after the tiny tokenizer's own tokens (``<|end|>`` is
+#: already one of those).
+TINY_HARMONY_TOKENS = (
+    "<|start|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|return|>",
+    "<|call|>",
+)
+
+#: A chat template in gpt-oss's harmony format: each message ``<|start|>role ... <|message|>
+#: text<|end|>``; the tools as a TypeScript-like ``functions`` namespace in a developer
+#: message; an assistant's answer on the ``final`` channel, a call on ``commentary`` addressed
+#: ``to=functions.NAME`` with ``<|constrain|>json`` and ended by ``<|call|>``; a tool's result
+#: from ``functions.NAME to=assistant``. The generation prompt is ``<|start|>assistant``.
+TINY_HARMONY_CHAT_TEMPLATE = (
+    "{% set ns = namespace(last='') %}"
+    "{% if tools %}<|start|>developer<|message|># Tools\n\nnamespace functions {\n\n"
+    "{% for tool in tools %}{% set f = tool.function if tool.function else tool %}"
+    "{% if f.description %}// {{ f.description }}\n{% endif %}"
+    "type {{ f.name }} = (_: {{ f.parameters | tojson }}) => any;\n\n"
+    "{% endfor %}} // namespace functions<|end|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}"
+    "{% if message.content %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ message.content }}<|end|>{% endif %}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% if call.function %}{% set call = call.function %}{% endif %}"
+    "{% set ns.last = call.name %}"
+    "<|start|>assistant<|channel|>commentary to=functions.{{ call.name }} <|constrain|>json"
+    "<|message|>{{ call.arguments | tojson }}<|call|>"
+    "{% endfor %}"
+    "{% elif message.role == 'tool' %}"
+    "<|start|>functions.{{ ns.last }} to=assistant<|channel|>commentary<|message|>"
+    "{{ message.content }}<|end|>"
+    "{% else %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
 _CORPUS = (
     "The river rises in the hills north of the town and runs south to the sea. "
     "In spring the water is high and fast; the old stone bridge is often closed. "
@@ -89,7 +132,11 @@ def _backend(vocab_size: int) -> Any:
 
 
 def build_tiny_tokenizer(
-    *, vocab_size: int = 320, chat_template: bool = True, tools: bool = False
+    *,
+    vocab_size: int = 320,
+    chat_template: bool = True,
+    tools: bool = False,
+    harmony: bool = False,
 ) -> Any:
     """An mlx-lm ``TokenizerWrapper`` around a byte-level BPE of about ``vocab_size`` tokens.
 
@@ -100,6 +147,9 @@ def build_tiny_tokenizer(
     tokenizer has none (for the "no chat template" paths). With ``tools`` its template is
     :data:`TINY_TOOL_CHAT_TEMPLATE` and the wrapper knows its tool-call markers and parser
     (mlx-lm's ``json_tools``), as :func:`mlx_lm.load` finds them for such a template.
+    With ``harmony`` the :data:`TINY_HARMONY_TOKENS` follow as special tokens, the template is
+    :data:`TINY_HARMONY_CHAT_TEMPLATE` and ``<|return|>`` and ``<|call|>`` end a sequence too
+    (as gpt-oss's generation config has it); mlx-lm knows no parser for it.
     """
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
@@ -112,6 +162,13 @@ def build_tiny_tokenizer(
         additional_special_tokens=list(TINY_SPECIAL_TOKENS[2:]),
     )
     end = TINY_SPECIAL_TOKENS.index("<|end|>")
+    if harmony:
+        hf.add_special_tokens(
+            {"additional_special_tokens": [*TINY_SPECIAL_TOKENS[2:], *TINY_HARMONY_TOKENS]}
+        )
+        hf.chat_template = TINY_HARMONY_CHAT_TEMPLATE
+        ends = hf.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+        return TokenizerWrapper(hf, eos_token_ids=[0, end, *ends])
     if tools:
         from mlx_lm.tool_parsers import json_tools
 
