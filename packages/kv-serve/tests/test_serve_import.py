@@ -25,10 +25,13 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 #: The public names, as the README's API section documents them.
 DOCUMENTED = [
     "BLAS_ENV",
+    "CHAT_TEMPLATES",
     "GEMMA3_270M",
+    "GEMMA3_CHAT_TEMPLATE",
     "GEMMA3_HARD_CODED",
     "BlasError",
     "BlasInfo",
+    "ChatTemplate",
     "Completion",
     "GenerationStats",
     "KVServer",

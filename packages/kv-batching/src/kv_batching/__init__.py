@@ -2,7 +2,8 @@
 
 :class:`DecodeEngine` serves many requests on one model through any ``kv_protocol.KVPool``:
 admission by pool capacity, chunked prefill, one batched decode per step, one pool reservation
-per decode batch and per prefill chunk. :class:`BatchedDecodeContext` is the padding and
+per decode batch and per prefill chunk, and speculative decoding (:class:`SpeculationConfig`,
+:class:`NgramProposer`). :class:`BatchedDecodeContext` is the padding and
 position arithmetic of one batched step; :func:`patch_model_attention` wraps a model's attention
 modules for the paged fast path. Everything else (the scheduler, the runner, the per-layer
 decode caches, the recurrent-state helpers) stays importable from the private modules.
@@ -17,6 +18,7 @@ from ._model_forward import last_position_forward, vocabulary_size
 from ._patching import is_patched, patch_model_attention, unpatch_model_attention
 from ._requests import RequestOutput, RequestStatus
 from ._sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from ._speculative import MAX_SPECULATIVE_TOKENS, NgramProposer, Proposer, SpeculationConfig
 from ._state_cache import StateCacheFactory
 from ._state_snapshots import StateSnapshotStats
 
@@ -24,16 +26,20 @@ __all__ = [
     "DEFAULT_STATE_CACHE_BYTES",
     "FUSED_ROPE_MAP_ERROR",
     "MAX_LOGPROBS",
+    "MAX_SPECULATIVE_TOKENS",
     "BatchedDecodeContext",
     "DecodeEngine",
     "DecodePlan",
     "DecodeRoute",
     "EngineMemoryReport",
     "EngineStats",
+    "NgramProposer",
     "PrefillCacheFactory",
+    "Proposer",
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",
+    "SpeculationConfig",
     "StateCacheFactory",
     "StateSnapshotStats",
     "TokenLogprob",

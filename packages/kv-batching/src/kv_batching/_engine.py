@@ -51,6 +51,7 @@ from ._sampling import (
     log_softmax_top,
 )
 from ._scheduler import Scheduler
+from ._speculative import SpeculationConfig, SpeculationState
 from ._state_cache import (
     StateCacheFactory,
     copy_state_caches,
@@ -195,8 +196,14 @@ class DecodeEngine:
         state_snapshot_interval: int | None = None,
         state_cache_bytes: int | None = None,
         step_snapshots: bool = False,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         max_running = check_int(max_running, "max_running", minimum=1)
+        if speculation is not None and not isinstance(speculation, SpeculationConfig):
+            raise RequestStateError(
+                f"speculation must be a SpeculationConfig or None, got {type(speculation)!r}"
+            )
+        self._speculation = speculation
         if state_budget_bytes is not None:
             state_budget_bytes = check_int(state_budget_bytes, "state_budget_bytes", minimum=1)
         prefill_budget = PrefillBudget(prefill_chunk, prefill_stall=prefill_stall)
@@ -842,14 +849,22 @@ class DecodeEngine:
 
     def _decode(self, produced: dict[int, list[int]]) -> None:
         start = time.perf_counter()
+        rows: list[EngineRequest] | None = None
+        spec = self._speculation
+        if spec is not None and len(self._scheduler.running) <= spec.max_batch:
+            rows = [r for r in list(self._scheduler.running) if not self._speculate(r, produced)]
+            if not rows:
+                self._stats.decode_seconds += time.perf_counter() - start
+                return
         try:
-            reservation = self._scheduler.reserve_decode()
+            reservation = self._scheduler.reserve_decode(rows)
         except Exception as error:
             # The pool raised instead of granting or refusing: nothing was reserved, and
             # each request is tried alone (the group's fallback).
             logger.warning("the decode step's reservation raised %r", error)
             reservation = None
-        batch = list(self._scheduler.running)
+        running = self._scheduler.running
+        batch = list(running) if rows is None else [r for r in rows if r in running]
         if not batch:
             return
         if self._state_layer_ids:
@@ -867,6 +882,127 @@ class DecodeEngine:
             for group in groups:
                 self._decode_group(group, self._scheduler.reserve_rows(group), produced)
         self._stats.record_decode(time.perf_counter() - start, len(batch))
+
+    # ------------------------------------------------------------------ speculation
+
+    def _speculates(self, request: EngineRequest) -> bool:
+        """Whether ``request``'s output is exactly the argmax of the raw logits.
+
+        Only such requests are verified against a proposal: their tokens are then exactly
+        plain decoding's. Sampled, penalised, biased, logprob-reporting and constrained
+        requests decode one token at a time.
+        """
+        params = request.params
+        return (
+            params.temperature == 0
+            and not params.processes_logits
+            and params.logprobs is None
+            and request.constraint is None
+        )
+
+    def _speculate(self, request: EngineRequest, produced: dict[int, list[int]]) -> bool:
+        """A speculative step of ``request``; False when it decodes with the batch instead.
+
+        The request's last token and a proposal of ``k`` tokens run as one chunk of ``k +
+        1`` positions; the longest prefix of the proposal that equals the model's greedy
+        tokens is kept, with the model's token after it. The positions of rejected tokens
+        go back to the pool; a recurrent state is put back as it was and advanced through
+        the kept tokens alone.
+        """
+        config = self._speculation
+        if config is None or not self._speculates(request):
+            return False
+        state = request.speculation
+        if state is None:
+            state = request.speculation = SpeculationState(config.num_tokens)
+        k = min(state.length(), request.max_tokens - len(request.generated) - 1)
+        if k <= 0:
+            return False
+        draft = [int(t) for t in config.proposer.propose(request.prompt + request.generated, k)]
+        draft = draft[:k]
+        if not draft:
+            return False
+        inputs = [request.generated[-1], *draft]
+        try:
+            reservation = self._scheduler.reserve_verify(request, len(inputs))
+        except Exception as error:  # the pool raised: nothing was reserved
+            logger.warning("speculative reservation of request %d raised %r", request.rid, error)
+            return False
+        if reservation is None:
+            return False
+        length = _kv_length(request)
+        before = None if request.states is None else StateSnapshot(request.states, length)
+        try:
+            caches = request_caches(
+                self._num_layers,
+                self._state_layer_ids,
+                request.states or [],
+                lambda layer_id: self._make_prefill_cache(self._pool, reservation, layer_id),
+            )
+            targets = self._runner.verify(inputs, caches)[0].argmax(axis=-1)
+            tic = time.perf_counter()
+            mx.eval(targets, [getattr(c, "cache", []) for c in request.states or []])
+            self._stats.decode_device_seconds += time.perf_counter() - tic
+            greedy = [int(t) for t in cast(list[int], targets.tolist())]
+        except Exception as error:
+            request.states = None if before is None else before.caches()
+            self._scheduler.rollback(reservation)
+            logger.warning("speculative step of request %d failed: %r", request.rid, error)
+            return False
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == greedy[accepted]:
+            accepted += 1
+        emitted = [*draft[:accepted], greedy[accepted]]
+        kept = 0  # tokens emitted before the request finishes
+        for token in emitted:
+            kept += 1
+            if token in request.stop_tokens or len(request.generated) + kept >= request.max_tokens:
+                break
+        try:
+            self._pool.trim_request(request.rid, len(inputs) - kept)
+            if before is not None and kept < len(inputs):
+                self._replay_state(request, before, inputs[:kept])
+        except Exception as error:
+            self._scheduler.fail(request, error)
+            return True
+        state.record(len(draft), accepted, config)
+        self._stats.record_speculation(len(draft), accepted, kept)
+        request.step_snapshot = None
+        if request.hashes is not None:
+            request.hashes.extend(inputs[:kept])
+            self._commit(request, length + kept)
+        for token in emitted[:kept]:
+            self._emit(request, token, produced)
+        return True
+
+    def _replay_state(
+        self, request: EngineRequest, before: StateSnapshot, tokens: list[int]
+    ) -> None:
+        """Put ``request``'s recurrent state back to ``before`` and run ``tokens`` through it.
+
+        The pool holds ``tokens``' positions (already written, with the same K/V): they are
+        given back and reserved again for the chunk that rewrites them.
+        """
+        self._pool.trim_request(request.rid, len(tokens))
+        request.states = before.caches()
+        reservation = self._scheduler.reserve_verify(request, len(tokens))
+        if reservation is None:
+            raise RequestStateError(
+                f"the pool no longer holds room to replay request {request.rid}'s state"
+            )
+        try:
+            caches = request_caches(
+                self._num_layers,
+                self._state_layer_ids,
+                request.states,
+                lambda layer_id: self._make_prefill_cache(self._pool, reservation, layer_id),
+            )
+            self._runner.prefill(tokens, caches)
+            mx.eval(_written_state(caches), [getattr(c, "cache", []) for c in request.states])
+        except BaseException:
+            self._scheduler.rollback(reservation)
+            request.states = before.caches()
+            raise
 
     def _advance(
         self,

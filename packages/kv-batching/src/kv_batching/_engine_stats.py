@@ -55,6 +55,12 @@ class EngineStats:
     decode_fallbacks: int = 0
     #: Prompt tokens not prefilled because their K/V were reused from the prefix cache.
     prefix_hit_tokens: int = 0
+    #: Speculative decoding: verification steps, tokens proposed, accepted of them, and
+    #: tokens emitted by verification steps (also counted in ``decode_tokens``).
+    speculative_steps: int = 0
+    speculative_proposed: int = 0
+    speculative_accepted: int = 0
+    speculative_tokens: int = 0
     window: int | None = DEFAULT_STATS_WINDOW
     queue_length: deque[int] = field(default_factory=deque, repr=False)
     running: deque[int] = field(default_factory=deque, repr=False)
@@ -113,6 +119,21 @@ class EngineStats:
         self.max_decode_batch_size = max(self.max_decode_batch_size, batch_size)
         self.decode_batch_size_total += batch_size
         self.max_decode_step_seconds = max(self.max_decode_step_seconds, seconds)
+
+    def record_speculation(self, proposed: int, accepted: int, emitted: int) -> None:
+        """Account one verification of ``proposed`` tokens that kept ``accepted``."""
+        self.speculative_steps += 1
+        self.speculative_proposed += proposed
+        self.speculative_accepted += accepted
+        self.speculative_tokens += emitted
+        self.decode_tokens += emitted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over proposed tokens of every verification (``None`` before any)."""
+        if not self.speculative_proposed:
+            return None
+        return self.speculative_accepted / self.speculative_proposed
 
     @property
     def decode_host_seconds(self) -> float:

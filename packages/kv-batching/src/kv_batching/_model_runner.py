@@ -108,6 +108,25 @@ class ModelRunner:
             for wrapper in self._wrappers:
                 wrapper.prefill_attention = None
 
+    def verify(self, tokens: Sequence[int], caches: list[Any]) -> mx.array:
+        """Logits (lazy, ``(1, T, vocab)``) of every position of one request's ``tokens``.
+
+        A speculative step: the request's last token and a proposal, run through its
+        per-layer ``caches`` as a prefill chunk is, projected at every position (with
+        ``decode_forward``'s head order when given: it is the faster one for a few rows).
+        """
+        chunk = mx.array(list(tokens), dtype=mx.int32)[None]
+        model_caches = self.nesting.nest(caches)
+        for wrapper in self._wrappers:
+            wrapper.prefill_attention = self.prefill_attention
+        try:
+            forward = self.decode_forward if self.decode_forward is not None else self.model
+            logits: mx.array = forward(chunk, cache=model_caches)
+            return logits
+        finally:
+            for wrapper in self._wrappers:
+                wrapper.prefill_attention = None
+
     def decode(
         self,
         reservation: Reservation,

@@ -19,6 +19,7 @@ from kv_protocol import (
 )
 
 from ._sampling import SamplingParams, SamplingRow, TokenLogprob
+from ._speculative import SpeculationState
 from ._state_snapshots import StateSnapshot
 
 __all__ = ["EngineRequest", "RequestOutput", "RequestStatus", "RequestTable"]
@@ -54,6 +55,9 @@ class RequestOutput:
     error: BaseException | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    #: Speculative decoding: tokens proposed for this request and accepted of them.
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class EngineRequest:
@@ -78,6 +82,7 @@ class EngineRequest:
         "prompt_set",
         "rid",
         "seed",
+        "speculation",
         "states",
         "status",
         "step_snapshot",
@@ -113,6 +118,8 @@ class EngineRequest:
         #: ``states`` before the last decode step (``step_snapshots`` only): what
         #: ``DecodeEngine.restore`` puts back to undo that step.
         self.step_snapshot: StateSnapshot | None = None
+        #: Its speculative decoding (proposal length, counts), once it has speculated.
+        self.speculation: SpeculationState | None = None
         #: The prefix cache's hashes of the tokens whose K/V the request writes (prefix
         #: caching only): made once at its first admission, extended as it decodes.
         self.hashes: TokenHashes | None = None
@@ -178,6 +185,8 @@ class EngineRequest:
             self.error,
             None if self.logprobs is None else tuple(self.logprobs),
             None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
+            0 if self.speculation is None else self.speculation.proposed,
+            0 if self.speculation is None else self.speculation.accepted,
         )
 
 

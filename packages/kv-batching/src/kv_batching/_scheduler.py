@@ -202,15 +202,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decisions
 
-    def reserve_decode(self) -> Reservation | None:
+    def reserve_decode(self, rows: Sequence[EngineRequest] | None = None) -> Reservation | None:
         """The decode step's reservation: one more token for every running request.
 
-        Preempts (the prefilling request first, then the newest running one) or finishes a
-        lone request that cannot fit, until the pool grants the batch; ``None`` when no
-        request is left running.
+        ``rows``: only these running requests (the others already took their step). Preempts
+        (the prefilling request first, then the newest running one) or finishes a lone
+        request that cannot fit, until the pool grants the batch; ``None`` when no request
+        (of ``rows``) is left running.
         """
         while self.running:
-            reservation = self.pool.try_reserve_batch({r.rid: 1 for r in self.running})
+            batch = self.running if rows is None else [r for r in rows if r in self.running]
+            if not batch:
+                return None
+            reservation = self.pool.try_reserve_batch({r.rid: 1 for r in batch})
             if reservation is not None:
                 return reservation
             if self.prefilling is not None:
@@ -240,6 +244,15 @@ class Scheduler:
                 return reservation
             n //= 2
         return None
+
+    def reserve_verify(self, request: EngineRequest, n: int) -> Reservation | None:
+        """``n`` positions for a running request's speculative step, or ``None``.
+
+        With room left for one more token of each other running request; never preempts
+        (without the room the request decodes one token as usual).
+        """
+        headroom = {r.rid: 1 for r in self.running if r is not request}
+        return self.pool.try_reserve_batch({request.rid: n}, headroom=headroom, page_tables=False)
 
     def rollback(self, reservation: Reservation) -> None:
         """Undo a reservation of a step that failed: its requests go back to where they were."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from kv_batching import DecodeEngine
+from kv_batching import DecodeEngine, NgramProposer, SpeculationConfig
 from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool, required_bytes
@@ -135,6 +135,8 @@ def build_engine(
     state_snapshot_interval: int | None = None,
     state_cache_bytes: int | None = None,
     step_snapshots: bool = False,
+    speculative: str | SpeculationConfig | None = None,
+    num_speculative_tokens: int = 4,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -174,7 +176,13 @@ def build_engine(
     groups of ``kv_group_size`` (32, 64 or 128) along ``head_dim``, sliding-window layers
     included, for the layer kinds ``kv_quantize`` names (``all``, ``full`` or ``sliding``).
     Decode and prefill read them dequantized; the fused RoPE kernel is not used on them.
+
+    ``speculative="ngram"`` turns on speculative decoding with prompt lookup
+    (:class:`kv_batching.NgramProposer`), proposals of up to ``num_speculative_tokens``
+    (1 .. 16) tokens; a :class:`kv_batching.SpeculationConfig` sets every part of it. Greedy
+    requests then emit up to that many tokens more per step, the same tokens as without it.
     """
+    speculation = speculation_config(speculative, num_speculative_tokens)
     layout = layout_from_model(model)
     use_prefix = bool(prefix_caching)
     if pool is None:
@@ -212,4 +220,23 @@ def build_engine(
         state_snapshot_interval=state_snapshot_interval,
         state_cache_bytes=state_cache_bytes,
         step_snapshots=step_snapshots,
+        speculation=speculation,
+    )
+
+
+#: The proposers ``build_engine(speculative=...)`` and ``--speculative`` take by name.
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def speculation_config(
+    speculative: str | SpeculationConfig | None, num_speculative_tokens: int = 4
+) -> SpeculationConfig | None:
+    """The engine's speculation for ``build_engine``'s ``speculative`` argument."""
+    if speculative is None or isinstance(speculative, SpeculationConfig):
+        return speculative
+    if speculative == "ngram":
+        return SpeculationConfig(proposer=NgramProposer(), num_tokens=num_speculative_tokens)
+    raise RequestStateError(
+        f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, a SpeculationConfig or "
+        f"None, got {speculative!r}"
     )

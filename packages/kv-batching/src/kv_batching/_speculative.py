@@ -1,0 +1,146 @@
+"""Speculative decoding: proposers, the settings, and each request's adaptive proposal length.
+
+A :class:`Proposer` guesses the next tokens of a request from its text; the engine scores a
+guess of ``k`` tokens in one forward of ``k + 1`` positions and keeps the longest prefix the
+model agrees with, plus the model's own next token, so greedy output is exactly what plain
+decoding gives. :class:`NgramProposer` is prompt lookup: the last few tokens are searched for
+earlier in the request's own prompt and output, and what followed them there is proposed (no
+second model). Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kv_protocol import check_int
+
+__all__ = [
+    "MAX_SPECULATIVE_TOKENS",
+    "NgramProposer",
+    "Proposer",
+    "SpeculationConfig",
+    "SpeculationState",
+]
+
+#: The most tokens one proposal may hold.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Proposes the continuation of a request's text (an n-gram lookup, a draft model...)."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """At most ``k`` tokens guessed to follow ``tokens`` (the prompt and output so far).
+
+        An empty list proposes nothing: the request decodes one token as usual.
+        """
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class NgramProposer:
+    """Prompt lookup: find the text's last ``n`` tokens earlier in it, propose what followed.
+
+    ``n`` runs from ``max_ngram`` down to ``min_ngram``; the most recent earlier occurrence
+    of the longest suffix that occurs wins, and up to ``k`` of the tokens after it are
+    proposed. Repetitive outputs (rewriting, quoting, code edits) are its workload.
+    """
+
+    max_ngram: int = 4
+    min_ngram: int = 2
+    #: Only the last this many tokens are searched (bounds the host time per step).
+    lookback: int = 4096
+
+    def __post_init__(self) -> None:
+        check_int(self.min_ngram, "min_ngram", minimum=1)
+        check_int(self.max_ngram, "max_ngram", minimum=self.min_ngram)
+        check_int(self.lookback, "lookback", minimum=self.max_ngram + 1)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """What followed the latest earlier occurrence of the text's longest matching suffix."""
+        text = list(tokens[-self.lookback :])
+        size = len(text)
+        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+            suffix = text[size - n :]
+            first = suffix[0]
+            # Latest start first; the suffix itself (start size - n) is not a match.
+            for start in range(size - n - 1, -1, -1):
+                if text[start] == first and text[start : start + n] == suffix:
+                    return text[start + n : start + n + k]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculationConfig:
+    """How the engine speculates.
+
+    ``proposer`` guesses; ``num_tokens`` is the longest proposal (``1 ..
+    MAX_SPECULATIVE_TOKENS``); a request's own length adapts between 1 and it to how much of
+    its proposals the model accepts. ``max_batch``: speculation runs only while at most this
+    many requests decode (each speculating request is verified by a forward of its own, which
+    a large batch's shared decode step does more cheaply). A request that had
+    ``cooldown_after`` proposals in a row wholly rejected stops proposing for ``cooldown``
+    steps.
+    """
+
+    proposer: Proposer
+    num_tokens: int = 4
+    max_batch: int = 2
+    cooldown_after: int = 3
+    cooldown: int = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.proposer, Proposer):
+            raise TypeError(
+                f"proposer must have a propose(tokens, k) method, got {type(self.proposer)!r}"
+            )
+        check_int(self.num_tokens, "num_tokens", minimum=1, maximum=MAX_SPECULATIVE_TOKENS)
+        check_int(self.max_batch, "max_batch", minimum=1)
+        check_int(self.cooldown_after, "cooldown_after", minimum=1)
+        check_int(self.cooldown, "cooldown", minimum=0)
+
+
+class SpeculationState:
+    """One request's speculation: its proposal length, counts and cooldown.
+
+    :meth:`length` is the next proposal's length; :meth:`record` takes a verification's
+    outcome: all accepted grows the length by one (up to the maximum), a partial acceptance
+    sets it to the accepted count plus one, none accepted counts toward a cooldown.
+    """
+
+    __slots__ = ("_k", "_limit", "_misses", "_resting", "accepted", "proposed", "steps")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._k = limit
+        self._misses = 0
+        self._resting = 0
+        #: Proposed and accepted tokens, and verification steps, of this request.
+        self.proposed = 0
+        self.accepted = 0
+        self.steps = 0
+
+    def length(self) -> int:
+        """The next proposal's length (0 while cooling down; the caller then counts a step)."""
+        if self._resting:
+            self._resting -= 1
+            return 0
+        return self._k
+
+    def record(self, proposed: int, accepted: int, config: SpeculationConfig) -> None:
+        """A verification of ``proposed`` tokens kept ``accepted`` of them."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.steps += 1
+        if accepted == proposed:
+            self._k = min(self._limit, self._k + 1)
+            self._misses = 0
+            return
+        self._k = max(1, accepted + 1)
+        self._misses = self._misses + 1 if accepted == 0 else 0
+        if self._misses >= config.cooldown_after:
+            self._misses = 0
+            self._resting = config.cooldown

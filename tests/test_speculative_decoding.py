@@ -1,0 +1,211 @@
+"""Speculative decoding: greedy tokens equal plain decoding's, whatever the proposals.
+
+The oracle is mlx-lm generating each prompt alone with the model's own caches. Proposals come
+from the n-gram proposer (prompt lookup) and from an oracle proposer that knows mlx-lm's
+continuation and corrupts it at a chosen place (so every acceptance length, none to all, is
+exercised). Architectures: full attention (llama), sliding windows (Gemma 3, gpt-oss, Cohere
+2) and recurrent-state hybrids (Qwen3-Next, LFM2, Nemotron-H, Mamba 2). Also: prefix hits,
+preemption, quantized pages, the adaptive length and the bad settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import mlx.nn as nn
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_batching import EngineStats, NgramProposer, SpeculationConfig
+from kv_batching._speculative import SpeculationState
+from kv_protocol import KVCacheError
+from kv_serve import build_engine
+from kv_testing import build_tiny_model, build_zoo_model, mlx_lm_greedy
+
+VOCAB = 128
+BASE = [(7 * j + 1) % VOCAB for j in range(30)]
+#: Prompts whose continuation repeats what came before (n-gram friendly) and one that does not.
+PROMPTS = [
+    BASE + BASE[:20],
+    [(3 * j + 5) % VOCAB for j in range(12)] * 3,
+    [(11 * j + 2) % VOCAB for j in range(23)],
+]
+MAX_TOKENS = 20
+ARCHS = ["llama", "gemma3_text", "gpt_oss", "cohere2", "qwen3_next", "lfm2", "nemotron_h", "mamba2"]
+
+
+#: A gpt-oss of head_dim 64 (quantized pages need heads the quantization groups tile).
+WIDE = "gpt_oss/head_dim=64"
+
+
+@cache
+def model(arch: str) -> nn.Module:
+    if arch == WIDE:
+        return build_tiny_model("gpt_oss", window=8, num_layers=4, vocab_size=VOCAB, head_dim=64)
+    return build_zoo_model(arch)
+
+
+@cache
+def greedy(arch: str, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS) -> tuple[int, ...]:
+    return tuple(mlx_lm_greedy(model(arch), list(prompt), max_tokens))
+
+
+@dataclass
+class OracleProposer:
+    """Proposes mlx-lm's own continuation, wrong from token ``right`` of each proposal on."""
+
+    arch: str
+    right: int = 2
+    proposals: list[int] = field(default_factory=list)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        for prompt in PROMPTS:
+            if list(tokens[: len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                truth = list(greedy(self.arch, tuple(prompt), MAX_TOKENS + 16))[done : done + k]
+                out = [t if i < self.right else (t + 1) % VOCAB for i, t in enumerate(truth)]
+                self.proposals.append(len(out))
+                return out
+        return []
+
+
+def serve(
+    arch: str,
+    speculative: str | SpeculationConfig | None,
+    prompts: Sequence[Sequence[int]] = PROMPTS,
+    **kwargs: Any,
+) -> tuple[list[tuple[int, ...]], EngineStats]:
+    """Each prompt's greedy tokens from one engine (all submitted at once), and its stats."""
+    options: dict[str, Any] = {"page_size": 4, "max_context": 128, **kwargs}
+    with build_engine(model(arch), speculative=speculative, **options) as engine:
+        ids = [engine.submit(list(p), MAX_TOKENS) for p in prompts]
+        out = engine.run()
+        return [tuple(out[i]) for i in ids], engine.stats
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ngram_speculation_gives_mlx_lm_s_tokens(arch: str) -> None:
+    want = [greedy(arch, tuple(p)) for p in PROMPTS]
+    one_at_a_time = SpeculationConfig(proposer=NgramProposer(min_ngram=1), num_tokens=5)
+    got, stats = serve(arch, one_at_a_time, prompts=PROMPTS[:1])
+    assert got == want[:1]
+    batched = SpeculationConfig(proposer=NgramProposer(min_ngram=1), max_batch=3)
+    got, stats = serve(arch, batched)
+    assert got == want
+    assert stats.speculative_steps > 0
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("right", [0, 1, 3, 8])
+def test_every_acceptance_length_keeps_the_tokens(arch: str, right: int) -> None:
+    proposer = OracleProposer(arch, right=right)
+    config = SpeculationConfig(proposer=proposer, num_tokens=6, max_batch=3, cooldown=0)
+    got, stats = serve(arch, config)
+    assert got == [greedy(arch, tuple(p)) for p in PROMPTS]
+    assert stats.speculative_steps > 0 and proposer.proposals
+    rate = stats.acceptance_rate
+    assert rate is not None
+    if right == 0:
+        assert stats.speculative_accepted == 0
+    if right >= 6:
+        # Every proposal right: each step emits its proposal and one more token.
+        assert stats.speculative_accepted == stats.speculative_proposed
+        assert stats.speculative_tokens == stats.speculative_proposed + stats.speculative_steps
+
+
+def test_prefix_hits_preemption_and_quantized_pages() -> None:
+    arch = "gpt_oss"
+    config = SpeculationConfig(proposer=OracleProposer(arch, right=3), num_tokens=4, max_batch=4)
+    prompts = [*PROMPTS, PROMPTS[0], PROMPTS[1]]  # the repeats hit the prefix cache
+    want = [greedy(arch, tuple(p)) for p in prompts]
+    got, stats = serve(arch, config, prompts=prompts, num_pages=24, max_running=4)
+    assert got == want
+    assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.speculative_steps
+    wide = SpeculationConfig(proposer=NgramProposer(min_ngram=1), num_tokens=4, max_batch=8)
+    plain, _ = serve(WIDE, None, prompts=prompts, kv_bits=8)
+    quantized, stats = serve(WIDE, wide, prompts=prompts, kv_bits=8)
+    assert quantized == plain and stats.speculative_steps
+
+
+def test_sampled_and_logprob_requests_decode_one_token_at_a_time() -> None:
+    from kv_batching import SamplingParams
+
+    arch = "llama"
+    config = SpeculationConfig(proposer=OracleProposer(arch, right=8), max_batch=4)
+    with build_engine(model(arch), page_size=4, max_context=128, speculative=config) as engine:
+        sampled = engine.submit(PROMPTS[0], 6, sampling=SamplingParams(temperature=0.8, seed=1))
+        scored = engine.submit(PROMPTS[0], 6, sampling=SamplingParams(logprobs=2))
+        engine.run()
+        assert engine.stats.speculative_steps == 0
+        assert engine.output(sampled).proposed_tokens == 0
+        assert engine.output(scored).tokens == greedy(arch, tuple(PROMPTS[0]), 6)
+    with build_engine(model(arch), page_size=4, max_context=128, speculative=config) as engine:
+        rid = engine.submit(PROMPTS[0], 10)
+        engine.run()
+        out = engine.output(rid)
+        assert out.tokens == greedy(arch, tuple(PROMPTS[0]), 10)
+        assert out.proposed_tokens > 0 and out.accepted_tokens == out.proposed_tokens
+
+
+def test_bad_settings_are_refused_by_name() -> None:
+    with pytest.raises(KVCacheError, match="num_tokens"):
+        SpeculationConfig(proposer=NgramProposer(), num_tokens=0)
+    with pytest.raises(KVCacheError, match="num_tokens"):
+        SpeculationConfig(proposer=NgramProposer(), num_tokens=100)
+    with pytest.raises(TypeError, match="propose"):
+        SpeculationConfig(proposer=object())  # type: ignore[arg-type]
+    with pytest.raises(KVCacheError, match="speculative must be one of ngram"):
+        build_engine(model("llama"), page_size=4, max_context=64, speculative="medusa")
+    with pytest.raises(KVCacheError, match="num_tokens"):
+        build_engine(
+            model("llama"),
+            page_size=4,
+            max_context=64,
+            speculative="ngram",
+            num_speculative_tokens=0,
+        )
+    with pytest.raises(KVCacheError, match="min_ngram"):
+        NgramProposer(min_ngram=0)
+
+
+def lookup_oracle(tokens: list[int], k: int, low: int, high: int) -> list[int]:
+    """Prompt lookup by brute force: the longest suffix, its latest earlier occurrence."""
+    for n in range(high, low - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == suffix]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=40),
+    st.integers(1, 6),
+    st.integers(1, 3),
+    st.integers(0, 2),
+)
+def test_ngram_proposals_equal_a_brute_force_lookup(
+    tokens: list[int], k: int, low: int, extra: int
+) -> None:
+    proposer = NgramProposer(min_ngram=low, max_ngram=low + extra)
+    assert proposer.propose(tokens, k) == lookup_oracle(tokens, k, low, low + extra)
+
+
+def test_the_proposal_length_adapts_and_cools_down() -> None:
+    config = SpeculationConfig(proposer=NgramProposer(), num_tokens=4, cooldown_after=2, cooldown=3)
+    state = SpeculationState(config.num_tokens)
+    assert state.length() == 4
+    state.record(4, 1, config)
+    assert state.length() == 2  # one accepted: propose two next time
+    state.record(2, 2, config)
+    assert state.length() == 3  # all accepted: one more
+    state.record(3, 0, config)
+    state.record(1, 0, config)  # a second wholly rejected proposal in a row: rest
+    assert [state.length() for _ in range(4)] == [0, 0, 0, 1]
+    assert (state.proposed, state.accepted, state.steps) == (10, 3, 4)
