@@ -8,7 +8,7 @@ drop pages while full layers keep every token.
 
 from __future__ import annotations
 
-__all__ = ["LONG_PROMPT_NAMES", "REAL_PROMPTS", "real_prompts"]
+__all__ = ["LONG_PROMPT_NAMES", "PASSAGES", "REAL_PROMPTS", "real_prompts"]
 
 _RIVER = (
     "The river that runs through the old town was once the reason the town existed at all. "
@@ -72,6 +72,9 @@ _LETTER = (
 _NOTES_INTRO = "Here are some notes I wrote down this week, one topic after another.\n\n"
 
 #: The prompts, shortest first (names are stable; the texts may grow, never shrink).
+#: The passages the long prompts are made of, each on its own.
+PASSAGES = (_RIVER, _BREAD, _STARS, _MARKET, _COMPUTER, _LETTER)
+
 REAL_PROMPTS: dict[str, str] = {
     "capital": "The capital of France is",
     "water": "Water boils at a temperature of",

@@ -1,0 +1,193 @@
+"""Benchmark: speculative decoding by prompt lookup against plain decoding, on a real model.
+
+Two workloads of greedy requests on Gemma 3 270M (a base model, so the prompts are
+completions): ``rewrite`` (a passage, then "the same text, copied word for word" and its first
+words: the output repeats the prompt, which n-gram proposals predict) and ``open`` (the
+opening of a story or an essay: open-ended text). Each batch size runs the plain engine, the
+engine with ``speculative="ngram"`` (its default switch: speculation only while at most
+``max_batch`` requests decode) and, for batch sizes above that switch, the same with
+speculation forced on every request (to show where it stops paying); at batch 1, mlx-lm's own
+``generate_step`` too (mlx-lm has speculative decoding only with a draft model, and none
+batched). All in one process, same BLAS, modes alternating within each round; reported: the
+median over rounds of generated tokens per second (wall time from submission to the last
+token, prefill included), the speedup over plain, the acceptance rate, and whether every
+request's tokens equal plain decoding's.
+
+    uv run python -m tools.bench_spec
+    uv run python -m tools.bench_spec --batch 1 2 4 16 --markdown docs/results/bench_spec.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kv_batching import NgramProposer, SpeculationConfig
+from kv_serve import active_blas, build_engine, encode_prompt, load_model, stop_token_ids
+from tools.cli_args import ArgumentParser, add_run_options
+from tools.harness import Report
+from tools.real_prompts import PASSAGES
+
+__all__ = ["OPENINGS", "main", "workload"]
+
+#: Open-ended openings (the ``open`` workload), one per request (cycled).
+OPENINGS = (
+    "Once upon a time, in a small village by the mountains,",
+    "The most important invention of the last hundred years is",
+    "When I was a child, my grandmother used to tell me",
+    "There are three reasons why cities should plant more trees. First,",
+    "The history of the bicycle begins in",
+    "On the morning of the storm, the harbour was",
+    "A good teacher is someone who",
+    "The first thing you notice when you walk into the old library is",
+)
+
+
+def workload(tokenizer: Any, name: str, n: int) -> list[list[int]]:
+    """``n`` prompts of workload ``name`` (``rewrite`` or ``open``), cycling their sources."""
+    prompts = []
+    for i in range(n):
+        if name == "rewrite":
+            passage = PASSAGES[i % len(PASSAGES)]
+            head = " ".join(passage.split()[:3])
+            text = f"Text: {passage}\n\nThe same text, copied word for word:\n\nText: {head}"
+        else:
+            text = OPENINGS[i % len(OPENINGS)]
+        prompts.append(encode_prompt(tokenizer, text))
+    return prompts
+
+
+@dataclass
+class Run:
+    """One mode's run of one batch: its tokens, wall time and speculation counters."""
+
+    tokens: list[list[int]]
+    seconds: float
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def rate(self) -> float:
+        """Generated tokens per second of wall time."""
+        return sum(len(t) for t in self.tokens) / self.seconds
+
+
+def run_engine(
+    model: Any,
+    prompts: list[list[int]],
+    max_out: int,
+    stops: set[int],
+    speculation: SpeculationConfig | None,
+) -> Run:
+    """All ``prompts`` submitted at once to a fresh engine, run to the end."""
+    with build_engine(
+        model,
+        max_running=len(prompts),
+        max_context=1024,
+        prefix_caching=False,
+        speculative=speculation,
+    ) as engine:
+        start = time.perf_counter()
+        ids = [engine.submit(p, max_out, stop_tokens=stops) for p in prompts]
+        out = engine.run()
+        seconds = time.perf_counter() - start
+        stats = engine.stats
+        return Run(
+            [out[i] for i in ids], seconds, stats.speculative_proposed, stats.speculative_accepted
+        )
+
+
+def run_mlx_lm(model: Any, prompts: list[list[int]], max_out: int, stops: set[int]) -> Run:
+    """mlx-lm's ``generate_step``, greedy, one prompt after the other."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        out: list[int] = []
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_out):
+            out.append(int(token))
+            if out[-1] in stops:
+                break
+        tokens.append(out)
+    return Run(tokens, time.perf_counter() - start)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m tools.bench_spec``."""
+    parser = ArgumentParser(prog="python -m tools.bench_spec", description=__doc__)
+    parser.add_argument("--model", default="gemma3-270m", help="the model (gemma3-270m)")
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=[1, 4, 16], help="batch sizes (1 4 16)"
+    )
+    parser.add_argument("--max-out", type=int, default=64, help="tokens per request (64)")
+    parser.add_argument("--tokens", type=int, default=4, help="the longest proposal, 1..16 (4)")
+    parser.add_argument(
+        "--workload", nargs="+", choices=("rewrite", "open"), default=["rewrite", "open"]
+    )
+    add_run_options(parser, quick="batch 1 and 4, 32 tokens, one round", rounds=2)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.batch, args.max_out, args.rounds = [1, 4], 32, 1
+    results = Report("Speculative decoding (prompt lookup)")
+    with results.capturing():
+        _run(args)
+    results.write(args.markdown, prog="tools.bench_spec", argv=argv)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
+    model, tokenizer = load_model(args.model)
+    stops = stop_token_ids(tokenizer)
+    default = SpeculationConfig(proposer=NgramProposer(), num_tokens=args.tokens)
+    print(f"BLAS: {active_blas().describe()}; model {args.model}, greedy, {args.max_out} tokens")
+    print()
+    print(
+        "| workload | batch | mode | tok/s | vs plain | accepted / proposed | same tokens |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    for name in args.workload:
+        for batch in args.batch:
+            prompts = workload(tokenizer, name, batch)
+            modes: dict[str, Any] = {"plain": None, "ngram": default}
+            if batch > default.max_batch:
+                modes[f"ngram, forced (max_batch={batch})"] = SpeculationConfig(
+                    proposer=NgramProposer(), num_tokens=args.tokens, max_batch=batch
+                )
+            if batch == 1:
+                modes["mlx-lm generate_step"] = "mlx-lm"
+            runs: dict[str, list[Run]] = {mode: [] for mode in modes}
+            for r in range(args.rounds):
+                order = list(modes) if r % 2 == 0 else list(reversed(modes))
+                for mode in order:
+                    config = modes[mode]
+                    if config == "mlx-lm":
+                        runs[mode].append(run_mlx_lm(model, prompts, args.max_out, stops))
+                    else:
+                        runs[mode].append(run_engine(model, prompts, args.max_out, stops, config))
+            plain_rate = statistics.median(run.rate for run in runs["plain"])
+            reference = runs["plain"][0].tokens
+            for mode, done in runs.items():
+                rate = statistics.median(run.rate for run in done)
+                proposed = sum(run.proposed for run in done)
+                accepted = sum(run.accepted for run in done)
+                share = f"{accepted} / {proposed}" if proposed else "-"
+                same = all(run.tokens == reference for run in done)
+                print(
+                    f"| {name} | {batch} | {mode} | {rate:.1f} | {rate / plain_rate:.2f}x | "
+                    f"{share} | {'yes' if same else 'NO'} |"
+                )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
