@@ -915,6 +915,8 @@ class DecodeEngine:
         state = request.speculation
         if state is None:
             state = request.speculation = SpeculationState(config.num_tokens)
+        if not state.pays_at(len(self._scheduler.running)):
+            return False
         k = min(state.length(), request.max_tokens - len(request.generated) - 1)
         if k <= 0:
             return False

@@ -130,6 +130,17 @@ class SpeculationState:
             return 0
         return self._k
 
+    def pays_at(self, batch: int) -> bool:
+        """Whether this request's speculation pays beside ``batch - 1`` others decoding.
+
+        A verification costs about one forward; in a batch of ``batch`` the request's share
+        of a plain step is ``1 / batch`` of one, so its verifications must emit ``batch + 1``
+        tokens on average (before any, it is given the chance).
+        """
+        if batch <= 1 or not self.steps:
+            return True
+        return 1 + self.accepted / self.steps >= batch + 1
+
     def record(self, proposed: int, accepted: int, config: SpeculationConfig) -> None:
         """A verification of ``proposed`` tokens kept ``accepted`` of them."""
         self.proposed += proposed

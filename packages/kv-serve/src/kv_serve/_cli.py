@@ -237,6 +237,19 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     _add_chat_template_argument(srv)
     srv.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        default=None,
+        help="speculative decoding: ngram (prompt lookup: greedy requests emit several "
+        "tokens a step when their output repeats their text; the same tokens as without)",
+    )
+    srv.add_argument(
+        "--num-speculative-tokens",
+        type=_int_in(1, 16),
+        default=None,
+        help="the longest proposal, 1..16 (4); with --speculative",
+    )
+    srv.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
@@ -434,6 +447,8 @@ def _serve(args: argparse.Namespace) -> int:
         kv_quantize=args.kv_quantize,
         state_snapshot_interval=args.state_snapshot_interval,
         state_cache_bytes=None if args.state_cache_mib is None else args.state_cache_mib * 2**20,
+        speculative=args.speculative,
+        num_speculative_tokens=_speculative_tokens(args),
     )
     progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
     server.serve(args.host, args.port, log_level=args.log_level)
@@ -448,6 +463,11 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _speculative_tokens(args: argparse.Namespace) -> int:
+    """``--num-speculative-tokens`` (4 by default; :func:`main` refuses it alone)."""
+    return 4 if args.num_speculative_tokens is None else int(args.num_speculative_tokens)
 
 
 def _add_chat_template_argument(parser: argparse.ArgumentParser) -> None:
@@ -470,7 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_fast_blas()
     from kv_protocol import KVCacheError
 
-    args = parser().parse_args(argv)
+    commands = parser()
+    args = commands.parse_args(argv)
+    if getattr(args, "num_speculative_tokens", None) is not None and not args.speculative:
+        commands.error("--num-speculative-tokens needs --speculative (it sizes its proposals)")
     try:
         status: int = args.handler(args)
         return status

@@ -282,8 +282,9 @@ class KVServer:
     ``prefill_stall`` bounds how long a prompt's prefill may hold up the streams decoding
     beside it, ``kv_bits`` / ``kv_group_size`` / ``kv_quantize`` store the pool's pages
     quantized, and ``state_snapshot_interval`` / ``state_cache_bytes`` govern the recurrent
-    state snapshots that let models with STATE layers reuse prefixes (see
-    :func:`kv_serve.build_engine`; a bad value fails :meth:`start`, where the engine is built).
+    state snapshots that let models with STATE layers reuse prefixes, and ``speculative`` /
+    ``num_speculative_tokens`` turn on speculative decoding (see :func:`kv_serve.build_engine`;
+    a bad value fails :meth:`start`, where the engine is built).
     """
 
     def __init__(
@@ -306,6 +307,8 @@ class KVServer:
         kv_quantize: str = "all",
         state_snapshot_interval: int | None = None,
         state_cache_bytes: int | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
         make_engine: Callable[[], DecodeEngine] | None = None,
     ) -> None:
         # Refuse a bad quantization here, not later on the engine thread.
@@ -335,6 +338,8 @@ class KVServer:
                     kv_quantize=kv_quantize,
                     state_snapshot_interval=state_snapshot_interval,
                     state_cache_bytes=state_cache_bytes,
+                    speculative=speculative,
+                    num_speculative_tokens=num_speculative_tokens,
                 )
 
         self.worker = EngineWorker(make_engine, max_queued=max_queued)
@@ -1187,6 +1192,15 @@ class KVServer:
             "# HELP kv_serve_state_snapshot_hits_total Requests that resumed from a snapshot.",
             "# TYPE kv_serve_state_snapshot_hits_total counter",
             f"kv_serve_state_snapshot_hits_total {snap.state_snapshot_hits}",
+            "# HELP kv_serve_speculative_steps_total Speculative steps (a proposal verified).",
+            "# TYPE kv_serve_speculative_steps_total counter",
+            f"kv_serve_speculative_steps_total {snap.speculative_steps}",
+            "# HELP kv_serve_speculative_proposed_tokens_total Tokens proposed for verification.",
+            "# TYPE kv_serve_speculative_proposed_tokens_total counter",
+            f"kv_serve_speculative_proposed_tokens_total {snap.speculative_proposed}",
+            "# HELP kv_serve_speculative_accepted_tokens_total Proposed tokens the model kept.",
+            "# TYPE kv_serve_speculative_accepted_tokens_total counter",
+            f"kv_serve_speculative_accepted_tokens_total {snap.speculative_accepted}",
             "# HELP kv_serve_engine_steps_total Engine steps.",
             "# TYPE kv_serve_engine_steps_total counter",
             f"kv_serve_engine_steps_total {snap.steps}",

@@ -155,6 +155,9 @@ class WorkerSnapshot:
     state_snapshot_bytes: int = 0
     state_snapshot_budget_bytes: int = 0
     state_snapshot_hits: int = 0
+    speculative_steps: int = 0
+    speculative_proposed: int = 0
+    speculative_accepted: int = 0
 
 
 @dataclass
@@ -484,6 +487,9 @@ class EngineWorker:
             state_snapshot_bytes=0 if kept is None else kept.bytes,
             state_snapshot_budget_bytes=0 if kept is None else kept.budget_bytes,
             state_snapshot_hits=0 if kept is None else kept.hits,
+            speculative_steps=stats.speculative_steps,
+            speculative_proposed=stats.speculative_proposed,
+            speculative_accepted=stats.speculative_accepted,
         )
         with self._lock:
             self._engine_queued = engine.num_queued

@@ -1,0 +1,165 @@
+"""A state machine over speculative decoding with partial acceptances, preemption and aborts.
+
+Random submit / step / preempt / abort sequences, with proposals right for a drawn number of
+tokens and wrong after, drive an engine serving a model with full, sliding-window and
+recurrent STATE layers on a pool too small for everything. After every rule: each request in
+the pool holds exactly the positions the engine says it has, and in each full-attention
+sub-pool exactly the pages those positions need (rejected positions came back); a sliding
+sub-pool holds no more pages than its window needs. Every finished request's tokens equal
+mlx-lm generating its prompt alone; when everything is done and the prefix cache dropped,
+every page is free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+
+import mlx.nn as nn
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kv_batching import DecodeEngine, RequestStatus, SpeculationConfig
+from kv_pool import HybridKVPool
+from kv_pool._inspect import held_pages
+from kv_serve import build_engine
+from kv_testing import build_zoo_model, mlx_lm_greedy
+
+VOCAB = 128
+PAGE = 4
+BASES = (
+    [(5 * j + 2) % VOCAB for j in range(12)] * 2,
+    [(3 * j + 7) % VOCAB for j in range(20)],
+    [(11 * j + 1) % VOCAB for j in range(9)] * 3,
+)
+
+
+@cache
+def model() -> nn.Module:
+    return build_zoo_model("gear")  # full, sliding (window 8) and state layers
+
+
+@cache
+def greedy(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    return tuple(mlx_lm_greedy(model(), list(prompt), max_tokens))
+
+
+class Oracle:
+    """Proposes mlx-lm's continuation, right for ``right`` tokens and wrong after."""
+
+    def __init__(self) -> None:
+        self.right = 1
+        self.prompts: dict[tuple[int, ...], int] = {}
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        for prompt, max_tokens in self.prompts.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                truth = greedy(prompt, max_tokens)[done : done + k]
+                return [t if i < self.right else (t + 1) % VOCAB for i, t in enumerate(truth)]
+        return []
+
+
+class SpeculationMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.oracle = Oracle()
+        self.engine: DecodeEngine = build_engine(
+            model(),
+            num_pages=18,
+            page_size=PAGE,
+            max_running=3,
+            prefill_chunk=8,
+            state_snapshot_interval=8,
+            speculative=SpeculationConfig(
+                proposer=self.oracle, num_tokens=4, max_batch=3, cooldown=0
+            ),
+        )
+        self.prompts: dict[int, tuple[int, ...]] = {}
+        self.max_tokens: dict[int, int] = {}
+
+    @rule(
+        base=st.integers(0, len(BASES) - 1),
+        cut=st.sampled_from([6, 11, 16, 20]),
+        tail=st.lists(st.integers(0, VOCAB - 1), max_size=3),
+        max_tokens=st.integers(1, 12),
+    )
+    def submit(self, base: int, cut: int, tail: list[int], max_tokens: int) -> None:
+        prompt = (*BASES[base][:cut], *tail)
+        if prompt in self.oracle.prompts:
+            max_tokens = self.oracle.prompts[prompt]
+        self.oracle.prompts[prompt] = max_tokens
+        rid = self.engine.submit(list(prompt), max_tokens)
+        self.prompts[rid] = prompt
+        self.max_tokens[rid] = max_tokens
+
+    @rule(right=st.integers(0, 5))
+    def accuracy(self, right: int) -> None:
+        self.oracle.right = right
+
+    @rule(n=st.integers(1, 4))
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            self.engine.step()
+        self.check_finished()
+
+    @precondition(lambda self: bool(self.engine._scheduler.running))
+    @rule(newest=st.booleans())
+    def preempt(self, newest: bool) -> None:
+        running = self.engine._scheduler.running
+        self.engine._scheduler.preempt(running[-1] if newest else running[0])
+
+    @precondition(lambda self: bool(self.prompts))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.prompts)))
+        self.engine.abort(rid)
+        self.prompts.pop(rid)
+
+    def check_finished(self) -> None:
+        for rid in list(self.prompts):
+            out = self.engine.output(rid)
+            if out.status is RequestStatus.FINISHED:
+                assert out.finish_reason == "length", (rid, out.finish_reason, out.error)
+                want = greedy(self.prompts[rid], self.max_tokens[rid])
+                assert out.tokens == want, (self.prompts[rid], out.tokens, want)
+                self.prompts.pop(rid)
+
+    @invariant()
+    def pages_held_are_pages_needed(self) -> None:
+        pool = self.engine.pool
+        assert isinstance(pool, HybridKVPool)
+        scheduler = self.engine._scheduler
+        expected = {r.rid: len(r.prompt) + len(r.generated) - 1 for r in scheduler.running}
+        if scheduler.prefilling is not None:
+            expected[scheduler.prefilling.rid] = scheduler.prefilling.prefilled
+        for rid, length in expected.items():
+            assert pool.seq_len(rid) == length, (rid, pool.seq_len(rid), length)
+            for spec in pool.sub_pools:
+                held = len(held_pages(pool, rid, spec.name))
+                if spec.window is None:
+                    assert held == -(-length // spec.page_size), (spec.name, held, length)
+                else:
+                    assert held <= -(-spec.window // spec.page_size) + 2, (spec.name, held)
+
+    def teardown(self) -> None:
+        try:
+            self.engine.run()
+            self.check_finished()
+            assert not self.prompts
+            cache_ = self.engine.pool.prefix_cache
+            assert cache_ is not None
+            cache_.drop_cached()  # type: ignore[attr-defined]
+            assert sum(self.engine.pool.memory_report().pages_used.values()) == 0
+        finally:
+            self.engine.close()
+
+
+SpeculationMachine.TestCase.settings = settings(
+    max_examples=30,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_speculation_machine = SpeculationMachine.TestCase
