@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kv_batching import EngineStats, NgramProposer, SpeculationConfig
 from kv_batching._speculative import SpeculationState
 from kv_protocol import KVCacheError
-from kv_serve import build_engine
+from kv_serve import DraftModelProposer, build_engine, draft_speculation
 from kv_testing import build_tiny_model, build_zoo_model, mlx_lm_greedy
 
 VOCAB = 128
@@ -209,3 +209,40 @@ def test_the_proposal_length_adapts_and_cools_down() -> None:
     state.record(1, 0, config)  # a second wholly rejected proposal in a row: rest
     assert [state.length() for _ in range(4)] == [0, 0, 0, 1]
     assert (state.proposed, state.accepted, state.steps) == (10, 3, 4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen3_next"])
+def test_a_draft_model_proposes_and_the_tokens_stay(arch: str) -> None:
+    want = [greedy(arch, tuple(p)) for p in PROMPTS]
+    # The same weights: every proposal is the model's own greedy continuation.
+    twin = draft_speculation(build_zoo_model(arch), model(arch), num_tokens=4, max_batch=3)
+    got, stats = serve(arch, twin)
+    assert got == want
+    assert 0 < stats.speculative_accepted == stats.speculative_proposed
+    # Other weights: mostly wrong proposals, the same tokens.
+    other = draft_speculation(build_zoo_model(arch, seed=7), model(arch), max_batch=3)
+    got, stats = serve(arch, other)
+    assert got == want and stats.speculative_steps > 0
+
+
+def test_the_draft_keeps_its_cache_per_text_and_trims_it() -> None:
+    draft = build_zoo_model("llama")
+    proposer = DraftModelProposer(draft, max_entries=2)
+    text = PROMPTS[0][:20]
+    first = proposer.propose(text, 4)
+    assert first == list(mlx_lm_greedy(draft, text, 4))
+    # The text grew by two accepted tokens and a correction: the kept cache is trimmed.
+    grown = [*text, *first[:2], (first[2] + 1) % VOCAB]
+    assert proposer.propose(grown, 3) == list(mlx_lm_greedy(draft, grown, 3))
+    assert len(proposer._entries) == 1
+    for prompt in PROMPTS:
+        proposer.propose(prompt, 2)
+    assert len(proposer._entries) == 2  # least recently used out
+
+
+def test_a_draft_with_another_vocabulary_is_refused() -> None:
+    from kv_protocol import UnsupportedModelError
+
+    small = build_zoo_model("llama", vocab_size=64)
+    with pytest.raises(UnsupportedModelError, match="draft must share"):
+        draft_speculation(small, model("llama"))

@@ -249,6 +249,10 @@ def test_a_second_greedy_oracle_is_reported(tmp_path: Path) -> None:
         "def reference(model, prompt):\n"
         "    return [t for t, _ in generate_step(prompt, model, max_tokens=8)]\n"
     )
+    # The product may decode (a draft model's proposals); test support may not.
+    product = ws / "packages" / "kv-serve" / "src" / "kv_serve"
+    product.mkdir(parents=True, exist_ok=True)
+    (product / "_draft.py").write_text(f"def propose(model, prompt, n):\n{GREEDY_LOOP}")
     use = "use kv_testing.mlx_lm_greedy (the one mlx-lm greedy oracle)"
     assert check_workspace(ws) == [
         "tests/helpers.py:1: mlx_lm_alone() decodes greedily (an argmax in a loop that calls a "

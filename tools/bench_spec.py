@@ -1,17 +1,17 @@
 """Benchmark: speculative decoding by prompt lookup against plain decoding, on a real model.
 
-Two workloads of greedy requests on Gemma 3 270M (a base model, so the prompts are
-completions): ``rewrite`` (a passage, then "the same text, copied word for word" and its first
-words: the output repeats the prompt, which n-gram proposals predict) and ``open`` (the
-opening of a story or an essay: open-ended text). Each batch size runs the plain engine, the
-engine with ``speculative="ngram"`` (its default switch: speculation only while at most
-``max_batch`` requests decode) and, for batch sizes above that switch, the same with
-speculation forced on every request (to show where it stops paying); at batch 1, mlx-lm's own
-``generate_step`` too (mlx-lm has speculative decoding only with a draft model, and none
-batched). All in one process, same BLAS, modes alternating within each round; reported: the
-median over rounds of generated tokens per second (wall time from submission to the last
-token, prefill included), the speedup over plain, the acceptance rate, and whether every
-request's tokens equal plain decoding's.
+Two workloads of greedy requests on Gemma 3 270M (a base model, so the prompts are completions):
+``rewrite`` (a passage, then "the same text, copied word for word" and its first words: the
+output repeats the prompt, which n-gram proposals predict) and ``open`` (the opening of a story
+or an essay: open-ended text). Each batch size runs the plain engine, the engine with
+``speculative="ngram"`` (its default switch: speculation only while at most ``max_batch``
+requests decode) and, for batch sizes above that switch, the same with speculation forced on
+every request (to show where it stops paying); at batch 1, mlx-lm's own greedy decoding too
+(``kv_testing.mlx_lm_greedy``: mlx-lm's model on its own caches; mlx-lm has speculative decoding
+only with a draft model, and none batched). All in one process, same BLAS, modes alternating
+within each round; reported: the median over rounds of generated tokens per second (wall time
+from submission to the last token, prefill included), the speedup over plain, the acceptance
+rate, and whether every request's tokens equal plain decoding's.
 
     uv run python -m tools.bench_spec
     uv run python -m tools.bench_spec --batch 1 2 4 16 --markdown docs/results/bench_spec.md
@@ -20,7 +20,6 @@ request's tokens equal plain decoding's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Any
 from kv_batching import NgramProposer, SpeculationConfig
 from kv_serve import active_blas, build_engine, encode_prompt, load_model, stop_token_ids
 from tools.cli_args import ArgumentParser, add_run_options
-from tools.harness import Report
+from tools.harness import Report, quantile
 from tools.real_prompts import PASSAGES
 
 __all__ = ["OPENINGS", "main", "workload"]
@@ -102,19 +101,17 @@ def run_engine(
 
 
 def run_mlx_lm(model: Any, prompts: list[list[int]], max_out: int, stops: set[int]) -> Run:
-    """mlx-lm's ``generate_step``, greedy, one prompt after the other."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    """mlx-lm's own greedy decoding on its caches, one prompt after the other.
+
+    ``kv_testing.mlx_lm_greedy`` (mlx-lm's model on mlx-lm's caches, one token a forward,
+    stopping at a stop token).
+    """
+    from kv_testing import mlx_lm_greedy
 
     tokens: list[list[int]] = []
     start = time.perf_counter()
     for prompt in prompts:
-        out: list[int] = []
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_out):
-            out.append(int(token))
-            if out[-1] in stops:
-                break
-        tokens.append(out)
+        tokens.append(list(mlx_lm_greedy(model, prompt, max_out, stop_tokens=stops)))
     return Run(tokens, time.perf_counter() - start)
 
 
@@ -165,7 +162,7 @@ def _run(args: argparse.Namespace) -> None:
                     proposer=NgramProposer(), num_tokens=args.tokens, max_batch=batch
                 )
             if batch == 1:
-                modes["mlx-lm generate_step"] = "mlx-lm"
+                modes["mlx-lm greedy"] = "mlx-lm"
             runs: dict[str, list[Run]] = {mode: [] for mode in modes}
             for r in range(args.rounds):
                 order = list(modes) if r % 2 == 0 else list(reversed(modes))
@@ -175,10 +172,10 @@ def _run(args: argparse.Namespace) -> None:
                         runs[mode].append(run_mlx_lm(model, prompts, args.max_out, stops))
                     else:
                         runs[mode].append(run_engine(model, prompts, args.max_out, stops, config))
-            plain_rate = statistics.median(run.rate for run in runs["plain"])
+            plain_rate = quantile([run.rate for run in runs["plain"]], 0.5)
             reference = runs["plain"][0].tokens
             for mode, done in runs.items():
-                rate = statistics.median(run.rate for run in done)
+                rate = quantile([run.rate for run in done], 0.5)
                 proposed = sum(run.proposed for run in done)
                 accepted = sum(run.accepted for run in done)
                 share = f"{accepted} / {proposed}" if proposed else "-"

@@ -19,6 +19,7 @@ from ._extras import require_extra
 
 if TYPE_CHECKING:
     from ._chat_templates import CHAT_TEMPLATES, GEMMA3_CHAT_TEMPLATE, ChatTemplate
+    from ._draft import DraftModelProposer, draft_speculation
     from ._engine import build_engine, build_kernels, build_pool, pool_backed_cache
     from ._generate import Completion, GenerationStats, TextStream, complete, generate
     from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
@@ -35,6 +36,7 @@ __all__ = [
     "BlasInfo",
     "ChatTemplate",
     "Completion",
+    "DraftModelProposer",
     "GenerationStats",
     "KVServer",
     "RunningServer",
@@ -48,6 +50,7 @@ __all__ = [
     "complete",
     "convert_gguf",
     "default_cache_dir",
+    "draft_speculation",
     "encode_prompt",
     "generate",
     "gguf_sha256",
@@ -63,6 +66,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **dict.fromkeys(
         ("CHAT_TEMPLATES", "GEMMA3_CHAT_TEMPLATE", "ChatTemplate"), ("_chat_templates", None)
     ),
+    **dict.fromkeys(("DraftModelProposer", "draft_speculation"), ("_draft", None)),
     **dict.fromkeys(
         ("build_engine", "build_kernels", "build_pool", "pool_backed_cache"), ("_engine", None)
     ),

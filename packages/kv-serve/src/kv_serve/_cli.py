@@ -244,10 +244,17 @@ def parser() -> argparse.ArgumentParser:
         "tokens a step when their output repeats their text; the same tokens as without)",
     )
     srv.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="speculative decoding with this smaller model's greedy proposals (it must share "
+        "the model's tokenizer); instead of --speculative",
+    )
+    srv.add_argument(
         "--num-speculative-tokens",
         type=_int_in(1, 16),
         default=None,
-        help="the longest proposal, 1..16 (4); with --speculative",
+        help="the longest proposal, 1..16 (4); with --speculative or --draft-model",
     )
     srv.add_argument(
         "--no-prefix-caching",
@@ -447,7 +454,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_quantize=args.kv_quantize,
         state_snapshot_interval=args.state_snapshot_interval,
         state_cache_bytes=None if args.state_cache_mib is None else args.state_cache_mib * 2**20,
-        speculative=args.speculative,
+        speculative=_speculation(args, model, tokenizer, progress),
         num_speculative_tokens=_speculative_tokens(args),
     )
     progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
@@ -463,6 +470,27 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _speculation(
+    args: argparse.Namespace, model: Any, tokenizer: Any, progress: Callable[[str], None]
+) -> Any:
+    """``--speculative`` as given, or a draft model's speculation (``--draft-model``)."""
+    if args.draft_model is None:
+        return args.speculative
+    from kv_protocol import UnsupportedModelError
+
+    from ._draft import draft_speculation
+    from ._load import load_model
+
+    draft, draft_tokenizer = load_model(args.draft_model, dtype=args.dtype, progress=progress)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise UnsupportedModelError(
+            f"the draft model {args.draft_model!r} has another tokenizer than {args.model!r} "
+            "(their vocabularies differ): a draft must share the served model's tokenizer"
+        )
+    progress(f"draft model {args.draft_model} loaded")
+    return draft_speculation(draft, model, num_tokens=_speculative_tokens(args))
 
 
 def _speculative_tokens(args: argparse.Namespace) -> int:
@@ -492,8 +520,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     commands = parser()
     args = commands.parse_args(argv)
-    if getattr(args, "num_speculative_tokens", None) is not None and not args.speculative:
-        commands.error("--num-speculative-tokens needs --speculative (it sizes its proposals)")
+    speculates = bool(getattr(args, "speculative", None) or getattr(args, "draft_model", None))
+    if getattr(args, "num_speculative_tokens", None) is not None and not speculates:
+        commands.error(
+            "--num-speculative-tokens needs --speculative or --draft-model (it sizes their "
+            "proposals)"
+        )
+    if getattr(args, "speculative", None) and getattr(args, "draft_model", None):
+        commands.error("--speculative and --draft-model are two ways to propose: give one")
     try:
         status: int = args.handler(args)
         return status

@@ -34,7 +34,7 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from kv_batching import DecodeEngine, SamplingParams, TokenLogprob
+from kv_batching import DecodeEngine, SamplingParams, SpeculationConfig, TokenLogprob
 from kv_pool import pages_per_request
 from kv_protocol import (
     RequestStateError,
@@ -307,7 +307,7 @@ class KVServer:
         kv_quantize: str = "all",
         state_snapshot_interval: int | None = None,
         state_cache_bytes: int | None = None,
-        speculative: str | None = None,
+        speculative: str | SpeculationConfig | None = None,
         num_speculative_tokens: int = 4,
         make_engine: Callable[[], DecodeEngine] | None = None,
     ) -> None:
