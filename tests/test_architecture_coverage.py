@@ -4,7 +4,8 @@
 ``make_cache()`` and the engine's greedy tokens against mlx-lm generating each prompt alone
 (staggered prompts crossing the window, page sizes 6 and 16, automatic and universal decode
 paths), and prefix hits (``prefix_hits``: a shared start and a conversation's next turn
-reuse cached tokens, state snapshots included, with mlx-lm's tokens). Each architecture
+reuse cached tokens, state snapshots included, with mlx-lm's tokens), and speculative
+decoding with partial acceptances (``speculative``). Each architecture
 must keep the status recorded in ``architecture_support.json`` (the README's table is
 generated from the same run): a supported one that regresses fails, and so does a refused
 one that starts working, until the table is regenerated.
@@ -41,6 +42,7 @@ def test_architecture_keeps_its_recorded_status(name: str) -> None:
         assert row.decode_paths == recorded["decode_paths"]
         assert row.layer_kinds == recorded["layer_kinds"]
         assert row.prefix_hits == recorded["prefix_hits"]
+        assert row.speculative == recorded["speculative"]
 
 
 def test_refusals_name_their_reason() -> None:
@@ -53,3 +55,10 @@ def test_every_supported_architecture_reuses_prefixes() -> None:
     for name, row in RECORDED.items():
         if row["status"] == SUPPORTED:
             assert row["prefix_hits"] == "yes", name
+
+
+def test_every_supported_architecture_speculates_with_mlx_lm_s_tokens() -> None:
+    """Partial acceptances every step: pages trimmed, recurrent states put back and replayed."""
+    for name, row in RECORDED.items():
+        if row["status"] == SUPPORTED:
+            assert row["speculative"] == "yes", name

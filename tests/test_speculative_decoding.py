@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import mlx.nn as nn
 import pytest
@@ -131,17 +131,19 @@ def test_prefix_hits_preemption_and_quantized_pages() -> None:
     assert quantized == plain and stats.speculative_steps
 
 
-def test_sampled_and_logprob_requests_decode_one_token_at_a_time() -> None:
+def test_logprob_requests_decode_one_token_at_a_time() -> None:
     from kv_batching import SamplingParams
 
     arch = "llama"
     config = SpeculationConfig(proposer=OracleProposer(arch, right=8), max_batch=4)
     with build_engine(model(arch), page_size=4, max_context=128, speculative=config) as engine:
-        sampled = engine.submit(PROMPTS[0], 6, sampling=SamplingParams(temperature=0.8, seed=1))
+        penalised = engine.submit(
+            PROMPTS[0], 6, sampling=SamplingParams(temperature=0.8, presence_penalty=0.5)
+        )
         scored = engine.submit(PROMPTS[0], 6, sampling=SamplingParams(logprobs=2))
         engine.run()
         assert engine.stats.speculative_steps == 0
-        assert engine.output(sampled).proposed_tokens == 0
+        assert engine.output(penalised).proposed_tokens == 0
         assert engine.output(scored).tokens == greedy(arch, tuple(PROMPTS[0]), 6)
     with build_engine(model(arch), page_size=4, max_context=128, speculative=config) as engine:
         rid = engine.submit(PROMPTS[0], 10)
@@ -246,3 +248,56 @@ def test_a_draft_with_another_vocabulary_is_refused() -> None:
     small = build_zoo_model("llama", vocab_size=64)
     with pytest.raises(UnsupportedModelError, match="draft must share"):
         draft_speculation(small, model("llama"))
+
+
+class FixedProposer:
+    """Always proposes the same tokens."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        return self.tokens[:k]
+
+
+def test_sampled_speculation_keeps_the_model_s_distribution() -> None:
+    """Chi-square: the first two tokens' joint law equals the model's, a draft in between."""
+    import mlx.core as mx
+
+    from kv_batching import SamplingParams
+
+    vocab, n = 4, 1600
+    tiny = build_zoo_model("llama", vocab_size=vocab, seed=3)
+    prompt = [1, 2, 3, 0, 1, 2]
+
+    def law(tokens: list[int]) -> list[float]:
+        logits = tiny(mx.array([tokens]))[0, -1].astype(mx.float32)
+        return cast(list[float], mx.softmax(logits / 0.9).tolist())
+
+    first = law(prompt)
+    expected = [first[a] * law([*prompt, a])[b] for a in range(vocab) for b in range(vocab)]
+    # Token 2 is proposed after the first: kept with probability p(2), else redrawn without it.
+    config = SpeculationConfig(proposer=FixedProposer([2]), num_tokens=1, max_batch=64)
+    counts = [0] * (vocab * vocab)
+    with build_engine(
+        tiny, page_size=4, max_context=32, max_running=64, speculative=config
+    ) as engine:
+        ids = [
+            engine.submit(prompt, 3, sampling=SamplingParams(temperature=0.9, seed=i))
+            for i in range(n)
+        ]
+        out = engine.run()
+        assert engine.stats.speculative_steps == n
+        assert 0 < engine.stats.speculative_accepted < n
+    for i in ids:
+        a, b = out[i][:2]
+        counts[a * vocab + b] += 1
+    chi2 = sum((c - n * e) ** 2 / (n * e) for c, e in zip(counts, expected, strict=True))
+    # 15 degrees of freedom: 37.7 is the 0.001 critical value.
+    assert chi2 < 37.7, (chi2, counts, [round(n * e) for e in expected])
+    # Seeded: the same seed gives the same tokens again.
+    with build_engine(
+        tiny, page_size=4, max_context=32, max_running=64, speculative=config
+    ) as engine:
+        again = engine.submit(prompt, 3, sampling=SamplingParams(temperature=0.9, seed=7))
+        assert engine.run()[again] == out[ids[7]]

@@ -13,7 +13,10 @@ A supported architecture is also checked for prefix hits (``prefix_hits``): a pr
 prompt sharing part of it and the next turn of its conversation (prompt, answer, more),
 with prefix caching at page sizes 6 and 5 (state snapshots every 12 tokens, then at the
 default interval, which 5 does not divide a power of two of); ``yes`` when the later prompts
-reuse cached tokens and every token equals mlx-lm's.
+reuse cached tokens and every token equals mlx-lm's. And for speculative decoding
+(``speculative``): the staggered prompts decode together with proposals of 4 tokens right for
+2 and wrong after (every step a partial acceptance: pages trimmed, states put back and
+replayed); ``yes`` when every token equals mlx-lm's.
 
     uv run python -m tools.support_table --markdown        # the README's table
     uv run python -m tools.support_table --json tests/architecture_support.json
@@ -56,6 +59,7 @@ class SupportRow:
     status: str
     reason: str = ""
     prefix_hits: str = ""
+    speculative: str = ""
 
 
 def _prompts() -> list[list[int]]:
@@ -174,7 +178,12 @@ def check_architecture(name: str) -> SupportRow:
     row["decode_paths"] = "; ".join(
         f"{kind}: {'/'.join(sorted(paths))}" for kind, paths in sorted(paths_seen.items())
     )
-    return SupportRow(**row, status=SUPPORTED, prefix_hits=check_prefix_hits(model))
+    return SupportRow(
+        **row,
+        status=SUPPORTED,
+        prefix_hits=check_prefix_hits(model),
+        speculative=check_speculation(model),
+    )
 
 
 #: (page size, state snapshot interval or None for the default) of the prefix-hit check.
@@ -224,6 +233,47 @@ def check_prefix_hits(model: Any) -> str:
     return "yes"
 
 
+class _HalfRightProposer:
+    """Proposes mlx-lm's continuation of a known prompt, right for 2 tokens, wrong after."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+        self.proposed = 0
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        for prompt, truth in self.continuations.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                out = [t if i < 2 else (t + 1) % VOCAB for i, t in enumerate(truth[done:][:k])]
+                self.proposed += len(out)
+                return out
+        return []
+
+
+def check_speculation(model: Any) -> str:
+    """``yes`` when speculative decoding keeps mlx-lm's tokens; else ``no: why``."""
+    from kv_batching import SpeculationConfig
+    from kv_serve import build_engine
+    from kv_testing import mlx_lm_greedy
+
+    prompts = _prompts()
+    truth = {tuple(p): mlx_lm_greedy(model, p, MAX_TOKENS + 4) for p in prompts}
+    proposer = _HalfRightProposer(truth)
+    config = SpeculationConfig(proposer=proposer, num_tokens=4, max_batch=len(prompts))
+    try:
+        with build_engine(model, page_size=6, max_context=96, speculative=config) as engine:
+            ids = [engine.submit(p, MAX_TOKENS) for p in prompts]
+            out = engine.run()
+            steps = engine.stats.speculative_steps
+    except Exception as error:
+        return f"no: {_short(error)}"
+    if any(out[i] != truth[tuple(p)][:MAX_TOKENS] for i, p in zip(ids, prompts, strict=True)):
+        return "no: tokens differ from mlx-lm's"
+    if not steps:
+        return "no: nothing was speculated"
+    return "yes"
+
+
 def hybrid_modules() -> list[str]:
     """mlx-lm model modules whose source builds sliding-window or recurrent state caches."""
     import mlx_lm.models
@@ -239,8 +289,8 @@ def markdown(rows: Sequence[SupportRow]) -> str:
     """The support table in Markdown, with the count of supported architectures."""
     lines = [
         "| architecture | mlx-lm module | layers | decode path per kind | BatchGenerator "
-        "| prefix hits | status |",
-        "|---|---|---|---|---|---|---|",
+        "| prefix hits | speculative | status |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         status = r.status if not r.reason else f"{r.status}: {r.reason}"
@@ -248,7 +298,7 @@ def markdown(rows: Sequence[SupportRow]) -> str:
         batch = "yes" if r.mlx_lm_batchable else "no"
         lines.append(
             f"| {r.name} | `{r.module}` | {r.layer_kinds} | {r.decode_paths or '-'} | {batch} "
-            f"| {r.prefix_hits or '-'} | {status} |"
+            f"| {r.prefix_hits or '-'} | {r.speculative or '-'} | {status} |"
         )
     modules = set(hybrid_modules())
     # One row per hybrid mlx-lm module (variants such as plain llama are extra rows).

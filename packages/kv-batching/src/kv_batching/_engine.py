@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -886,18 +887,16 @@ class DecodeEngine:
     # ------------------------------------------------------------------ speculation
 
     def _speculates(self, request: EngineRequest) -> bool:
-        """Whether ``request``'s output is exactly the argmax of the raw logits.
+        """Whether ``request`` may verify proposals: its logits are used as the model gives them.
 
-        Only such requests are verified against a proposal: their tokens are then exactly
-        plain decoding's. Sampled, penalised, biased, logprob-reporting and constrained
-        requests decode one token at a time.
+        Greedy requests then keep exactly plain decoding's tokens; sampled ones (temperature,
+        ``top_k``, ``top_p``, ``min_p``, seeded or not) keep its distribution
+        (:meth:`Sampler.verify_draft`). Penalised, biased, ``min_tokens``,
+        logprob-reporting and constrained requests decode one token at a time.
         """
         params = request.params
         return (
-            params.temperature == 0
-            and not params.processes_logits
-            and params.logprobs is None
-            and request.constraint is None
+            not params.processes_logits and params.logprobs is None and request.constraint is None
         )
 
     def _speculate(self, request: EngineRequest, produced: dict[int, list[int]]) -> bool:
@@ -934,6 +933,7 @@ class DecodeEngine:
             return False
         length = _kv_length(request)
         before = None if request.states is None else StateSnapshot(request.states, length)
+        saved = self._sampler.save()
         try:
             caches = request_caches(
                 self._num_layers,
@@ -941,20 +941,27 @@ class DecodeEngine:
                 request.states or [],
                 lambda layer_id: self._make_prefill_cache(self._pool, reservation, layer_id),
             )
-            targets = self._runner.verify(inputs, caches)[0].argmax(axis=-1)
+            logits = self._runner.verify(inputs, caches)[0]
             tic = time.perf_counter()
-            mx.eval(targets, [getattr(c, "cache", []) for c in request.states or []])
+            mx.eval(logits, [getattr(c, "cache", []) for c in request.states or []])
             self._stats.decode_device_seconds += time.perf_counter() - tic
-            greedy = [int(t) for t in cast(list[int], targets.tolist())]
+            if request.params.greedy:
+                greedy = [int(t) for t in cast(list[int], logits.argmax(axis=-1).tolist())]
+                accepted = 0
+                while accepted < len(draft) and draft[accepted] == greedy[accepted]:
+                    accepted += 1
+                token = greedy[accepted]
+            else:
+                base = request.sampling_row()
+                rows = [replace(base, generated=base.generated + i) for i in range(len(inputs))]
+                accepted, token = self._sampler.verify_draft(logits, draft, rows)
         except Exception as error:
+            self._sampler.restore(saved)
             request.states = None if before is None else before.caches()
             self._scheduler.rollback(reservation)
             logger.warning("speculative step of request %d failed: %r", request.rid, error)
             return False
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == greedy[accepted]:
-            accepted += 1
-        emitted = [*draft[:accepted], greedy[accepted]]
+        emitted = [*draft[:accepted], token]
         kept = 0  # tokens emitted before the request finishes
         for token in emitted:
             kept += 1

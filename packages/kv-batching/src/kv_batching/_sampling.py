@@ -544,6 +544,49 @@ class Sampler:
             top_logprobs=values,
         )
 
+    def verify_draft(
+        self, logits: mx.array, draft: Sequence[int], rows: Sequence[SamplingRow]
+    ) -> tuple[int, int]:
+        """Speculative sampling of one request: how many ``draft`` tokens stay, and the next.
+
+        ``logits`` ``(k + 1, vocab)`` are the model's at the request's last token and at each
+        of the ``k`` draft tokens; ``rows[i]`` samples position ``i`` (a row without
+        penalties, bias or ``min_tokens``). The draft is deterministic (a proposal, or a
+        draft model's greedy tokens), so token ``i`` stays with probability ``p_i(draft[i])``
+        under the row's own distribution (temperature, ``top_k``, ``top_p``, ``min_p``); at
+        the first one that does not, the next token is drawn from ``p_i`` without it
+        (renormalised), and after a wholly kept draft from ``p_k``: each emitted token is
+        distributed exactly as plain sampling's. A seeded row draws from its own key of each
+        token index (two numbers a position); the others from the sampler's stream.
+        """
+        k = len(draft)
+        cut = _cut(logits.astype(mx.float32), rows)
+        weights = exp_nonpositive(cut - mx.max(cut, axis=-1, keepdims=True))
+        probs = weights / mx.sum(weights, axis=-1, keepdims=True)
+        uniforms = self._pair_uniforms(rows)
+        if k:
+            kept = probs[mx.arange(k), mx.array(list(draft), dtype=mx.int32)]
+            stays = cast(list[bool], (uniforms[:k, 0] < kept).tolist())
+            accepted = next((i for i, ok in enumerate(stays) if not ok), k)
+        else:
+            accepted = 0
+        row = weights[accepted]
+        if accepted < k:
+            row = mx.where(mx.arange(row.shape[-1]) == draft[accepted], 0.0, row)
+        token = cast(list[int], _pick(row[None], uniforms[accepted, 1][None]).tolist())[0]
+        return accepted, token
+
+    def _pair_uniforms(self, rows: Sequence[SamplingRow]) -> mx.array:
+        """``(len(rows), 2)`` uniform numbers: a seeded row's from its token's key."""
+        if rows and rows[0].seed is not None:
+            pairs = [
+                mx.random.uniform(shape=(2,), key=token_key(cast(int, r.seed), r.generated))
+                for r in rows
+            ]
+            return mx.stack(pairs)
+        self._key, key = mx.random.split(self._key)
+        return mx.random.uniform(shape=(len(rows), 2), key=key)
+
     def _draw(
         self,
         processed: mx.array,
