@@ -341,7 +341,6 @@ def _generate(args: argparse.Namespace) -> int:
     import time
 
     from ._generate import GenerationStats, complete, generate
-    from ._load import load_model
 
     def progress(message: str) -> None:
         sys.stderr.write(message + "\n")
@@ -350,15 +349,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ._blas import active_blas
 
     start = time.perf_counter()
-    model, tokenizer = load_model(
-        args.model,
-        dtype=args.dtype,
-        cache_dir=args.cache_dir,
-        progress=progress,
-        chat_template=args.chat_template,
-        weights_bits=args.weights_bits,
-        weights_group_size=args.weights_group_size or 64,
-    )
+    model, tokenizer = _load_model(args, progress)
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
     sampling = {
@@ -421,7 +412,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     require_extra("server")
     from ._blas import active_blas
-    from ._load import load_model
     from ._server import KVServer
 
     def progress(message: str) -> None:
@@ -430,15 +420,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
     start = time.perf_counter()
-    model, tokenizer = load_model(
-        args.model,
-        dtype=args.dtype,
-        cache_dir=args.cache_dir,
-        progress=progress,
-        chat_template=args.chat_template,
-        weights_bits=args.weights_bits,
-        weights_group_size=args.weights_group_size or 64,
-    )
+    model, tokenizer = _load_model(args, progress)
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
     budget = args.kv_budget_mib * 2**20 if args.kv_budget_mib is not None else None
@@ -476,6 +458,21 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _load_model(args: argparse.Namespace, progress: Callable[[str], None]) -> tuple[Any, Any]:
+    """The model and tokenizer the command's options name."""
+    from ._load import load_model
+
+    return load_model(
+        args.model,
+        dtype=args.dtype,
+        cache_dir=args.cache_dir,
+        progress=progress,
+        chat_template=args.chat_template,
+        weights_bits=args.weights_bits,
+        weights_group_size=args.weights_group_size or 64,
+    )
 
 
 def _speculation(

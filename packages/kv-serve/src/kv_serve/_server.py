@@ -541,35 +541,24 @@ class KVServer:
         self, tools: ToolRequest, fmt: ToolFormat | None
     ) -> TokenConstraintFactory | None:
         enforced = tools.enforced
-        if enforced and self._harmony:
-            try:
-                grammar = harmony_call_grammar([(t.name, t.parameters) for t in enforced])
-                return self._grammar_compiler().lark(grammar)
-            except GrammarError as err:
-                raise OpenAIError(
-                    400,
-                    f"tools: a function's parameters cannot be compiled into a grammar: {err}",
-                    param="tools",
-                    code="invalid_json_schema",
-                ) from None
-        if not enforced or fmt is None:
+        if not enforced or (fmt is None and not self._harmony):
             return None
-        if not fmt.json:
+        if fmt is not None and not fmt.json:
             raise OpenAIError(
                 400,
                 f"tool_choice {tools.choice!r} is enforced with a grammar of JSON tool calls "
-                f"(<tool_call>{{...}}</tool_call>, Hermes / Qwen style); {self.model_name!r} "
-                f"writes them as {fmt.start}...{fmt.end}, which it cannot enforce",
+                f"(<tool_call>{{...}}</tool_call>, Hermes / Qwen style) or of harmony calls; "
+                f"{self.model_name!r} writes them as {fmt.start}...{fmt.end}, which it cannot "
+                "enforce",
                 param="tool_choice",
                 code="unsupported_parameter",
             )
-        grammars = self._grammar_compiler()
+        functions = [(t.name, t.parameters) for t in enforced]
         try:
-            return grammars.tool_calls(
-                [(t.name, t.parameters) for t in enforced],
-                start=fmt.start,
-                end=fmt.end,
-                parallel=tools.parallel,
+            if fmt is None:  # harmony
+                return self._grammar_compiler().lark(harmony_call_grammar(functions))
+            return self._grammar_compiler().tool_calls(
+                functions, start=fmt.start, end=fmt.end, parallel=tools.parallel
             )
         except GrammarError as err:
             raise OpenAIError(
