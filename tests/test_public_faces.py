@@ -33,6 +33,7 @@ FACES: dict[str, set[str]] = {
         "NgramProposer",
         "PrefillCacheFactory",
         "Proposer",
+        "RankAgreement",
         "RequestOutput",
         "RequestStatus",
         "SamplingParams",

@@ -9,6 +9,7 @@ modules for the paged fast path. Everything else (the scheduler, the runner, the
 decode caches, the recurrent-state helpers) stays importable from the private modules.
 """
 
+from ._agreement import RankAgreement
 from ._context import FUSED_ROPE_MAP_ERROR, BatchedDecodeContext
 from ._decode_paths import DecodePlan
 from ._decode_step import DecodeRoute
@@ -36,6 +37,7 @@ __all__ = [
     "NgramProposer",
     "PrefillCacheFactory",
     "Proposer",
+    "RankAgreement",
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",

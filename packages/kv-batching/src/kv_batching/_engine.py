@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, cast
@@ -33,6 +34,7 @@ from kv_protocol import (
     layout_from_model,
 )
 
+from ._agreement import RankAgreement
 from ._cache_nesting import CacheNesting
 from ._constraints import collect_token_masks
 from ._decode_paths import DecodePlan, choose_decode_paths
@@ -169,6 +171,11 @@ class DecodeEngine:
     resumes from a copy of it (see :mod:`kv_batching._state_snapshots`). ``step_snapshots``
     keeps each running request's state before its last decode step for :meth:`restore`.
 
+    On tensor-parallel ranks (a model sharded over ``mx.distributed``) every rank runs its
+    own engine with the same requests; ``agreement`` (a :class:`RankAgreement`) makes each
+    step's sampled tokens and prefill budget the leader rank's, the only decisions not
+    fixed by the requests themselves. Speculative decoding is refused together with it.
+
     Bounded memory for long-running callers (a server): the engine keeps every request it was
     given until :meth:`release` forgets a finished one (its output is read once, then
     dropped), and :attr:`stats` keeps its per-step series over the last ``stats_window``
@@ -198,12 +205,19 @@ class DecodeEngine:
         state_cache_bytes: int | None = None,
         step_snapshots: bool = False,
         speculation: SpeculationConfig | None = None,
+        agreement: RankAgreement | None = None,
     ) -> None:
         max_running = check_int(max_running, "max_running", minimum=1)
         if speculation is not None and not isinstance(speculation, SpeculationConfig):
             raise RequestStateError(
                 f"speculation must be a SpeculationConfig or None, got {type(speculation)!r}"
             )
+        if speculation is not None and agreement is not None:
+            raise RequestStateError(
+                "speculative decoding does not run on tensor-parallel ranks (speculation= "
+                "and agreement= together); serve with one of them"
+            )
+        self._agreement = agreement
         self._speculation = speculation
         if state_budget_bytes is not None:
             state_budget_bytes = check_int(state_budget_bytes, "state_budget_bytes", minimum=1)
@@ -276,7 +290,7 @@ class DecodeEngine:
         if self._state_layer_ids:
             # Known before the first admission, so a state budget holds from the start.
             self._scheduler.state_bytes_per_request = request_state_bytes(model, model_layout)
-        self._sampler = Sampler(seed)
+        self._sampler = Sampler(seed, agree=None if agreement is None else agreement.tokens)
         self._num_layers = model_layout.num_layers
         #: Prompt positions one chunk computes full-vocabulary logits for (prompt logprobs):
         #: about 64 MiB of float32 logits.
@@ -678,6 +692,24 @@ class DecodeEngine:
             state_budget_bytes=scheduler.state_budget_bytes,
             state_snapshots=None if self._snapshots is None else self._snapshots.stats(),
         )
+
+    def fingerprint(self) -> int:
+        """A 31-bit hash of the scheduling state.
+
+        It covers which requests run, prefill and wait, how long each is, and the pages each
+        sub-pool has in use. Engines that were given the same requests and made the same
+        decisions have the same fingerprint (tensor-parallel ranks compare theirs to catch a
+        divergence).
+        """
+        scheduler = self._scheduler
+        prefilling = scheduler.prefilling
+        state = (
+            [(r.rid, r.prefilled, len(r.generated)) for r in scheduler.running],
+            None if prefilling is None else (prefilling.rid, prefilling.prefilled),
+            [r.rid for r in scheduler.queue],
+            sorted(self._pool.memory_report().pages_used.items()),
+        )
+        return zlib.crc32(repr(state).encode()) & 0x7FFFFFFF
 
     @property
     def state_snapshot_interval(self) -> int | None:
@@ -1269,6 +1301,8 @@ class DecodeEngine:
     def _prefill(self, produced: dict[int, list[int]], decode_seconds: float | None) -> None:
         scheduler = self._scheduler
         budget = self._prefill_budget.tokens(decode_seconds)
+        if self._agreement is not None:
+            budget = self._agreement.prefill_budget(budget)
         while budget > 0:
             request = scheduler.prefilling
             if request is None:

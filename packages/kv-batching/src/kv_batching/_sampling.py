@@ -24,7 +24,7 @@ operations, whatever mix of fields the rows ask for:
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, cast
@@ -500,10 +500,13 @@ class Sampler:
 
     Rows without a seed draw from the sampler's own stream (seeded once); a step that is
     rolled back puts the stream back with :meth:`restore` so a retry samples the same.
+    ``agree`` (tensor-parallel ranks) replaces each batch's sampled tokens with the leader
+    rank's before anything reads them.
     """
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, *, agree: Callable[[mx.array], mx.array] | None = None) -> None:
         self._key = mx.random.key(seed)
+        self._agree = agree
 
     def save(self) -> mx.array:
         """The stream's state now (for :meth:`restore`)."""
@@ -529,6 +532,8 @@ class Sampler:
         sampled = [b for b, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             tokens = self._draw(processed, tokens, rows, sampled)
+        if self._agree is not None:
+            tokens = self._agree(tokens)
         asking = [b for b, r in enumerate(rows) if r.params.logprobs is not None]
         if not asking:
             return SampledTokens(tokens=tokens)

@@ -24,7 +24,10 @@ if TYPE_CHECKING:
     from ._generate import Completion, GenerationStats, TextStream, complete, generate
     from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
     from ._load import GEMMA3_270M, default_cache_dir, encode_prompt, load_model, stop_token_ids
+    from ._lockstep import LockstepEngine
+    from ._ranks import RANK_LOST_EXIT, RankGroup, RankLostError, init_ranks
     from ._server import KVServer, RunningServer, ServerMetrics
+    from ._sharding import shard_model
 
 __all__ = [
     "BLAS_ENV",
@@ -32,6 +35,7 @@ __all__ = [
     "GEMMA3_270M",
     "GEMMA3_CHAT_TEMPLATE",
     "GEMMA3_HARD_CODED",
+    "RANK_LOST_EXIT",
     "BlasError",
     "BlasInfo",
     "ChatTemplate",
@@ -39,6 +43,9 @@ __all__ = [
     "DraftModelProposer",
     "GenerationStats",
     "KVServer",
+    "LockstepEngine",
+    "RankGroup",
+    "RankLostError",
     "RunningServer",
     "ServerMetrics",
     "TextStream",
@@ -54,10 +61,12 @@ __all__ = [
     "encode_prompt",
     "generate",
     "gguf_sha256",
+    "init_ranks",
     "load_fast_blas",
     "load_model",
     "pool_backed_cache",
     "read_gguf_tensor",
+    "shard_model",
     "stop_token_ids",
 ]
 
@@ -83,6 +92,11 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         ("_load", None),
     ),
     **dict.fromkeys(("KVServer", "RunningServer", "ServerMetrics"), ("_server", "server")),
+    "LockstepEngine": ("_lockstep", None),
+    **dict.fromkeys(
+        ("RANK_LOST_EXIT", "RankGroup", "RankLostError", "init_ranks"), ("_ranks", None)
+    ),
+    "shard_model": ("_sharding", None),
 }
 
 

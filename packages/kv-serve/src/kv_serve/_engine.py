@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Callable
+from typing import Any
+
 import mlx.nn as nn
 
 from kv_batching import DecodeEngine, NgramProposer, SpeculationConfig
@@ -15,12 +19,16 @@ from kv_protocol import (
     KVPool,
     RequestStateError,
     Reservation,
+    UnsupportedModelError,
     attention_module,
     check_int,
     find_layers,
     kv_quantization_choice,
     layout_from_model,
 )
+
+from ._lockstep import LockstepEngine
+from ._ranks import STARTUP_TIMEOUT, RankGroup
 
 __all__ = ["build_engine", "build_kernels", "build_pool", "pool_backed_cache"]
 
@@ -137,6 +145,7 @@ def build_engine(
     step_snapshots: bool = False,
     speculative: str | SpeculationConfig | None = None,
     num_speculative_tokens: int = 4,
+    ranks: RankGroup | None = None,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -181,6 +190,12 @@ def build_engine(
     (:class:`kv_batching.NgramProposer`), proposals of up to ``num_speculative_tokens``
     (1 .. 16) tokens; a :class:`kv_batching.SpeculationConfig` sets every part of it. Greedy
     requests then emit up to that many tokens more per step, the same tokens as without it.
+
+    ``ranks`` (this process's :class:`RankGroup`, from :func:`init_ranks`; the model already
+    sharded by :func:`shard_model`) builds one rank's :class:`LockstepEngine` of a
+    tensor-parallel group: the ranks first check that they were given the same layout and
+    settings and agree on the pool's page count (``all_min``), then run in lock step.
+    Speculative decoding is refused with it.
     """
     speculation = speculation_config(speculative, num_speculative_tokens)
     layout = layout_from_model(model)
@@ -204,11 +219,28 @@ def build_engine(
     elif kv_bits is not None:
         raise RequestStateError("give a pool or kv_bits, not both (build the pool quantized)")
     kernels = build_kernels(model, layout, fused_rope=fused_rope)
-    return DecodeEngine(
+    engine_class: Callable[..., DecodeEngine] = DecodeEngine
+    extra: dict[str, Any] = {}
+    if ranks is not None:
+        if speculation is not None:
+            raise RequestStateError(
+                "speculative decoding does not run on tensor-parallel ranks: serve without "
+                "--speculative / --draft-model, or on one rank"
+            )
+        settings: tuple[object, ...] = (max_running, prefill_chunk, seed, decode_path)
+        settings += (prefix_caching, prefill_stall, state_budget_bytes)
+        settings += (state_snapshot_interval, state_cache_bytes)
+        pool = _agree_on_pool(
+            ranks, layout, pool, repr(settings), kv_bits, kv_group_size, kv_quantize
+        )
+        engine_class = LockstepEngine
+        extra["ranks"] = ranks
+    return engine_class(
         model,
         pool,
         kernels,
         pool_backed_cache,
+        **extra,
         max_running=max_running,
         prefill_chunk=prefill_chunk,
         seed=seed,
@@ -221,6 +253,47 @@ def build_engine(
         state_cache_bytes=state_cache_bytes,
         step_snapshots=step_snapshots,
         speculation=speculation,
+    )
+
+
+def _agree_on_pool(
+    ranks: RankGroup,
+    layout: CacheLayout,
+    pool: KVPool,
+    settings: str,
+    kv_bits: int | None,
+    kv_group_size: int,
+    kv_quantize: str,
+) -> KVPool:
+    """The pool every rank of ``ranks`` can hold: the same page count on all (``all_min``).
+
+    First every rank checks that the others serve the same layout with the same engine
+    settings (ranks started with other arguments would never agree on a step).
+    """
+    report = pool.memory_report()
+    described = repr((layout.specs, [(s.name, s.page_size) for s in report.sub_pools], settings))
+    mine = zlib.crc32(described.encode())
+    seen = ranks.all_gather(mine, "comparing the ranks' settings", seconds=STARTUP_TIMEOUT)
+    if len(set(seen)) != 1:
+        raise UnsupportedModelError(
+            f"rank {ranks.rank}: the ranks were started with different models or engine "
+            "settings (every rank must run the same command)"
+        )
+    pages = [s.num_pages for s in report.sub_pools]
+    agreed = ranks.all_min(pages, "agreeing on the pool's page count")
+    if agreed == pages:
+        return pool
+    if not isinstance(pool, HybridKVPool):
+        raise UnsupportedModelError(
+            f"rank {ranks.rank}: its pool holds {pages} pages and another rank's {agreed}; "
+            "give every rank a pool of the same size"
+        )
+    return HybridKVPool(
+        layout,
+        num_pages={s.name: n for s, n in zip(report.sub_pools, agreed, strict=True)},
+        page_size={s.name: s.page_size for s in report.sub_pools},
+        prefix_caching=pool.prefix_cache is not None,
+        kv_quantization=kv_quantization_choice(kv_bits, kv_group_size, kv_quantize),
     )
 
 

@@ -26,7 +26,7 @@ from kv_protocol import TokenConstraint, TokenConstraintFactory, check_int, mask
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-__all__ = ["GrammarCompiler", "GrammarError"]
+__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError"]
 
 
 class GrammarError(ValueError):
@@ -179,9 +179,28 @@ class GrammarCompiler:
         template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             raise GrammarError(template.get_error())
-        words = self._words
+        return CompiledGrammar(grammar, template, self._words)
 
-        def make() -> TokenConstraint:
-            return _MatcherConstraint(template.deep_copy(), words)
+    def grammar(self, text: str) -> TokenConstraintFactory:
+        """A factory of constraints to ``text``, a grammar as :class:`CompiledGrammar` keeps it.
 
-        return make
+        Tensor-parallel followers compile the leader's requests' grammars with it.
+        """
+        return self._compile(text)
+
+
+class CompiledGrammar:
+    """A constraint factory that keeps the grammar it was compiled from.
+
+    ``grammar`` is llguidance's serialized form, so the grammar can be compiled again
+    elsewhere (on another rank).
+    """
+
+    def __init__(self, grammar: str, template: Any, words: int) -> None:
+        self.grammar = grammar
+        self._template = template
+        self._words = words
+
+    def __call__(self) -> TokenConstraint:
+        """A fresh constraint at the start of the grammar."""
+        return _MatcherConstraint(self._template.deep_copy(), self._words)
