@@ -253,6 +253,14 @@ def parser() -> argparse.ArgumentParser:
         "the model's tokenizer); instead of --speculative",
     )
     srv.add_argument(
+        "--rank-timeout",
+        type=_number(1.0, 86400.0),
+        default=None,
+        metavar="SECONDS",
+        help="tensor parallel (started by mlx.launch): how long a rank waits on the others "
+        "before it exits with status 3 (60); only with several ranks",
+    )
+    srv.add_argument(
         "--num-speculative-tokens",
         type=_int_in(1, 16),
         default=None,
@@ -419,10 +427,24 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stderr.flush()
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(name)s: %(message)s")
+    ranks = _ranks(args)
+    if ranks is not None:
+        rank = ranks.rank
+
+        def progress(message: str) -> None:
+            sys.stderr.write(f"rank {rank}: {message}\n")
+            sys.stderr.flush()
+
+        progress(f"rank {rank} of {ranks.size} (tensor parallel; rank 0 serves HTTP)")
     start = time.perf_counter()
     model, tokenizer = _load_model(args, progress)
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
+    if ranks is not None:
+        from ._sharding import shard_model
+
+        shard_model(model, ranks.group)
+        progress(f"model sharded over {ranks.size} ranks")
     budget = args.kv_budget_mib * 2**20 if args.kv_budget_mib is not None else None
     server = KVServer(
         model,
@@ -444,9 +466,15 @@ def _serve(args: argparse.Namespace) -> int:
         state_cache_bytes=None if args.state_cache_mib is None else args.state_cache_mib * 2**20,
         speculative=_speculation(args, model, tokenizer, progress),
         num_speculative_tokens=_speculative_tokens(args),
+        ranks=ranks,
     )
-    progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
-    server.serve(args.host, args.port, log_level=args.log_level)
+    if ranks is not None and not ranks.is_leader:
+        progress("following rank 0")
+        server.follow()
+        progress("rank 0 stopped serving")
+    else:
+        progress(f"serving {server.model_name!r} on http://{args.host}:{args.port}/v1")
+        server.serve(args.host, args.port, log_level=args.log_level)
     # The engine thread has stopped and been joined. MLX used from a thread other than the
     # main one can still abort in its static destructors at interpreter exit ("terminate
     # called without an active exception", ml-explore/mlx#3126), so the command ends the
@@ -458,6 +486,29 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _ranks(args: argparse.Namespace) -> Any:
+    """The tensor-parallel ``RankGroup`` of this process (``None`` alone); bad uses refused."""
+    from kv_protocol import UnsupportedModelError
+
+    from ._ranks import init_ranks
+
+    timeout = 60.0 if args.rank_timeout is None else float(args.rank_timeout)
+    ranks = init_ranks(timeout=timeout)
+    if ranks is None:
+        if args.rank_timeout is not None:
+            raise UnsupportedModelError(
+                "--rank-timeout is for tensor parallel: start kv-serve under mlx.launch (or "
+                "with MLX_HOSTFILE and MLX_RANK) to run several ranks"
+            )
+        return None
+    if args.speculative or args.draft_model:
+        raise UnsupportedModelError(
+            f"rank {ranks.rank}: speculative decoding does not run on tensor-parallel ranks "
+            "(drop --speculative / --draft-model, or serve on one rank)"
+        )
+    return ranks
 
 
 def _load_model(args: argparse.Namespace, progress: Callable[[str], None]) -> tuple[Any, Any]:

@@ -233,6 +233,8 @@ class LockstepEngine(DecodeEngine):
         self._last_message = time.monotonic()
         self._grammars: GrammarSource | None = None
         self._closed = False
+        #: A follower's requests not yet released.
+        self._live: set[int] = set()
 
     @property
     def ranks(self) -> RankGroup:
@@ -340,32 +342,42 @@ class LockstepEngine(DecodeEngine):
 
     def follow(self) -> None:
         """Apply the leader's messages until it closes its engine (followers only)."""
+        while self.follow_step() is not None:
+            pass
+
+    def follow_step(self) -> dict[int, list[int]] | None:
+        """Wait for the leader's next message and apply it; ``None`` once the leader closed.
+
+        Returns the tokens the step produced (as the leader's :meth:`step` does).
+        The events are applied, the fingerprints compared (a mismatch reports the ranks lost
+        and raises :class:`RankLostError`), the step run when the leader ran one, and the
+        requests that finished are released (nobody reads a follower's outputs).
+        """
         ranks = self._ranks
         if ranks.is_leader:
             raise RequestStateError("the leader (rank 0) steps itself; follow() is for followers")
-        live: set[int] = set()
-        while True:
-            message = ranks.broadcast(None, "waiting for the leader's next step")
-            if len(message) < 2:
-                raise self._lost("an empty step message")
-            kind, fingerprint = message[0], message[1]
-            if kind == _SHUTDOWN:
-                return
-            self._apply(_Reader(message[2:]), live)
-            mine = self.fingerprint()
-            if mine != fingerprint:
-                raise self._lost(
-                    f"scheduling diverged from the leader's (fingerprint {mine} against "
-                    f"{fingerprint})"
-                )
-            if kind == _STEP:
-                with ranks.watch("an engine step"):
-                    super().step()
-            for rid in [r for r in live if self.is_finished(r)]:
-                live.discard(rid)
-                self.release(rid)
+        message = ranks.broadcast(None, "waiting for the leader's next step")
+        if len(message) < 2:
+            raise self._lost("an empty step message")
+        kind, fingerprint = message[0], message[1]
+        if kind == _SHUTDOWN:
+            return None
+        self._apply(_Reader(message[2:]))
+        mine = self.fingerprint()
+        if mine != fingerprint:
+            raise self._lost(
+                f"scheduling diverged from the leader's (fingerprint {mine} against {fingerprint})"
+            )
+        produced: dict[int, list[int]] = {}
+        if kind == _STEP:
+            with ranks.watch("an engine step"):
+                produced = super().step()
+        for rid in [r for r in self._live if self.is_finished(r)]:
+            self._live.discard(rid)
+            self.release(rid)
+        return produced
 
-    def _apply(self, reader: _Reader, live: set[int]) -> None:
+    def _apply(self, reader: _Reader) -> None:
         while not reader.done:
             kind = reader.int32()
             if kind == _SUBMIT:
@@ -373,7 +385,7 @@ class LockstepEngine(DecodeEngine):
                 rids = super().submit_n(prompt, max_tokens, n, sampling=params, stop_tokens=stops)
                 if rids[0] != rid:
                     raise self._lost(f"request {rid} of the leader is request {rids[0]} here")
-                live.update(rids)
+                self._live.update(rids)
             elif kind == _ABORT:
                 super().abort(reader.int32())
             else:

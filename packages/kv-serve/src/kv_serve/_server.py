@@ -45,6 +45,8 @@ from kv_protocol import (
 
 from ._engine import build_engine
 from ._load import stop_token_ids
+from ._lockstep import LockstepEngine
+from ._ranks import RankGroup
 from ._server_harmony import HarmonyText, harmony_call_grammar, is_harmony
 from ._server_messages import (
     MessageEvents,
@@ -285,6 +287,12 @@ class KVServer:
     state snapshots that let models with STATE layers reuse prefixes, and ``speculative`` /
     ``num_speculative_tokens`` turn on speculative decoding (see :func:`kv_serve.build_engine`;
     a bad value fails :meth:`start`, where the engine is built).
+
+    ``ranks`` (a :class:`kv_serve.RankGroup`, the model sharded with
+    :func:`kv_serve.shard_model`) serves one tensor-parallel group: rank 0 builds a
+    :class:`kv_serve.LockstepEngine` and serves HTTP as usual, every other rank calls
+    :meth:`follow` instead of :meth:`serve`. ``/metrics`` reports ``kv_serve_world_size`` and
+    the leader's own pool bytes.
     """
 
     def __init__(
@@ -309,6 +317,7 @@ class KVServer:
         state_cache_bytes: int | None = None,
         speculative: str | SpeculationConfig | None = None,
         num_speculative_tokens: int = 4,
+        ranks: RankGroup | None = None,
         make_engine: Callable[[], DecodeEngine] | None = None,
     ) -> None:
         # Refuse a bad quantization here, not later on the engine thread.
@@ -340,8 +349,13 @@ class KVServer:
                     state_cache_bytes=state_cache_bytes,
                     speculative=speculative,
                     num_speculative_tokens=num_speculative_tokens,
+                    ranks=ranks,
                 )
 
+        elif ranks is not None:
+            raise RequestStateError("give ranks= or make_engine=, not both")
+        self.ranks = ranks
+        self._make_engine = make_engine
         self.worker = EngineWorker(make_engine, max_queued=max_queued)
         self.metrics = ServerMetrics()
         self.created = int(time.time())
@@ -366,6 +380,38 @@ class KVServer:
     def stop(self) -> None:
         """Stop the engine thread."""
         self.worker.stop()
+
+    def follow(self) -> None:
+        """Serve as a follower rank: build the engine, apply the leader's steps until it stops.
+
+        For ranks other than 0 of a tensor-parallel group (``ranks``): they answer no HTTP
+        requests; rank 0's server sends them every request and step (see
+        :class:`kv_serve.LockstepEngine`).
+        """
+        if self.ranks is None or self.ranks.is_leader:
+            raise RequestStateError("follow() is for follower ranks (ranks= other than rank 0)")
+        engine = self._make_engine()
+        if not isinstance(engine, LockstepEngine):
+            raise RequestStateError("a follower's engine must be a LockstepEngine")
+        eos = frozenset(t for t in stop_token_ids(self.tokenizer) if t < engine.vocab_size)
+        compilers: list[GrammarCompiler] = []
+
+        def grammar(text: str) -> TokenConstraintFactory:
+            if not compilers:
+                compilers.append(GrammarCompiler(self.tokenizer, engine.vocab_size, eos))
+            return compilers[0].grammar(text)
+
+        engine.set_grammar_source(grammar)
+        logger.info(
+            "rank %d of %d: engine ready, KV pool %d bytes (this rank's heads)",
+            self.ranks.rank,
+            self.ranks.size,
+            engine.memory_report().pool.bytes_total,
+        )
+        try:
+            engine.follow()
+        finally:
+            engine.close()
 
     def serve(self, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> None:
         """Start the engine and serve HTTP on ``host:port`` until interrupted."""
@@ -1135,6 +1181,12 @@ class KVServer:
             "# HELP kv_serve_engine_requests Requests the engine keeps (active, unreleased).",
             "# TYPE kv_serve_engine_requests gauge",
             f"kv_serve_engine_requests {snap.engine_requests}",
+            "# HELP kv_serve_world_size Ranks the model is sharded over (tensor parallel).",
+            "# TYPE kv_serve_world_size gauge",
+            f"kv_serve_world_size {snap.world_size}",
+            "# HELP kv_serve_pool_kv_bytes Bytes of this rank's KV pool (its own KV heads).",
+            "# TYPE kv_serve_pool_kv_bytes gauge",
+            f"kv_serve_pool_kv_bytes {snap.pool_bytes}",
             "# HELP kv_serve_pool_pages_used KV pages in use per sub-pool.",
             "# TYPE kv_serve_pool_pages_used gauge",
         ]

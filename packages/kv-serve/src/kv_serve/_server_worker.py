@@ -24,6 +24,8 @@ from typing import Any
 from kv_batching import DecodeEngine, SamplingParams, TokenLogprob
 from kv_protocol import KVCacheError, PoolMemoryReport
 
+from ._lockstep import LockstepEngine
+
 __all__ = [
     "EngineWorker",
     "Event",
@@ -158,6 +160,10 @@ class WorkerSnapshot:
     speculative_steps: int = 0
     speculative_proposed: int = 0
     speculative_accepted: int = 0
+    #: Ranks of the tensor-parallel group the engine runs on (1: one process).
+    world_size: int = 1
+    #: Bytes of this rank's KV pool (each rank holds the K/V of its own heads).
+    pool_bytes: int = 0
 
 
 @dataclass
@@ -490,6 +496,8 @@ class EngineWorker:
             speculative_steps=stats.speculative_steps,
             speculative_proposed=stats.speculative_proposed,
             speculative_accepted=stats.speculative_accepted,
+            world_size=engine.ranks.size if isinstance(engine, LockstepEngine) else 1,
+            pool_bytes=memory.pool.bytes_total,
         )
         with self._lock:
             self._engine_queued = engine.num_queued
@@ -515,3 +523,8 @@ class EngineWorker:
         with self._lock:
             self._pending_submits = 0
             self._snapshot = WorkerSnapshot(alive=False)
+        try:
+            # Puts the model back and, on tensor-parallel ranks, tells the followers to stop.
+            engine.close()
+        except Exception:
+            logger.exception("closing the engine failed")

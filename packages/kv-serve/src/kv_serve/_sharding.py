@@ -39,6 +39,15 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
     ranks = group.size()
     if ranks == 1:
         return
+    _shard(model, group)
+    # The shards are lazy slices of the full weights: evaluated here, on the thread that
+    # made them, the full weights are freed and another thread (a server's engine thread)
+    # can use them.
+    mx.eval(model.parameters())
+
+
+def _shard(model: nn.Module, group: mx.distributed.Group) -> None:
+    ranks = group.size()
     model_type = _model_type(model)
     if model_type in SHARDED_BY_KV_SERVE:
         _shard_gemma3(model, group)

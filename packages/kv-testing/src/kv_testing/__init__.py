@@ -12,7 +12,7 @@ from ._mlx_lm_zoo import ZOO, ZOO_UNBUILDABLE, ZooEntry, build_zoo_model, zoo_co
 from ._oracle import greedy_continue, mlx_lm_greedy, mlx_lm_states, states_close
 from ._reference_pool import ReferenceBookkeeping, ReferenceKVPool
 from ._stored_kv_caches import stored_kv_caches
-from ._tiny_model_dir import save_tiny_model_dir
+from ._tiny_model_dir import save_tiny_model_dir, save_zoo_model_dir
 from ._tiny_models import ARCHITECTURES, build_tiny_model, tiny_model_config
 from ._tiny_tokenizer import (
     TINY_CHAT_TEMPLATE,
@@ -42,6 +42,7 @@ __all__ = [
     "mlx_lm_greedy",
     "mlx_lm_states",
     "save_tiny_model_dir",
+    "save_zoo_model_dir",
     "states_close",
     "stored_kv_caches",
     "tiny_model_config",

@@ -14,10 +14,11 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ._mlx_lm_zoo import ZOO, build_zoo_model, zoo_config
 from ._tiny_models import build_tiny_model, tiny_model_config
 from ._tiny_tokenizer import build_tiny_tokenizer
 
-__all__ = ["save_tiny_model_dir"]
+__all__ = ["save_tiny_model_dir", "save_zoo_model_dir"]
 
 
 def save_tiny_model_dir(
@@ -52,6 +53,28 @@ def save_tiny_model_dir(
     config = tiny_model_config(
         arch, window=window, num_layers=num_layers, vocab_size=vocab, **overrides
     )
+    config["eos_token_id"] = sorted(int(i) for i in tokenizer.eos_token_ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer._tokenizer.save_pretrained(str(out))
+    return out
+
+
+def save_zoo_model_dir(path: str | Path, name: str, *, seed: int = 0) -> Path:
+    """Write zoo architecture ``name`` (``kv_testing.ZOO``; fp32, random weights from
+    ``seed``) with the tiny tokenizer into ``path``, as :func:`save_tiny_model_dir` does.
+
+    Its weights are ``build_zoo_model(name, seed=seed, vocab_size=len(tokenizer))``'s.
+    Returns the directory.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    vocab = len(tokenizer)
+    model = build_zoo_model(name, seed=seed, vocab_size=vocab)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = zoo_config(name)
+    inner = config["text_config"] if ZOO[name].text_config else config
+    inner["vocab_size"] = vocab
     config["eos_token_id"] = sorted(int(i) for i in tokenizer.eos_token_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer._tokenizer.save_pretrained(str(out))
