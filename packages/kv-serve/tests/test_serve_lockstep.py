@@ -326,4 +326,5 @@ def test_models_that_cannot_be_split_are_refused_whole() -> None:
 def _weights(model: Any) -> list[mx.array]:
     from mlx.utils import tree_flatten
 
-    return [v for _, v in tree_flatten(model.parameters())]
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return [v for _, v in flat]

@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,7 +160,8 @@ def check_group_matches_one_rank(group: Group, *, kv_share: float) -> None:
     async def run() -> list[list[int]]:
         async with httpx.AsyncClient(base_url=group.url, timeout=60) as http:
             cuts = [None, 3, None, None]
-            return list(await asyncio.gather(*(stream(http, b, c) for b, c in zip(bodies, cuts))))
+            streams = (stream(http, b, c) for b, c in zip(bodies, cuts, strict=True))
+            return list(await asyncio.gather(*streams))
 
     got = asyncio.run(run())
     assert got[0] == expected[0]

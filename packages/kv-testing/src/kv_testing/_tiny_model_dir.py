@@ -60,11 +60,11 @@ def save_tiny_model_dir(
 
 
 def save_zoo_model_dir(path: str | Path, name: str, *, seed: int = 0) -> Path:
-    """Write zoo architecture ``name`` (``kv_testing.ZOO``; fp32, random weights from
-    ``seed``) with the tiny tokenizer into ``path``, as :func:`save_tiny_model_dir` does.
+    """Write zoo architecture ``name`` with the tiny tokenizer into ``path``.
 
-    Its weights are ``build_zoo_model(name, seed=seed, vocab_size=len(tokenizer))``'s.
-    Returns the directory.
+    The directory is laid out as :func:`save_tiny_model_dir` lays it out; ``name`` is a
+    ``kv_testing.ZOO`` entry, its weights ``build_zoo_model(name, seed=seed,
+    vocab_size=len(tokenizer))``'s (fp32). Returns the directory.
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
