@@ -202,6 +202,7 @@ POOL_MEMBERS = {
 ENGINE_MEMBERS = {
     "abort",
     "close",
+    "fingerprint",
     "decode_plan",
     "has_work",
     "is_finished",
