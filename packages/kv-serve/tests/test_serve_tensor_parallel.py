@@ -228,6 +228,28 @@ def test_state_hybrid_qwen3_5_two_ranks(tmp_dir: Path) -> None:
     group = start_group(model_dir, tmp_dir)
     try:
         check_group_matches_one_rank(group, kv_share=0.5)
+        # A constrained request: its grammar travels to the follower as text.
+        schema = {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        }
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "yes or no?"}],
+            "max_tokens": 40,
+            "temperature": 0,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": schema},
+            },
+        }
+        answer = httpx.post(group.url + "/v1/chat/completions", json=body, timeout=60).json()
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "stop", answer
+        assert set(json.loads(choice["message"]["content"])) == {"ok"}
+        check_group_matches_one_rank(group, kv_share=0.5)  # both ranks still in step
     finally:
         stop_group(group)
 
