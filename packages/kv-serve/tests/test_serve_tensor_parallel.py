@@ -255,7 +255,7 @@ def test_state_hybrid_qwen3_5_two_ranks(tmp_dir: Path) -> None:
 
 
 def test_a_model_without_a_sharding_rule_is_refused_on_every_rank(tmp_dir: Path) -> None:
-    model_dir = save_tiny_model_dir(tmp_dir / "model", "cohere2")
+    model_dir = save_tiny_model_dir(tmp_dir / "model", "olmo3")
     hosts = tmp_dir / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     command = [sys.executable, "-m", "kv_serve._cli", "serve", "--model", str(model_dir)]
@@ -272,7 +272,7 @@ def test_a_model_without_a_sharding_rule_is_refused_on_every_rank(tmp_dir: Path)
     for process in processes:
         out, _ = process.communicate(timeout=120)
         assert process.returncode == 2, out
-        assert b"cohere2 has no tensor-parallel sharding rule" in out, out
+        assert b"olmo3 layer 0's q_norm normalises across heads" in out, out
 
 
 RANK_SCRIPT = """
@@ -321,3 +321,55 @@ def test_rank_group_agrees_and_a_stuck_peer_ends_the_leader(tmp_dir: Path) -> No
             process.wait(10)
     follower = processes[1].stdout.read().decode() if processes[1].stdout else ""
     assert "tokens [1, 2, 3]" in follower and f"heard [7, {-(2**31)}" in follower
+
+
+PROBE_SCRIPT = """
+import sys
+import mlx.core as mx
+from kv_protocol import UnsupportedModelError
+from kv_serve import init_ranks, shard_model
+import kv_serve._sharding as sharding
+from kv_testing import build_tiny_model, mlx_lm_greedy
+ranks = init_ranks(timeout=20.0)
+arch = sys.argv[1]
+if arch == "olmo3":  # its norms span every head: the rule's check let through
+    sharding._norm_across_heads = lambda attention, head_dim: None
+if arch == "gemma3_text":  # every rank keeps KV head 0: rank 1's queries read the wrong one
+    sharding._splits_kv = lambda kv, ranks: False
+    keep = sharding._keep_rows
+    sharding._keep_rows = lambda projection, start, count: keep(projection, 0, count)
+model = build_tiny_model(arch)
+prompt = list(range(3, 20))
+whole = mlx_lm_greedy(model, prompt, 8)
+try:
+    shard_model(model, ranks.group)
+except UnsupportedModelError as error:
+    print("refused:", error, flush=True)
+    raise SystemExit(0)
+print("same tokens", mlx_lm_greedy(model, prompt, 8) == whole, flush=True)
+"""
+
+
+@pytest.mark.parametrize("arch", ["cohere2", "olmo3", "gemma3_text"])
+def test_the_probe_passes_a_rule_that_fits_and_refuses_one_that_does_not(
+    tmp_dir: Path, arch: str
+) -> None:
+    hosts = tmp_dir / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", PROBE_SCRIPT, arch],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(rank)},
+        )
+        for rank in range(2)
+    ]
+    for process in processes:
+        out, _ = process.communicate(timeout=120)
+        text = out.decode()
+        assert process.returncode == 0, text
+        if arch == "cohere2":  # plain attention and a gated MLP: sharded here, exactly
+            assert "same tokens True" in text, text
+        else:  # rules that do not fit: the probe refuses them on every rank alike
+            assert f"refused: sharding {arch} over 2 ranks changed its logits" in text, text

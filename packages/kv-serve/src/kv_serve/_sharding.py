@@ -1,69 +1,85 @@
 """Tensor-parallel sharding of a model over the ranks of an ``mx.distributed`` group.
 
-A model whose mlx-lm class has ``shard()`` is sharded by it, after checking that its heads
-split evenly (mlx-lm's rules divide the KV heads without looking). Gemma 3 (text), which has
-no rule in mlx-lm, is sharded here: query heads and the MLP split across ranks, and KV heads
-split where the ranks divide them or replicated where they divide the ranks (Gemma 3 270M has
-one KV head: every rank keeps it). Each rank's attention then holds its own KV heads, so a
-pool built from the sharded model holds that rank's share of the K/V bytes.
+A model whose mlx-lm class has ``shard()`` is sharded by it, after checking that its
+attention heads split evenly (mlx-lm's rules divide the KV heads without looking). A model
+without one is sharded here when every decoder layer is plain multi-head attention (``q_proj``
+/ ``k_proj`` / ``v_proj`` / ``o_proj`` linears and head counts the module reads) beside a gated
+MLP (``gate_proj`` / ``up_proj`` / ``down_proj``): Gemma 3, Cohere 2 and their kind. Query heads
+and the MLP split across ranks; KV heads split where the ranks divide them and are replicated
+where they divide the ranks (Gemma 3 270M has one KV head: every rank keeps it). Each rank's
+attention then holds its own KV heads, so a pool built from the sharded model holds that
+rank's share of the K/V bytes.
+
+Either way the result is checked: every rank runs a short probe prompt through the model
+before and after sharding, and unless the logits agree on every rank the model is refused
+(on every rank alike) instead of serving wrong text.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
-from kv_protocol import (
-    LayerKind,
-    UnsupportedModelError,
-    attention_module,
-    find_layers,
-    layout_from_model,
-)
+from kv_protocol import UnsupportedModelError, attention_module, find_layers
 
-__all__ = ["SHARDED_BY_KV_SERVE", "shard_model"]
+__all__ = ["PROBE_TOKENS", "shard_model"]
 
-#: ``model_type`` values this module shards itself (mlx-lm has no ``shard()`` for them).
-SHARDED_BY_KV_SERVE = ("gemma3_text",)
+#: The probe prompt's length (token ids 1 .. PROBE_TOKENS).
+PROBE_TOKENS = 8
+
+#: The largest difference the probe accepts, relative to the logits' largest magnitude.
+_TOLERANCE = {mx.float32: 1e-4, mx.float16: 2e-2, mx.bfloat16: 5e-2}
+
+_QUERY_NAMES = ("n_heads", "num_attention_heads", "num_heads")
+_KV_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
     """Shard ``model`` in place over ``group`` (one share per rank); nothing at one rank.
 
-    Raises ``UnsupportedModelError`` before changing anything when the model has no sharding
-    rule or its heads (or MLP width) cannot be split over ``group.size()`` ranks.
+    Raises ``UnsupportedModelError`` on every rank when the model has no sharding rule, its
+    heads (or MLP width) cannot be split over ``group.size()`` ranks (refused before anything
+    changes), or the sharded model's probe logits differ from the whole model's (the model is
+    then left sharded and must not be used).
     """
     ranks = group.size()
     if ranks == 1:
         return
-    _shard(model, group)
-    # The shards are lazy slices of the full weights: evaluated here, on the thread that
-    # made them, the full weights are freed and another thread (a server's engine thread)
-    # can use them.
-    mx.eval(model.parameters())
-
-
-def _shard(model: nn.Module, group: mx.distributed.Group) -> None:
-    ranks = group.size()
     model_type = _model_type(model)
-    if model_type in SHARDED_BY_KV_SERVE:
-        _shard_gemma3(model, group)
-        return
-    if not callable(getattr(model, "shard", None)):
-        raise UnsupportedModelError(
-            f"{model_type} has no tensor-parallel sharding rule: kv-serve shards models whose "
-            f"mlx-lm class has shard() and {', '.join(SHARDED_BY_KV_SERVE)}"
-        )
-    _check_even_heads(model, model_type, ranks)
+    if callable(getattr(model, "shard", None)):
+        _check_even_heads(model, model_type, ranks)
+        apply = _mlx_lm_rule(model, model_type, group)
+    else:
+        apply = _heads_and_mlp_rule(model, model_type, group)
+    before = _probe(model)
+    apply()
+    # The shards are lazy slices of the full weights: evaluated here, on the thread that made
+    # them, the full weights are freed and another thread (a server's engine thread) can use
+    # them.
+    mx.eval(model.parameters())
+    failure = ""
     try:
-        model.shard(group)
-    except (AssertionError, ValueError) as error:
+        after = _probe(model)
+    except Exception as raised:  # the same on every rank: the rule broke the model's shapes
+        after, failure = before, f"; the sharded model raised {raised!r}"
+    if failure or after.shape != before.shape:
+        error = float("inf")
+    else:
+        scale = max(1.0, _scalar(mx.max(mx.abs(before))))
+        error = _scalar(mx.max(mx.abs(after - before))) / scale
+    tolerance = _TOLERANCE.get(before.dtype, 5e-2)
+    worst = mx.distributed.all_max(mx.array([error], dtype=mx.float32), group=group)
+    worst_error = _scalar(worst)
+    if not worst_error <= tolerance:
         raise UnsupportedModelError(
-            f"mlx-lm could not shard {model_type} over {ranks} ranks: {error}"
-        ) from error
+            f"sharding {model_type} over {ranks} ranks changed its logits on a probe prompt "
+            f"(largest difference {worst_error:.2e} of the largest logit, tolerance "
+            f"{tolerance:.0e}): its sharding rule does not fit this model{failure}"
+        )
 
 
 def _model_type(model: nn.Module) -> str:
@@ -72,81 +88,150 @@ def _model_type(model: nn.Module) -> str:
     return str(name) if name else type(model).__module__.rsplit(".", 1)[-1]
 
 
-def _heads(module: Any) -> tuple[int | None, int | None]:
-    """(query heads, KV heads) of an attention module, where it says."""
-    queries = getattr(module, "n_heads", None) or getattr(module, "num_attention_heads", None)
-    kv = getattr(module, "n_kv_heads", None) or getattr(module, "num_key_value_heads", None)
-    return queries, kv
+def _probe(model: nn.Module) -> mx.array:
+    """The model's logits (float32) for tokens 1 .. PROBE_TOKENS on fresh mlx-lm caches."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = mx.arange(1, PROBE_TOKENS + 1, dtype=mx.int32)[None]
+    logits = cast(mx.array, model(tokens, cache=make_prompt_cache(model))).astype(mx.float32)
+    mx.eval(logits)
+    return logits
+
+
+def _scalar(value: mx.array) -> float:
+    return float(cast(float, value.item()))
+
+
+def _attribute(module: Any, names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if isinstance(getattr(module, n, None), int)), None)
 
 
 def _check_even_heads(model: nn.Module, model_type: str, ranks: int) -> None:
     """mlx-lm's rules split every attention layer's heads ``ranks`` ways: they must divide."""
-    layout = layout_from_model(model)
-    layers = find_layers(model)
-    for spec in layout.specs:
-        if spec.kind is LayerKind.STATE:
-            continue
-        queries, _ = _heads(attention_module(layers[spec.layer_id]))
-        for what, count in (("query", queries), ("KV", spec.n_kv_heads)):
+    for i, layer in enumerate(find_layers(model)):
+        attention = attention_module(layer)
+        if attention is None:
+            continue  # a recurrent layer: mlx-lm's rule shards it
+        for what, names in (("query", _QUERY_NAMES), ("KV", _KV_NAMES)):
+            name = _attribute(attention, names)
+            count = getattr(attention, name) if name else None
             if count is not None and count % ranks:
                 raise UnsupportedModelError(
-                    f"{model_type} layer {spec.layer_id} has {count} {what} heads, which "
-                    f"{ranks} ranks cannot split evenly (mlx-lm's shard() divides them; use a "
-                    f"world size that divides {count})"
+                    f"{model_type} layer {i} has {count} {what} heads, which {ranks} ranks "
+                    f"cannot split evenly (mlx-lm's shard() divides them; use a world size "
+                    f"that divides {count})"
                 )
 
 
-def _shard_gemma3(model: nn.Module, group: mx.distributed.Group) -> None:
+def _mlx_lm_rule(model: nn.Module, model_type: str, group: mx.distributed.Group) -> Any:
+    def apply() -> None:
+        try:
+            model.shard(group)
+        except (AssertionError, ValueError) as error:
+            raise UnsupportedModelError(
+                f"mlx-lm could not shard {model_type} over {group.size()} ranks: {error}"
+            ) from error
+
+    return apply
+
+
+def _heads_and_mlp_rule(model: nn.Module, model_type: str, group: mx.distributed.Group) -> Any:
+    """Check that every layer fits the rule (nothing changed otherwise); return its application."""
     ranks, rank = group.size(), group.rank()
     layers = find_layers(model)
-    # Every check first: a refused model is left whole.
+    rule = (
+        f"{model_type} has no tensor-parallel sharding rule: kv-serve shards models whose "
+        "mlx-lm class has shard(), and models of plain attention (q/k/v/o projections) beside "
+        "a gated MLP (gate/up/down projections)"
+    )
+    plans = []
     for i, layer in enumerate(layers):
-        attention = layer.self_attn
-        queries, kv = attention.n_heads, attention.n_kv_heads
+        attention = attention_module(layer)
+        mlp = getattr(layer, "mlp", None)
+        if attention is None or mlp is None:
+            raise UnsupportedModelError(f"{rule}; layer {i} is not")
+        projections = [
+            getattr(attention, "o_proj", None),
+            *(getattr(mlp, n, None) for n in _MLP_NAMES),
+        ]
+        projections += [attention.q_proj, attention.k_proj, attention.v_proj]
+        if not all(isinstance(p, nn.Linear | nn.QuantizedLinear) for p in projections):
+            raise UnsupportedModelError(f"{rule}; layer {i} is not")
+        query_name, kv_name = _attribute(attention, _QUERY_NAMES), _attribute(attention, _KV_NAMES)
+        if query_name is None or kv_name is None:
+            raise UnsupportedModelError(f"{rule}; layer {i}'s attention names no head counts")
+        queries, kv = int(getattr(attention, query_name)), int(getattr(attention, kv_name))
+        head_dim = _rows(attention.q_proj) // queries
+        across = _norm_across_heads(attention, head_dim)
+        if across is not None:
+            raise UnsupportedModelError(
+                f"{model_type} layer {i}'s {across} normalises across heads: splitting its "
+                "heads would change it, so it has no tensor-parallel sharding rule"
+            )
         if queries % ranks:
             raise UnsupportedModelError(
-                f"gemma3_text layer {i} has {queries} query heads, which {ranks} ranks cannot "
+                f"{model_type} layer {i} has {queries} query heads, which {ranks} ranks cannot "
                 "split evenly"
             )
         if kv % ranks and ranks % kv:
             raise UnsupportedModelError(
-                f"gemma3_text layer {i} has {kv} KV heads: {ranks} ranks can neither split "
+                f"{model_type} layer {i} has {kv} KV heads: {ranks} ranks can neither split "
                 "them evenly nor replicate them (the world size must divide the KV heads or "
                 "be a multiple of them)"
             )
-        width = layer.mlp.gate_proj.weight.shape[0]
+        width = _rows(mlp.gate_proj)
         if width % ranks:
             raise UnsupportedModelError(
-                f"gemma3_text layer {i}'s MLP width {width} does not split over {ranks} ranks"
+                f"{model_type} layer {i}'s MLP width {width} does not split over {ranks} ranks"
             )
-    for layer in layers:
-        attention = layer.self_attn
-        queries, kv = attention.n_heads, attention.n_kv_heads
-        attention.q_proj = shard_linear(attention.q_proj, "all-to-sharded", group=group)
-        attention.o_proj = shard_linear(attention.o_proj, "sharded-to-all", group=group)
-        if kv % ranks == 0:
-            attention.k_proj = shard_linear(attention.k_proj, "all-to-sharded", group=group)
-            attention.v_proj = shard_linear(attention.v_proj, "all-to-sharded", group=group)
-            attention.n_kv_heads = kv // ranks
-        else:
-            # Rank r's query heads r*q/N .. (r+1)*q/N - 1 all read KV head r*kv // N.
-            head = rank * kv // ranks
-            for projection in (attention.k_proj, attention.v_proj):
-                _keep_rows(projection, head * attention.head_dim, attention.head_dim, kv)
-            attention.n_kv_heads = 1
-        attention.n_heads = queries // ranks
-        attention.repeats = attention.n_heads // attention.n_kv_heads
-        mlp = layer.mlp
-        mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
-        mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
-        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+        plans.append((attention, mlp, query_name, kv_name, queries, kv, head_dim))
+
+    def apply() -> None:
+        for attention, mlp, query_name, kv_name, queries, kv, head_dim in plans:
+            attention.q_proj = shard_linear(attention.q_proj, "all-to-sharded", group=group)
+            attention.o_proj = shard_linear(attention.o_proj, "sharded-to-all", group=group)
+            if _splits_kv(kv, ranks):
+                attention.k_proj = shard_linear(attention.k_proj, "all-to-sharded", group=group)
+                attention.v_proj = shard_linear(attention.v_proj, "all-to-sharded", group=group)
+                kept = kv // ranks
+            else:
+                # Rank r's query heads r*q/N .. (r+1)*q/N - 1 all read KV head r*kv // N.
+                head = rank * kv // ranks
+                for projection in (attention.k_proj, attention.v_proj):
+                    _keep_rows(projection, head * head_dim, head_dim)
+                kept = 1
+            setattr(attention, query_name, queries // ranks)
+            setattr(attention, kv_name, kept)
+            if isinstance(getattr(attention, "repeats", None), int):
+                attention.repeats = (queries // ranks) // kept
+            mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+            mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+            mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
+
+    return apply
 
 
-def _keep_rows(projection: nn.Module, start: int, count: int, heads: int) -> None:
+def _splits_kv(kv: int, ranks: int) -> bool:
+    """Whether ``ranks`` split ``kv`` KV heads (else each rank keeps one of them)."""
+    return kv % ranks == 0
+
+
+def _norm_across_heads(attention: Any, head_dim: int) -> str | None:
+    """The name of a query/key norm wider than one head (it would see other ranks' heads)."""
+    for name in ("q_norm", "k_norm"):
+        weight = getattr(getattr(attention, name, None), "weight", None)
+        if isinstance(weight, mx.array) and weight.shape[-1] != head_dim:
+            return name
+    return None
+
+
+def _rows(projection: nn.Module) -> int:
+    """Output features of a (possibly quantized) linear layer."""
+    return int(cast(mx.array, projection.weight).shape[0])
+
+
+def _keep_rows(projection: nn.Module, start: int, count: int) -> None:
     """Keep output rows ``start .. start + count`` of a (possibly quantized) linear layer."""
-    rows = projection.weight.shape[0]
-    if rows % heads:
-        raise UnsupportedModelError(f"a KV projection of {rows} rows does not hold {heads} heads")
     for name in ("weight", "scales", "biases", "bias"):
         value = getattr(projection, name, None)
         if isinstance(value, mx.array):
