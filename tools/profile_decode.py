@@ -12,12 +12,14 @@ its layers' work, the best of ``--repeats``. What the parts do not cover (attent
 pages, norms, RoPE, the pool writes, sampling bookkeeping) is the step minus their sum.
 
 With ``--weights-bits 8`` / ``4`` the model's weights are quantized at load (MLX's affine
-quantization, ``kv_serve.load_model(weights_bits=)``) and only the engine's step is timed,
-beside the same step with fp32 weights (one process, alternating): what quantized weights cost
-or save on this backend.
+quantization, ``kv_serve.load_model(weights_bits=)``), with ``--gguf-kept`` the GGUF's own
+blocks stay quantized (``load_model(gguf_weights="keep")``), and only the engine's step is
+timed, beside the same step with fp32 weights (one process, alternating): what quantized
+weights cost or save on this backend.
 
     uv run python -m tools.profile_decode                    # B = 1, 4, 16
     uv run python -m tools.profile_decode --weights-bits 8 4
+    uv run python -m tools.profile_decode --gguf-kept
     uv run python -m tools.profile_decode --batches 4 --markdown docs/results/profile_decode.md
 """
 
@@ -131,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="compare the engine's step with weights quantized to these bits against fp32",
     )
+    parser.add_argument(
+        "--gguf-kept",
+        action="store_true",
+        help="compare the engine's step with the GGUF's own blocks kept quantized "
+        "(load_model(gguf_weights='keep')) against fp32",
+    )
     add_run_options(parser, quick=None)
     return parser
 
@@ -141,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kv_serve import active_blas, load_fast_blas, load_model
 
     load_fast_blas()
-    if args.weights_bits:
+    if args.weights_bits or args.gguf_kept:
         return _quantized(args)
     model, _ = load_model("gemma3-270m")
     report = Report("Where a decode step of Gemma 3 270M goes")
@@ -182,9 +190,12 @@ def _quantized(args: argparse.Namespace) -> int:
 
     from kv_serve import active_blas, load_model
 
-    models = {"fp32": load_model("gemma3-270m")[0]}
-    for bits in args.weights_bits:
+    models = {"fp32": load_model("gemma3-270m", gguf_weights="dequantize")[0]}
+    for bits in args.weights_bits or []:
         models[f"{bits}-bit"] = load_model("gemma3-270m", weights_bits=bits)[0]
+    if args.gguf_kept:
+        kept = load_model("gemma3-270m", gguf_weights="keep")[0]
+        models["GGUF blocks kept (Q8_0 / Q5_0 / Q4_K; Q6_K as fp32)"] = kept
     report = Report("Where a decode step of Gemma 3 270M goes")
     with report.capturing():
         print(f"BLAS: {active_blas().describe()}; device {mx.default_device()}")

@@ -523,6 +523,7 @@ def _load_model(args: argparse.Namespace, progress: Callable[[str], None]) -> tu
         chat_template=args.chat_template,
         weights_bits=args.weights_bits,
         weights_group_size=args.weights_group_size or 64,
+        gguf_weights=args.gguf_weights,
     )
 
 
@@ -568,6 +569,14 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="weights per quantization group (64); with --weights-bits",
     )
+    parser.add_argument(
+        "--gguf-weights",
+        choices=("auto", "keep", "dequantize"),
+        default="auto",
+        help="a GGUF's quantized blocks: keep those that are exactly MLX affine groups "
+        "(Q8_0, Q4_0/1, Q5_0/1, Q4_K), dequantize them, or auto (the default: keep on a GPU, "
+        "dequantize on the CPU)",
+    )
 
 
 def _add_chat_template_argument(parser: argparse.ArgumentParser) -> None:
@@ -597,6 +606,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands.error(
             "--num-speculative-tokens needs --speculative or --draft-model (it sizes their "
             "proposals)"
+        )
+    if getattr(args, "gguf_weights", "auto") == "keep" and getattr(args, "weights_bits", None):
+        commands.error(
+            "--gguf-weights keep keeps the GGUF's quantization; --weights-bits quantizes float "
+            "weights: give one"
         )
     if getattr(args, "weights_group_size", None) is not None and not args.weights_bits:
         commands.error("--weights-group-size needs --weights-bits (it sizes its groups)")

@@ -27,6 +27,7 @@ import numpy as np
 from kv_protocol import UnsupportedModelError
 
 from ._extras import require_extra
+from ._gguf_quants import GROUP_SIZE, affine_blocks
 
 __all__ = [
     "GEMMA3_HARD_CODED",
@@ -204,15 +205,30 @@ def convert_gguf(
     dtype: mx.Dtype = mx.float32,
     sha256: str | None = None,
     progress: Progress | None = None,
+    keep_quantized: bool = False,
 ) -> Path:
     """Convert a Gemma 3 GGUF into an mlx-lm model directory under ``cache_dir`` (once).
 
-    The directory is keyed by the file's sha256 and the dtype; a finished conversion (marked
-    by ``kv-serve.json``) is reused as it is. Returns the directory.
+    The directory is keyed by the file's sha256, the dtype and ``keep_quantized``; a finished
+    conversion (marked by ``kv-serve.json``) is reused as it is. Returns the directory.
+
+    With ``keep_quantized`` the linear layers and the embedding whose blocks are exactly MLX
+    affine groups of 32 (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q4_K``: see
+    :mod:`kv_serve._gguf_quants`) stay quantized, with float32 scales, and ``config.json``
+    names each one's bits, so mlx-lm loads them as ``QuantizedLinear`` /
+    ``QuantizedEmbedding``; other tensors (``Q6_K``, the norms) are dequantized. It needs
+    ``dtype`` float32 (the exact scales are float32).
     """
+    if keep_quantized and dtype != mx.float32:
+        raise UnsupportedModelError(
+            f"a GGUF kept quantized keeps its exact scales in float32: load it with dtype "
+            f"float32, not {str(dtype).rsplit('.', 1)[-1]} (or dequantize it)"
+        )
     say = progress or (lambda _message: None)
     digest = sha256 or gguf_sha256(path)
     name = str(dtype).rsplit(".", 1)[-1]
+    if keep_quantized:
+        name += "-gguf-quantized"
     out = cache_dir / f"{digest[:16]}-{name}-v{_FORMAT}"
     marker = out / "kv-serve.json"
     if marker.exists():
@@ -225,20 +241,44 @@ def convert_gguf(
     reader = _reader(path)
     config = _config(reader)
     weights: dict[str, mx.array] = {}
+    kept: dict[str, dict[str, int]] = {}
     for index, tensor in enumerate(reader.tensors):
         target, is_norm = _mlx_name(str(tensor.name))
-        values = read_gguf_tensor(tensor)
-        if is_norm:
-            values = values - np.float32(1.0)
-        weights[target] = mx.array(values).astype(dtype)
+        affine = None
+        if keep_quantized and not is_norm:
+            shape = tuple(int(d) for d in reversed(list(tensor.shape)))
+            affine = affine_blocks(tensor.tensor_type.name, np.asarray(tensor.data), shape)
+        if affine is not None:
+            codes, scales, biases, bits = affine
+            module = target.removesuffix(".weight")
+            weights[target] = mx.array(codes)
+            weights[f"{module}.scales"] = mx.array(scales)
+            weights[f"{module}.biases"] = mx.array(biases)
+            kept[module] = {"group_size": GROUP_SIZE, "bits": bits}
+        else:
+            values = read_gguf_tensor(tensor)
+            if is_norm:
+                values = values - np.float32(1.0)
+            weights[target] = mx.array(values).astype(dtype)
         if index % 40 == 0:
-            say(f"  dequantized {index + 1}/{len(reader.tensors)} tensors")
+            say(f"  converted {index + 1}/{len(reader.tensors)} tensors")
+    if kept:
+        # Every kept module named with its bits (they differ: Q8_0 is 8, Q5_0 5, Q4_K 4).
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": 8, "mode": "affine", **kept}
     mx.save_safetensors(str(work / "model.safetensors"), weights, metadata={"format": "mlx"})
     (work / "config.json").write_text(json.dumps(config, indent=2))
     say("  building the tokenizer from the GGUF metadata")
     _save_tokenizer(reader, work)
     (work / "kv-serve.json").write_text(
-        json.dumps({"source": path.name, "sha256": digest, "dtype": name, "format": _FORMAT})
+        json.dumps(
+            {
+                "source": path.name,
+                "sha256": digest,
+                "dtype": name,
+                "format": _FORMAT,
+                "kept_quantized": sorted(kept),
+            }
+        )
     )
     try:
         work.rename(out)

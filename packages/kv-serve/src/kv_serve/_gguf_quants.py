@@ -1,0 +1,126 @@
+"""GGUF quantized blocks kept quantized: the ones that are MLX affine groups of 32 exactly.
+
+MLX's affine quantization stores a group of values as ``scale * q + bias`` with ``q`` an
+unsigned ``bits``-bit code, the codes of a row packed as one little-endian bit stream. Several
+llama.cpp block types are exactly that with groups of 32:
+
+- ``Q8_0``: ``d * q`` with ``q`` in -128..127: codes ``q + 128``, scale ``d``, bias ``-128 d``;
+- ``Q4_0`` / ``Q5_0``: ``d * (q - 8)`` / ``d * (q - 16)``: scale ``d``, bias ``-8 d`` / ``-16 d``;
+- ``Q4_1`` / ``Q5_1``: ``d * q + m``: scale ``d``, bias ``m``;
+- ``Q4_K``: super-blocks of 256 with eight 6-bit scales and mins: each group of 32 is
+  ``(d * sc) * q - dmin * m``: scale ``d * sc``, bias ``-dmin * m``.
+
+Scales and biases are float32 (products of a float16 and a small integer: exact). ``Q6_K``
+(groups of 16) and ``Q2_K`` / ``Q3_K`` / ``Q5_K`` have no such exact form here and are
+dequantized as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["GROUP_SIZE", "KEPT_TYPES", "affine_blocks"]
+
+#: Every kept type's group size (llama.cpp's blocks and K sub-blocks hold 32 values).
+GROUP_SIZE = 32
+
+#: The GGML type names kept quantized, with their bits per code.
+KEPT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4}
+
+_F16 = np.dtype("<f2")
+
+Affine = tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], int]
+
+
+def affine_blocks(
+    type_name: str, raw: np.ndarray[Any, Any], shape: tuple[int, ...]
+) -> Affine | None:
+    """``(packed codes uint32, scales, biases, bits)`` of a tensor in MLX's layout, or None.
+
+    ``raw`` is the tensor's bytes (any shape of uint8); ``shape`` its row-major (mlx) shape,
+    the groups running along the last axis. ``None`` when the type has no exact form here.
+    """
+    bits = KEPT_TYPES.get(type_name)
+    if bits is None or len(shape) != 2 or shape[-1] % GROUP_SIZE:
+        return None
+    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if type_name == "Q4_K":
+        codes, scales, biases = _q4_k(data)
+    else:
+        codes, scales, biases = _small_block(type_name, data)
+    rows, cols = shape
+    codes = codes.reshape(rows, cols)
+    groups = cols // GROUP_SIZE
+    return (
+        _pack(codes, bits),
+        scales.reshape(rows, groups).astype(np.float32),
+        biases.reshape(rows, groups).astype(np.float32),
+        bits,
+    )
+
+
+def _f16(blocks: np.ndarray[Any, Any], at: int) -> np.ndarray[Any, Any]:
+    """The float16 at byte ``at`` of every block, as float32 (column vector)."""
+    return blocks[:, at : at + 2].copy().view(_F16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """32 codes of a 16-byte block: low nibbles are values 0..15, high nibbles 16..31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.uint32)
+
+
+def _small_block(
+    type_name: str, data: np.ndarray[Any, Any]
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Codes (n_blocks, 32), scales and biases (n_blocks, 1) of the 32-value block types."""
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[type_name]
+    blocks = data.reshape(-1, size)
+    d = _f16(blocks, 0)
+    if type_name == "Q8_0":
+        signed = blocks[:, 2:34].view(np.int8).astype(np.int32)
+        return (signed + 128).astype(np.uint32), d, -128.0 * d
+    with_min = type_name.endswith("_1")
+    start = 4 if with_min else 2
+    if type_name.startswith("Q4"):
+        codes = _nibbles(blocks[:, start : start + 16])
+        offset = 8
+    else:
+        high = blocks[:, start : start + 4].copy().view("<u4").astype(np.uint32)
+        low = _nibbles(blocks[:, start + 4 : start + 20])
+        codes = low | (((high >> np.arange(32, dtype=np.uint32)) & 1) << 4)
+        offset = 16
+    if with_min:
+        return codes, d, _f16(blocks, 2)
+    return codes, d, -float(offset) * d
+
+
+def _q4_k(
+    data: np.ndarray[Any, Any],
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Codes (n, 256) and per-32 scales and biases (n, 8) of Q4_K super-blocks."""
+    blocks = data.reshape(-1, 144)
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    packed = blocks[:, 4:16].astype(np.uint32)
+    sc = np.empty((blocks.shape[0], 8), dtype=np.uint32)
+    mn = np.empty_like(sc)
+    # Eight 6-bit scales and mins in 12 bytes (llama.cpp's get_scale_min_k4).
+    sc[:, :4] = packed[:, 0:4] & 63
+    mn[:, :4] = packed[:, 4:8] & 63
+    sc[:, 4:] = (packed[:, 8:12] & 0x0F) | ((packed[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (packed[:, 8:12] >> 4) | ((packed[:, 4:8] >> 6) << 4)
+    qs = blocks[:, 16:144].reshape(-1, 4, 32)
+    # Each 32 bytes hold two groups: the low nibbles, then the high nibbles.
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256).astype(np.uint32)
+    return codes, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _pack(codes: np.ndarray[Any, Any], bits: int) -> np.ndarray[Any, Any]:
+    """MLX's packing: each row's codes as one little-endian bit stream of uint32 words."""
+    rows, cols = codes.shape
+    spread = (codes[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
+    stream = np.packbits(
+        spread.astype(np.uint8).reshape(rows, cols * bits), axis=1, bitorder="little"
+    )
+    return np.ascontiguousarray(stream).view("<u4")
