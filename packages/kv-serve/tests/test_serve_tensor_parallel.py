@@ -178,6 +178,8 @@ def check_group_matches_one_rank(group: Group, *, kv_share: float) -> None:
     assert metric(group.url, "kv_serve_world_size") == 2
     leader_bytes = metric(group.url, "kv_serve_pool_kv_bytes")
     assert leader_bytes == int(one_rank_bytes * kv_share)
+    for log in group.logs:  # loaded lazily, sharded, and the shards checked against the whole
+        assert "model sharded over 2 ranks (its probe logits equal)" in log.read_text()
     follower = re.search(r"KV pool (\d+) bytes", group.logs[1].read_text())
     assert follower is not None, group.logs[1].read_text()
     assert int(follower.group(1)) == leader_bytes

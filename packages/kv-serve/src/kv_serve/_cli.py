@@ -437,14 +437,16 @@ def _serve(args: argparse.Namespace) -> int:
 
         progress(f"rank {rank} of {ranks.size} (tensor parallel; rank 0 serves HTTP)")
     start = time.perf_counter()
-    model, tokenizer = _load_model(args, progress)
+    # Several ranks read only their share of each tensor (lazily, at sharding).
+    model, tokenizer = _load_model(args, progress, lazy=ranks is not None)
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
     if ranks is not None:
         from ._sharding import shard_model
 
-        shard_model(model, ranks.group)
-        progress(f"model sharded over {ranks.size} ranks")
+        probed = shard_model(model, ranks.group)
+        checked = "its probe logits equal" if probed else "too large to probe whole"
+        progress(f"model sharded over {ranks.size} ranks ({checked})")
     budget = args.kv_budget_mib * 2**20 if args.kv_budget_mib is not None else None
     server = KVServer(
         model,
@@ -511,12 +513,15 @@ def _ranks(args: argparse.Namespace) -> Any:
     return ranks
 
 
-def _load_model(args: argparse.Namespace, progress: Callable[[str], None]) -> tuple[Any, Any]:
+def _load_model(
+    args: argparse.Namespace, progress: Callable[[str], None], *, lazy: bool = False
+) -> tuple[Any, Any]:
     """The model and tokenizer the command's options name."""
     from ._load import load_model
 
     return load_model(
         args.model,
+        lazy=lazy,
         dtype=args.dtype,
         cache_dir=args.cache_dir,
         progress=progress,

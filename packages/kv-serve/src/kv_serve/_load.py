@@ -63,6 +63,7 @@ def load_model(
     weights_bits: int | None = None,
     weights_group_size: int = 64,
     gguf_weights: str = "auto",
+    lazy: bool = False,
 ) -> tuple[nn.Module, Any]:
     """Load ``(model, tokenizer)``.
 
@@ -91,6 +92,9 @@ def load_model(
     the CPU, where MLX's quantized matmuls are measured slower than float32 ones. ``"keep"``
     needs ``dtype`` float32 and no ``weights_bits``; it is refused for a model that is not a
     GGUF file.
+
+    ``lazy`` leaves the weights unread until they are first used (mlx-lm's ``lazy``): a model
+    sharded right after loading (``shard_model``) then reads only its share of each tensor.
     """
     from mlx_lm.utils import load
 
@@ -157,7 +161,7 @@ def load_model(
         extra["chat_template"] = template.text
         if template.tool_parser is not None:
             extra["tool_parser_type"] = template.tool_parser
-    loaded = load(str(path), tokenizer_config=extra or None)
+    loaded = load(str(path), tokenizer_config=extra or None, lazy=lazy)
     tokenizer = loaded[1]
     if choice == "none":
         tokenizer._tokenizer.chat_template = None

@@ -17,11 +17,13 @@ before and after sharding, and unless the logits agree on every rank the model i
 
 from __future__ import annotations
 
+import os
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
+from mlx.utils import tree_flatten
 
 from kv_protocol import UnsupportedModelError, attention_module, find_layers
 
@@ -38,29 +40,41 @@ _KV_NAMES = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
-def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
+def shard_model(
+    model: nn.Module, group: mx.distributed.Group, *, verify: bool | None = None
+) -> bool:
     """Shard ``model`` in place over ``group`` (one share per rank); nothing at one rank.
 
     Raises ``UnsupportedModelError`` on every rank when the model has no sharding rule, its
     heads (or MLP width) cannot be split over ``group.size()`` ranks (refused before anything
     changes), or the sharded model's probe logits differ from the whole model's (the model is
     then left sharded and must not be used).
+
+    The probe runs the whole model once before sharding, so every rank holds all its weights
+    for a moment: ``verify=None`` (the default) probes only when the weights take at most half
+    of this machine's memory (a model loaded lazily to be sharded because it does not fit
+    one machine is sharded unprobed); ``True`` / ``False`` force it. Returns whether it
+    probed.
     """
     ranks = group.size()
     if ranks == 1:
-        return
+        return False
+    if verify is None:
+        verify = _weight_bytes(model) <= _memory_bytes() // 2
     model_type = _model_type(model)
     if callable(getattr(model, "shard", None)):
         _check_even_heads(model, model_type, ranks)
         apply = _mlx_lm_rule(model, model_type, group)
     else:
         apply = _heads_and_mlp_rule(model, model_type, group)
-    before = _probe(model)
+    before = _probe(model) if verify else None
     apply()
     # The shards are lazy slices of the full weights: evaluated here, on the thread that made
     # them, the full weights are freed and another thread (a server's engine thread) can use
     # them.
     mx.eval(model.parameters())
+    if before is None:
+        return False
     failure = ""
     try:
         after = _probe(model)
@@ -80,6 +94,18 @@ def shard_model(model: nn.Module, group: mx.distributed.Group) -> None:
             f"(largest difference {worst_error:.2e} of the largest logit, tolerance "
             f"{tolerance:.0e}): its sharding rule does not fit this model{failure}"
         )
+    return True
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (known from shapes, read or not)."""
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return sum(v.nbytes for _, v in flat)
+
+
+def _memory_bytes() -> int:
+    """The physical memory of the machine."""
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
 
 
 def _model_type(model: nn.Module) -> str:
