@@ -111,6 +111,16 @@ def find_llama_cpp(given: str | None) -> Path:
     )
 
 
+def _version(folder: Path) -> str:
+    """The build's source folder name and llama.cpp's version line, without the machine's paths."""
+    done = subprocess.run(
+        [str(folder / BENCH), "--version"], capture_output=True, text=True, check=False
+    )
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if "version" in line]
+    source = folder.parent.parent if folder.name == "bin" else folder.parent
+    return f"{source.name}, {lines[0].strip() if lines else 'version unknown'}"
+
+
 def _gguf() -> Path:
     from kv_serve import default_cache_dir
     from kv_serve._load import _packaged_gemma
@@ -196,7 +206,7 @@ def _run(args: argparse.Namespace, folder: Path) -> None:
             else:
                 runs[name].append(run_engine(model, args, vocab))
     print(
-        f"{active_blas().describe()}; llama.cpp {folder / BENCH}, {args.threads} threads; "
+        f"{active_blas().describe()}; llama.cpp {_version(folder)}, {args.threads} threads; "
         f"Gemma 3 270M Q4_K_M GGUF (the engine: dequantized to fp32); {args.prompt}-token "
         f"prompts, {args.generate} tokens each; median of {args.rounds} rounds"
     )
