@@ -141,7 +141,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     load_fast_blas()
     ranks = init_ranks(timeout=600.0)
-    model, tokenizer = load_model(args.model)
+    # As kv-serve serve does: several ranks read only their share of each tensor.
+    model, tokenizer = load_model(args.model, lazy=ranks is not None)
     if ranks is not None:
         shard_model(model, ranks.group)
     prompts = workload(tokenizer, "open", max(args.batch))
