@@ -234,6 +234,21 @@ def test_followers_take_no_requests_and_nothing_rolls_back() -> None:
     assert follower.fingerprint() == leader.fingerprint()
 
 
+def test_a_state_budget_set_on_the_leader_reaches_the_follower() -> None:
+    leader, follower = make_pair("qwen3_5", num_pages=32, page_size=4)
+    leader.state_budget_bytes = 1 << 20
+    with pytest.raises(RequestStateError, match="rank 1 is a follower"):
+        follower.state_budget_bytes = 1
+    assert follower.state_budget_bytes is None
+    leader.step()  # an idle step carries it
+    assert follower.follow_step() is not None
+    assert follower.state_budget_bytes == 1 << 20
+    leader.state_budget_bytes = None
+    leader.step()
+    assert follower.follow_step() is not None
+    assert follower.state_budget_bytes is None
+
+
 def test_speculation_is_refused_on_ranks() -> None:
     with pytest.raises(RequestStateError, match="tensor-parallel ranks"):
         make_pair("gemma3_text", num_pages=32, speculative="ngram")

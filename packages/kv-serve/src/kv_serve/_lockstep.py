@@ -24,7 +24,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 # Message kinds (the first word of each step message).
 _IDLE, _STEP, _SHUTDOWN = 0, 1, 2
 # Event kinds.
-_SUBMIT, _ABORT = 1, 2
+_SUBMIT, _ABORT, _STATE_BUDGET = 1, 2, 3
 
 GrammarSource = Callable[[str], TokenConstraintFactory]
 
@@ -294,6 +294,19 @@ class LockstepEngine(DecodeEngine):
             self._events.int32(request_id)
         return done
 
+    @property
+    def state_budget_bytes(self) -> int | None:
+        """As :attr:`DecodeEngine.state_budget_bytes`; set on the leader, it reaches every rank."""
+        return cast(int | None, DecodeEngine.state_budget_bytes.fget(self))  # type: ignore[attr-defined]
+
+    @state_budget_bytes.setter
+    def state_budget_bytes(self, value: int | None) -> None:
+        self._leader_only("changes the state budget")
+        DecodeEngine.state_budget_bytes.fset(self, value)  # type: ignore[attr-defined]
+        budget = self.state_budget_bytes
+        self._events.int32(_STATE_BUDGET)
+        self._events.optional(budget)
+
     def restore(self, request_id: int, position: int) -> None:
         """Refused: a rollback is not sent to the other ranks."""
         raise RequestStateError(
@@ -388,6 +401,8 @@ class LockstepEngine(DecodeEngine):
                 self._live.update(rids)
             elif kind == _ABORT:
                 super().abort(reader.int32())
+            elif kind == _STATE_BUDGET:
+                DecodeEngine.state_budget_bytes.fset(self, reader.optional())  # type: ignore[attr-defined]
             else:
                 raise self._lost(f"an unknown event kind {kind}")
 
