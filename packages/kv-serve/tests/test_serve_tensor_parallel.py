@@ -40,6 +40,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def spawn_ranks(command: list[str], tmp: Path) -> list[subprocess.Popen[bytes]]:
+    """``command`` as ranks 0 and 1 of a loopback group, their output piped."""
+    hosts = tmp / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    return [
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(rank)},
+        )
+        for rank in range(2)
+    ]
+
+
 @dataclass
 class Group:
     url: str
@@ -258,19 +273,8 @@ def test_state_hybrid_qwen3_5_two_ranks(tmp_dir: Path) -> None:
 
 def test_a_model_without_a_sharding_rule_is_refused_on_every_rank(tmp_dir: Path) -> None:
     model_dir = save_tiny_model_dir(tmp_dir / "model", "olmo3")
-    hosts = tmp_dir / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     command = [sys.executable, "-m", "kv_serve._cli", "serve", "--model", str(model_dir)]
-    command += ["--port", str(free_port())]
-    processes = [
-        subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(rank)},
-        )
-        for rank in range(2)
-    ]
+    processes = spawn_ranks([*command, "--port", str(free_port())], tmp_dir)
     for process in processes:
         out, _ = process.communicate(timeout=120)
         assert process.returncode == 2, out
@@ -296,17 +300,7 @@ print("not reached", flush=True)
 
 
 def test_rank_group_agrees_and_a_stuck_peer_ends_the_leader(tmp_dir: Path) -> None:
-    hosts = tmp_dir / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(rank)},
-        )
-        for rank in range(2)
-    ]
+    processes = spawn_ranks([sys.executable, "-c", RANK_SCRIPT], tmp_dir)
     try:
         start = time.monotonic()
         out, _ = processes[0].communicate(timeout=60)
@@ -356,17 +350,7 @@ print("same tokens", mlx_lm_greedy(model, prompt, 8) == whole, flush=True)
 def test_the_probe_passes_a_rule_that_fits_and_refuses_one_that_does_not(
     tmp_dir: Path, arch: str
 ) -> None:
-    hosts = tmp_dir / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", PROBE_SCRIPT, arch],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": str(rank)},
-        )
-        for rank in range(2)
-    ]
+    processes = spawn_ranks([sys.executable, "-c", PROBE_SCRIPT, arch], tmp_dir)
     for process in processes:
         out, _ = process.communicate(timeout=120)
         text = out.decode()
