@@ -119,8 +119,18 @@ def _q4_k(
 def _pack(codes: np.ndarray[Any, Any], bits: int) -> np.ndarray[Any, Any]:
     """MLX's packing: each row's codes as one little-endian bit stream of uint32 words."""
     rows, cols = codes.shape
-    spread = (codes[..., None] >> np.arange(bits, dtype=np.uint32)) & 1
-    stream = np.packbits(
-        spread.astype(np.uint8).reshape(rows, cols * bits), axis=1, bitorder="little"
-    )
+    small: np.ndarray[Any, Any] = codes.astype(np.uint8)
+    stream: np.ndarray[Any, Any]
+    if bits == 8:
+        stream = small
+    elif bits == 4:
+        stream = small[:, 0::2] | (small[:, 1::2] << 4)
+    else:
+        # Bit by bit, a block of rows at a time (the spread bits take ``bits`` bytes a code).
+        stream = np.empty((rows, cols * bits // 8), dtype=np.uint8)
+        shifts = np.arange(bits, dtype=np.uint8)
+        for start in range(0, rows, 1024):
+            block = small[start : start + 1024]
+            spread = ((block[..., None] >> shifts) & 1).reshape(block.shape[0], cols * bits)
+            stream[start : start + 1024] = np.packbits(spread, axis=1, bitorder="little")
     return np.ascontiguousarray(stream).view("<u4")
