@@ -11,7 +11,7 @@ preemption, quantized pages, the adaptive length and the bad settings.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, cast
 
@@ -90,10 +90,12 @@ def serve(
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ngram_speculation_gives_mlx_lm_s_tokens(arch: str) -> None:
     want = [greedy(arch, tuple(p)) for p in PROMPTS]
-    one_at_a_time = SpeculationConfig(proposer=NgramProposer(min_ngram=1), num_tokens=5)
+    one_at_a_time = SpeculationConfig(
+        shadow=False, proposer=NgramProposer(min_ngram=1), num_tokens=5
+    )
     got, stats = serve(arch, one_at_a_time, prompts=PROMPTS[:1])
     assert got == want[:1]
-    batched = SpeculationConfig(proposer=NgramProposer(min_ngram=1), max_batch=3)
+    batched = SpeculationConfig(shadow=False, proposer=NgramProposer(min_ngram=1), max_batch=3)
     got, stats = serve(arch, batched)
     assert got == want
     assert stats.speculative_steps > 0
@@ -103,7 +105,9 @@ def test_ngram_speculation_gives_mlx_lm_s_tokens(arch: str) -> None:
 @pytest.mark.parametrize("right", [0, 1, 3, 8])
 def test_every_acceptance_length_keeps_the_tokens(arch: str, right: int) -> None:
     proposer = OracleProposer(arch, right=right)
-    config = SpeculationConfig(proposer=proposer, num_tokens=6, max_batch=3, cooldown=0)
+    config = SpeculationConfig(
+        shadow=False, proposer=proposer, num_tokens=6, max_batch=3, cooldown=0
+    )
     got, stats = serve(arch, config)
     assert got == [greedy(arch, tuple(p)) for p in PROMPTS]
     assert stats.speculative_steps > 0 and proposer.proposals
@@ -119,13 +123,17 @@ def test_every_acceptance_length_keeps_the_tokens(arch: str, right: int) -> None
 
 def test_prefix_hits_preemption_and_quantized_pages() -> None:
     arch = "gpt_oss"
-    config = SpeculationConfig(proposer=OracleProposer(arch, right=3), num_tokens=4, max_batch=4)
+    config = SpeculationConfig(
+        shadow=False, proposer=OracleProposer(arch, right=3), num_tokens=4, max_batch=4
+    )
     prompts = [*PROMPTS, PROMPTS[0], PROMPTS[1]]  # the repeats hit the prefix cache
     want = [greedy(arch, tuple(p)) for p in prompts]
     got, stats = serve(arch, config, prompts=prompts, num_pages=24, max_running=4)
     assert got == want
     assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.speculative_steps
-    wide = SpeculationConfig(proposer=NgramProposer(min_ngram=1), num_tokens=4, max_batch=8)
+    wide = SpeculationConfig(
+        shadow=False, proposer=NgramProposer(min_ngram=1), num_tokens=4, max_batch=8
+    )
     plain, _ = serve(WIDE, None, prompts=prompts, kv_bits=8)
     quantized, stats = serve(WIDE, wide, prompts=prompts, kv_bits=8)
     assert quantized == plain and stats.speculative_steps
@@ -135,7 +143,7 @@ def test_logprob_requests_decode_one_token_at_a_time() -> None:
     from kv_batching import SamplingParams
 
     arch = "llama"
-    config = SpeculationConfig(proposer=OracleProposer(arch, right=8), max_batch=4)
+    config = SpeculationConfig(shadow=False, proposer=OracleProposer(arch, right=8), max_batch=4)
     with build_engine(model(arch), page_size=4, max_context=128, speculative=config) as engine:
         penalised = engine.submit(
             PROMPTS[0], 6, sampling=SamplingParams(temperature=0.8, presence_penalty=0.5)
@@ -200,7 +208,9 @@ def test_ngram_proposals_equal_a_brute_force_lookup(
 
 
 def test_the_proposal_length_adapts_and_cools_down() -> None:
-    config = SpeculationConfig(proposer=NgramProposer(), num_tokens=4, cooldown_after=2, cooldown=3)
+    config = SpeculationConfig(
+        shadow=False, proposer=NgramProposer(), num_tokens=4, cooldown_after=2, cooldown=3
+    )
     state = SpeculationState(config.num_tokens)
     assert state.length() == 4
     state.record(4, 1, config)
@@ -217,12 +227,17 @@ def test_the_proposal_length_adapts_and_cools_down() -> None:
 def test_a_draft_model_proposes_and_the_tokens_stay(arch: str) -> None:
     want = [greedy(arch, tuple(p)) for p in PROMPTS]
     # The same weights: every proposal is the model's own greedy continuation.
-    twin = draft_speculation(build_zoo_model(arch), model(arch), num_tokens=4, max_batch=3)
+    twin = replace(
+        draft_speculation(build_zoo_model(arch), model(arch), num_tokens=4, max_batch=3),
+        shadow=False,
+    )
     got, stats = serve(arch, twin)
     assert got == want
     assert 0 < stats.speculative_accepted == stats.speculative_proposed
     # Other weights: mostly wrong proposals, the same tokens.
-    other = draft_speculation(build_zoo_model(arch, seed=7), model(arch), max_batch=3)
+    other = replace(
+        draft_speculation(build_zoo_model(arch, seed=7), model(arch), max_batch=3), shadow=False
+    )
     got, stats = serve(arch, other)
     assert got == want and stats.speculative_steps > 0
 
@@ -277,7 +292,9 @@ def test_sampled_speculation_keeps_the_model_s_distribution() -> None:
     first = law(prompt)
     expected = [first[a] * law([*prompt, a])[b] for a in range(vocab) for b in range(vocab)]
     # Token 2 is proposed after the first: kept with probability p(2), else redrawn without it.
-    config = SpeculationConfig(proposer=FixedProposer([2]), num_tokens=1, max_batch=64)
+    config = SpeculationConfig(
+        shadow=False, proposer=FixedProposer([2]), num_tokens=1, max_batch=64
+    )
     counts = [0] * (vocab * vocab)
     with build_engine(
         tiny, page_size=4, max_context=32, max_running=64, speculative=config
@@ -301,3 +318,44 @@ def test_sampled_speculation_keeps_the_model_s_distribution() -> None:
     ) as engine:
         again = engine.submit(prompt, 3, sampling=SamplingParams(temperature=0.9, seed=7))
         assert engine.run()[again] == out[ids[7]]
+
+
+def test_beside_others_a_request_speculates_once_its_shadowed_record_pays() -> None:
+    arch = "llama"
+    want = [greedy(arch, tuple(p)) for p in PROMPTS[:2]]
+    # Right proposals: shadowed first (nothing verified), then verified once the record pays.
+    right = SpeculationConfig(proposer=OracleProposer(arch, right=8), num_tokens=4)
+    got, stats = serve(arch, right, prompts=PROMPTS[:2])
+    assert got == want
+    assert stats.speculative_steps and stats.speculative_accepted == stats.speculative_proposed
+    # Wrong proposals: their shadows fail, so nothing is verified while both decode.
+    wrong = SpeculationConfig(proposer=FixedProposer([0, 0, 0, 0]), num_tokens=4)
+    got, stats = serve(arch, wrong, prompts=PROMPTS[:2])
+    assert got == want
+    assert stats.speculative_steps == 0
+    # Without shadows the first proposal of each request is verified beside the other.
+    eager = replace(wrong, shadow=False)
+    got, stats = serve(arch, eager, prompts=PROMPTS[:2])
+    assert got == want and stats.speculative_steps >= 2
+
+
+@given(
+    proposal=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    emitted=st.lists(st.integers(0, 5), min_size=6, max_size=6),
+)
+def test_a_shadowed_proposal_scores_what_the_request_emits(
+    proposal: list[int], emitted: list[int]
+) -> None:
+    config = SpeculationConfig(proposer=NgramProposer(), num_tokens=6)
+    state = SpeculationState(6)
+    assert not state.pays_at(2) and state.pays_at(2, shadow=False) and state.pays_at(1)
+    state.shadow(proposal)
+    for token in emitted:
+        state.observe(token, config)
+    kept = 0  # the oracle: the longest common prefix
+    while kept < len(proposal) and proposal[kept] == emitted[kept]:
+        kept += 1
+    assert not state.shadowing
+    assert (state.shadow_steps, state.shadow_accepted) == (1, kept)
+    assert (state.steps, state.proposed, state.accepted) == (0, 0, 0)  # nothing verified
+    assert state.pays_at(2) == (1 + kept >= 3)

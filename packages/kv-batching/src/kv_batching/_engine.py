@@ -823,6 +823,8 @@ class DecodeEngine:
         logprob: TokenLogprob | None = None,
     ) -> None:
         request.generated.append(token)
+        if request.speculation is not None and self._speculation is not None:
+            request.speculation.observe(token, self._speculation)
         if request.logprobs is not None and logprob is not None:
             request.logprobs.append(logprob)
         produced.setdefault(request.rid, []).append(token)
@@ -946,7 +948,8 @@ class DecodeEngine:
         state = request.speculation
         if state is None:
             state = request.speculation = SpeculationState(config.num_tokens)
-        if not state.pays_at(len(self._scheduler.running)):
+        pays = state.pays_at(len(self._scheduler.running), shadow=config.shadow)
+        if not pays and state.shadowing:
             return False
         k = min(state.length(), request.max_tokens - len(request.generated) - 1)
         if k <= 0:
@@ -954,6 +957,11 @@ class DecodeEngine:
         draft = [int(t) for t in config.proposer.propose(request.prompt + request.generated, k)]
         draft = draft[:k]
         if not draft:
+            return False
+        if not pays:
+            # Beside other requests without a record: compare the proposal with what the
+            # request decodes in the batch (free), instead of verifying it (a forward).
+            state.shadow(draft)
             return False
         inputs = [request.generated[-1], *draft]
         try:

@@ -83,7 +83,10 @@ class SpeculationConfig:
     many requests decode (each speculating request is verified by a forward of its own, which
     a large batch's shared decode step does more cheaply). A request that had
     ``cooldown_after`` proposals in a row wholly rejected stops proposing for ``cooldown``
-    steps.
+    steps. With ``shadow`` (the default), a request decoding beside others speculates only
+    once its record pays for the forward a verification costs, and until then its proposals
+    are shadowed: compared with the tokens it decodes in the batch, which costs nothing
+    (:class:`SpeculationState`); ``shadow=False`` verifies a request's first proposal at once.
     """
 
     proposer: Proposer
@@ -91,6 +94,7 @@ class SpeculationConfig:
     max_batch: int = 2
     cooldown_after: int = 3
     cooldown: int = 8
+    shadow: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.proposer, Proposer):
@@ -101,6 +105,8 @@ class SpeculationConfig:
         check_int(self.max_batch, "max_batch", minimum=1)
         check_int(self.cooldown_after, "cooldown_after", minimum=1)
         check_int(self.cooldown, "cooldown", minimum=0)
+        if not isinstance(self.shadow, bool):
+            raise TypeError(f"shadow must be a bool, got {self.shadow!r}")
 
 
 class SpeculationState:
@@ -109,9 +115,26 @@ class SpeculationState:
     :meth:`length` is the next proposal's length; :meth:`record` takes a verification's
     outcome: all accepted grows the length by one (up to the maximum), a partial acceptance
     sets it to the accepted count plus one, none accepted counts toward a cooldown.
+
+    While speculation does not (yet) pay beside the other requests, a proposal can be
+    *shadowed* (:meth:`shadow`): nothing is verified, the request decodes in the batch, and
+    :meth:`observe` compares the tokens it then emits with the proposal, so its record grows
+    at no cost (``shadow_steps`` / ``shadow_accepted``, apart from the verified counts).
     """
 
-    __slots__ = ("_k", "_limit", "_misses", "_resting", "accepted", "proposed", "steps")
+    __slots__ = (
+        "_k",
+        "_limit",
+        "_misses",
+        "_resting",
+        "_shadow",
+        "_shadow_kept",
+        "accepted",
+        "proposed",
+        "shadow_accepted",
+        "shadow_steps",
+        "steps",
+    )
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
@@ -122,6 +145,11 @@ class SpeculationState:
         self.proposed = 0
         self.accepted = 0
         self.steps = 0
+        #: Shadowed proposals and how many of their tokens the request then emitted.
+        self.shadow_steps = 0
+        self.shadow_accepted = 0
+        self._shadow: list[int] = []
+        self._shadow_kept = 0
 
     def length(self) -> int:
         """The next proposal's length (0 while cooling down; the caller then counts a step)."""
@@ -130,22 +158,59 @@ class SpeculationState:
             return 0
         return self._k
 
-    def pays_at(self, batch: int) -> bool:
+    def pays_at(self, batch: int, *, shadow: bool = True) -> bool:
         """Whether this request's speculation pays beside ``batch - 1`` others decoding.
 
         A verification costs about one forward; in a batch of ``batch`` the request's share
-        of a plain step is ``1 / batch`` of one, so its verifications must emit ``batch + 1``
-        tokens on average (before any, it is given the chance).
+        of a plain step is ``1 / batch`` of one, so its verifications (and shadowed
+        proposals) must emit ``batch + 1`` tokens on average. Alone it always may; beside
+        others, not before it has a record (a shadowed proposal gives one for free), or,
+        with ``shadow`` off, once before it has one.
         """
-        if batch <= 1 or not self.steps:
+        if batch <= 1:
             return True
-        return 1 + self.accepted / self.steps >= batch + 1
+        steps = self.steps + self.shadow_steps
+        if not steps:
+            return not shadow
+        return 1 + (self.accepted + self.shadow_accepted) / steps >= batch + 1
+
+    @property
+    def shadowing(self) -> bool:
+        """Whether a shadowed proposal waits for the request's next tokens."""
+        return bool(self._shadow)
+
+    def shadow(self, proposal: list[int]) -> None:
+        """Compare ``proposal`` with the tokens the request emits next (nothing verified)."""
+        self._shadow = list(proposal)
+        self._shadow_kept = 0
+
+    def observe(self, token: int, config: SpeculationConfig) -> None:
+        """The request emitted ``token``: score the shadowed proposal against it."""
+        if not self._shadow:
+            return
+        if token == self._shadow[0]:
+            self._shadow.pop(0)
+            self._shadow_kept += 1
+            if self._shadow:
+                return
+            proposed = self._shadow_kept
+        else:
+            proposed = self._shadow_kept + len(self._shadow)
+        kept = self._shadow_kept
+        self._shadow = []
+        self.shadow_steps += 1
+        self.shadow_accepted += kept
+        self._adapt(proposed, kept, config)
 
     def record(self, proposed: int, accepted: int, config: SpeculationConfig) -> None:
         """A verification of ``proposed`` tokens kept ``accepted`` of them."""
+        self._shadow = []
         self.proposed += proposed
         self.accepted += accepted
         self.steps += 1
+        self._adapt(proposed, accepted, config)
+
+    def _adapt(self, proposed: int, accepted: int, config: SpeculationConfig) -> None:
         if accepted == proposed:
             self._k = min(self._limit, self._k + 1)
             self._misses = 0
