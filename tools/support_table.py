@@ -259,7 +259,11 @@ def check_speculation(model: Any) -> str:
     prompts = _prompts()
     truth = {tuple(p): mlx_lm_greedy(model, p, MAX_TOKENS + 4) for p in prompts}
     proposer = _HalfRightProposer(truth)
-    config = SpeculationConfig(proposer=proposer, num_tokens=4, max_batch=len(prompts))
+    # Verified from the first proposal on (no shadowing): every request's verifications,
+    # partial acceptances and rollbacks run beside the others from the start.
+    config = SpeculationConfig(
+        proposer=proposer, num_tokens=4, max_batch=len(prompts), shadow=False
+    )
     try:
         with build_engine(model, page_size=6, max_context=96, speculative=config) as engine:
             ids = [engine.submit(p, MAX_TOKENS) for p in prompts]
