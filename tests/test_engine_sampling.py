@@ -229,7 +229,11 @@ def test_min_tokens_holds_the_stop_tokens_back() -> None:
 # ---------------------------------------------------------------- top_k, top_p, min_p
 
 
-def numpy_kept(logits: np.ndarray, params: SamplingParams) -> set[int]:
+def numpy_kept(logits: np.ndarray, params: SamplingParams) -> set[int] | None:
+    """The tokens the cut keeps, by numpy in float64; None when the nucleus boundary lies
+    within float32 rounding of ``top_p`` (two summation orders may then keep one token more
+    or less, and both are right).
+    """
     scaled = logits.astype(np.float64) / (params.temperature or 1.0)
     order = np.argsort(-scaled, kind="stable")
     keep = np.ones(len(scaled), dtype=bool)
@@ -241,6 +245,8 @@ def numpy_kept(logits: np.ndarray, params: SamplingParams) -> set[int]:
         probs = np.exp(scaled[cand] - scaled[cand].max())
         probs /= probs.sum()
         before = np.cumsum(probs) - probs
+        if np.any(np.abs(before - params.top_p) < 1e-5):
+            return None
         last = cand[max(int(np.sum(before < params.top_p)) - 1, 0)]
         keep &= scaled >= scaled[last]
     if params.min_p > 0:
@@ -271,10 +277,12 @@ def test_the_cut_keeps_what_numpy_keeps_and_draws_only_from_it(
     sampler = Sampler(seed)
     for b in range(3):
         kept = numpy_kept(logits[b], params)
-        assert {int(t) for t in np.flatnonzero(np.isfinite(cut[b]))} == kept
+        if kept is not None:
+            assert {int(t) for t in np.flatnonzero(np.isfinite(cut[b]))} == kept
     drawn = [int(t) for t in sampler.sample(mx.array(logits), rows).token_list()]
     for b, token in enumerate(drawn):
-        assert token in numpy_kept(logits[b], params)
+        kept = numpy_kept(logits[b], params)
+        assert kept is None or token in kept
 
 
 @settings(max_examples=25, deadline=None)
