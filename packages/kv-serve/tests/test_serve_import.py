@@ -26,6 +26,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 DOCUMENTED = [
     "BLAS_ENV",
     "CHAT_TEMPLATES",
+    "DEFAULT_KV_SLAB_BYTES",
     "GEMMA3_270M",
     "GEMMA3_CHAT_TEMPLATE",
     "GEMMA3_HARD_CODED",

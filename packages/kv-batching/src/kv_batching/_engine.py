@@ -23,6 +23,7 @@ from kv_protocol import (
     KVCache,
     KVLifetime,
     KVPool,
+    KVPoolMemory,
     KVPrefixCache,
     KVRequestForking,
     LayoutError,
@@ -692,6 +693,19 @@ class DecodeEngine:
             state_budget_bytes=scheduler.state_budget_bytes,
             state_snapshots=None if self._snapshots is None else self._snapshots.stats(),
         )
+
+    def shrink_pool(self, *, drop_cached: bool = False) -> int:
+        """Give back pool memory nobody needs now; return the bytes given back.
+
+        A pool whose buffers grow with use (:class:`kv_protocol.KVPoolMemory`, e.g. a
+        ``HybridKVPool`` with ``slab_pages``) cuts them back to what the running requests and
+        (unless ``drop_cached``) the cached prefixes hold; any other pool gives back 0.
+        Between steps only; nothing a request holds moves.
+        """
+        pool = self._pool
+        if not isinstance(pool, KVPoolMemory):
+            return 0
+        return pool.shrink(drop_cached=drop_cached)
 
     def fingerprint(self) -> int:
         """A 31-bit hash of the scheduling state.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
@@ -13,9 +14,12 @@ __all__ = ["PageAllocator"]
 class PageAllocator:
     """Fixed-size pages ``1 .. num_pages - 1`` with reference counts; page 0 is never handed out.
 
-    ``alloc`` and ``free`` are O(1) per page (a LIFO free list and a refcount list). Every
-    operation validates its whole argument before changing anything, so a failed call (a
-    shortage, a double free, a foreign page) leaves the allocator exactly as it was.
+    ``alloc`` hands out the lowest free page ids first (a heap of free ids, O(log n) a page)
+    and ``free`` is O(log n) a page too. Pages in use therefore gather at low ids, which is
+    what lets a pool whose buffers grow with use (:attr:`high_water`) shrink them again when
+    the load drops. Every operation validates its whole argument before changing anything,
+    so a failed call (a shortage, a double free, a foreign page) leaves the allocator exactly
+    as it was.
 
     Each page has a *generation* that grows every time one of its owners lets go of it
     (``free``), so whoever remembers ``(page, generation)`` can tell later whether the page
@@ -40,8 +44,10 @@ class PageAllocator:
         self._num_pages = num_pages
         self._refcounts = [0] * num_pages
         self._generations = [0] * num_pages
-        # Popping from the end hands out low page ids first.
-        self._free = list(range(num_pages - 1, 0, -1))
+        # A min-heap of plain free page ids (a sorted list is a heap already).
+        self._free = list(range(1, num_pages))
+        # Highest page id handed out since the last settle_high_water (0: none).
+        self._high = 0
         self._allocated_total = 0
         self._released_total = 0
         self._drops_total = 0
@@ -123,9 +129,8 @@ class PageAllocator:
         if n == 0:
             return []
         plain = min(n, len(self._free))
-        pages = self._free[len(self._free) - plain :]
-        del self._free[len(self._free) - plain :]
-        pages.reverse()
+        free = self._free
+        pages = [heapq.heappop(free) for _ in range(plain)]
         for _ in range(n - plain):
             page, _ = self._evictable.popitem(last=False)
             self._forget(page)
@@ -135,7 +140,49 @@ class PageAllocator:
         for page in pages:
             refcounts[page] = 1
         self._allocated_total += n
+        top = max(pages)
+        if top > self._high:
+            self._high = top
         return pages
+
+    @property
+    def high_water(self) -> int:
+        """An upper bound of the highest page id held or cached (0 when none).
+
+        The highest handed out since the last :meth:`settle_high_water`: buffers covering
+        pages ``0 .. high_water`` hold every page anyone can address.
+        """
+        return self._high
+
+    def highest_held(self) -> int:
+        """The highest page id some owner holds now (0: none). O(num_pages)."""
+        refcounts = self._refcounts
+        for page in range(self._num_pages - 1, 0, -1):
+            if refcounts[page]:
+                return page
+        return 0
+
+    def settle_high_water(self) -> int:
+        """Lower :attr:`high_water` to the highest page held or cached now; return it.
+
+        O(num_pages): for the rare moments a pool gives memory back, never a decode step.
+        """
+        top = max(self.highest_held(), max(self._evictable, default=0))
+        self._high = top
+        return top
+
+    def drop_cached_from(self, first: int) -> int:
+        """Forget the cached blocks of pages ``>= first`` nobody holds and free those pages.
+
+        Returns how many were dropped. Held pages and cached pages below ``first`` stay.
+        """
+        first = check_int(first, "drop_cached_from's first page", minimum=1)
+        dropped = [page for page in self._evictable if page >= first]
+        for page in dropped:
+            del self._evictable[page]
+            self._forget(page)
+            heapq.heappush(self._free, page)
+        return len(dropped)
 
     def _check_owned(self, pages: Iterable[int], what: str) -> Counter[int]:
         if isinstance(pages, str | bytes) or not isinstance(pages, Iterable):
@@ -212,7 +259,7 @@ class PageAllocator:
         if page in self._hash_of:
             self._evictable[page] = None
         else:
-            self._free.append(page)
+            heapq.heappush(self._free, page)
 
     def _forget(self, page: int) -> None:
         block = self._hash_of.pop(page, None)
@@ -272,7 +319,7 @@ class PageAllocator:
         self._evictable.clear()
         for page in dropped:
             self._forget(page)
-            self._free.append(page)
+            heapq.heappush(self._free, page)
         return len(dropped)
 
     def refcount(self, page: int) -> int:

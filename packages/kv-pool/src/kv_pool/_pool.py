@@ -35,7 +35,13 @@ from kv_protocol import (
 
 from ._page_tables import ForkPlan, ReservePlan, SubPoolPages
 from ._prefix import PrefixCache
-from ._sizing import QuantizationArg, SubPoolSpec, budget_page_counts, sub_pool_specs
+from ._sizing import (
+    QuantizationArg,
+    SubPoolSpec,
+    budget_page_counts,
+    per_sub_pool,
+    sub_pool_specs,
+)
 from ._storage import KVStorage, int32_array
 
 __all__ = ["HybridKVPool"]
@@ -67,6 +73,17 @@ class HybridKVPool:
     ``set_kv`` quantizes the written tokens; ``get_kv`` returns them dequantized in the
     model's dtype; the buffers of a quantized layer are :class:`kv_protocol.QuantizedKV`.
     Sizing and the memory report count the bytes the pages really store.
+
+    ``slab_pages`` makes the buffers grow with use: ``None`` (the default) gives every
+    sub-pool buffers for all its pages from the start; an int (or a mapping per sub-pool
+    name) starts each sub-pool's buffers at one slab of that many pages (the null page
+    included) and grows them by whole slabs at the end whenever a reservation or fork is
+    handed a page past them, so pages never move (``slab_bytes`` instead: slabs of about
+    that many bytes in every sub-pool, at least one page). ``num_pages`` stays the cap and
+    admission is decided on it exactly as for preallocated buffers. :meth:`shrink` cuts the
+    buffers back to the slabs that the pages in use (and, unless asked, the cached prefix
+    pages) still need. The allocator hands out the lowest free page ids first, so pages in use gather at
+    the start of the buffers.
     """
 
     def __init__(
@@ -78,6 +95,8 @@ class HybridKVPool:
         prefix_caching: bool = False,
         prefix_salt: bytes = b"",
         kv_quantization: QuantizationArg = None,
+        slab_pages: int | Mapping[str, int] | None = None,
+        slab_bytes: int | None = None,
     ) -> None:
         if not isinstance(layout, CacheLayout):
             raise LayoutError(f"HybridKVPool needs a CacheLayout, got {layout!r}")
@@ -98,7 +117,21 @@ class HybridKVPool:
             for spec in specs
         ]
         self._index_of_name = {spec.name: i for i, spec in enumerate(specs)}
-        self._storage = KVStorage(layout, specs, [p.allocator for p in self._pages])
+        names = [spec.name for spec in specs]
+        self._slabs: list[int] | None = None
+        if slab_pages is not None and slab_bytes is not None:
+            raise LayoutError("give slab_pages or slab_bytes, not both")
+        if slab_pages is not None:
+            self._slabs = per_sub_pool(slab_pages, names, "slab_pages", 1)
+        elif slab_bytes is not None:
+            slab_bytes = check_int(slab_bytes, "slab_bytes", minimum=1, error=LayoutError)
+            self._slabs = [max(1, slab_bytes // spec.bytes_per_page) for spec in specs]
+        committed = (
+            None
+            if self._slabs is None
+            else [min(slab, spec.num_pages) for slab, spec in zip(self._slabs, specs, strict=True)]
+        )
+        self._storage = KVStorage(layout, specs, [p.allocator for p in self._pages], committed)
         # request id -> reserved length (the same in every sub-pool)
         self._lengths: dict[int, int] = {}
         if not isinstance(prefix_salt, bytes):
@@ -127,6 +160,8 @@ class HybridKVPool:
         prefix_caching: bool = False,
         prefix_salt: bytes = b"",
         kv_quantization: QuantizationArg = None,
+        slab_pages: int | Mapping[str, int] | None = None,
+        slab_bytes: int | None = None,
     ) -> HybridKVPool:
         """A pool whose buffers fit in ``budget_bytes``, split for a stated workload.
 
@@ -137,7 +172,8 @@ class HybridKVPool:
         pages (null page plus one) in some sub-pool raises ``PoolExhaustedError``. Quantized
         sub-pools (``kv_quantization``, as for the constructor) are counted at their stored
         bytes, so the same budget holds about 1.9x (8-bit) or 3.5x (4-bit, groups of 64) the
-        tokens.
+        tokens. ``slab_pages`` makes the buffers grow with use up to the budget (see the
+        class).
         """
         counts, sizes = budget_page_counts(
             layout,
@@ -155,6 +191,8 @@ class HybridKVPool:
             prefix_caching=prefix_caching,
             prefix_salt=prefix_salt,
             kv_quantization=kv_quantization,
+            slab_pages=slab_pages,
+            slab_bytes=slab_bytes,
         )
 
     # ------------------------------------------------------------------ static facts
@@ -168,6 +206,13 @@ class HybridKVPool:
     def sub_pools(self) -> tuple[SubPoolSpec, ...]:
         """Every sub-pool's spec (name, layers, page size and count, ...), by first layer id."""
         return self._specs
+
+    @property
+    def slab_pages(self) -> dict[str, int] | None:
+        """Pages a slab adds to each sub-pool's buffers, by name (``None``: preallocated)."""
+        if self._slabs is None:
+            return None
+        return {spec.name: slab for spec, slab in zip(self._specs, self._slabs, strict=True)}
 
     def _pool_index(self, sub_pool: str) -> int:
         index = self._index_of_name.get(sub_pool)
@@ -279,6 +324,49 @@ class HybridKVPool:
                     pages.release(rid, step)
                 pages.grow(rid, step)
             self._lengths[rid] += n_tokens
+        self._cover_high_water()
+
+    def _cover_high_water(self) -> None:
+        """Grow buffers by whole slabs to cover every page handed out (preallocated: no-op)."""
+        if self._slabs is None:
+            return
+        storage = self._storage
+        for i, pages in enumerate(self._pages):
+            needed = pages.allocator.high_water + 1
+            if needed > storage.committed(i):
+                storage.resize(i, self._slab_cover(i, needed))
+
+    def _slab_cover(self, index: int, pages: int) -> int:
+        """``pages`` rounded up to whole slabs of sub-pool ``index``, capped at its page count."""
+        assert self._slabs is not None
+        slab = self._slabs[index]
+        return min(-(-pages // slab) * slab, self._specs[index].num_pages)
+
+    def shrink(self, *, drop_cached: bool = False) -> int:
+        """Cut growing buffers back to the slabs still needed; return the bytes given back.
+
+        A sub-pool keeps the slabs up to its highest page held by a request or cached for a
+        prefix (``drop_cached=True`` forgets the cached blocks past the highest held page
+        first, so only held pages count). Pages never move, so a request running now is not
+        touched. Preallocated pools (``slab_pages=None``) give nothing back: 0. Slot arrays
+        stay valid: a page past the new end is one nobody holds, whose arrays were no longer
+        trusted anyway.
+        """
+        if self._slabs is None:
+            return 0
+        released = 0
+        storage = self._storage
+        for i, (spec, pages) in enumerate(zip(self._specs, self._pages, strict=True)):
+            allocator = pages.allocator
+            if drop_cached:
+                allocator.drop_cached_from(allocator.highest_held() + 1)
+            target = self._slab_cover(i, allocator.settle_high_water() + 1)
+            target = max(target, min(self._slabs[i], spec.num_pages))
+            old = storage.committed(i)
+            if target < old:
+                storage.resize(i, target)
+                released += (old - target) * spec.bytes_per_page
+        return released
 
     def _reservation(
         self, ids: list[int], olds: list[int], counts: list[int], page_tables: bool
@@ -461,6 +549,7 @@ class HybridKVPool:
             if new_page:
                 size = pages.page_size
                 copies.append((index, plan.tail_page * size, new_page * size, n_tokens % size))
+        self._cover_high_water()
         self._storage.copy_tokens(copies)
         self._lengths[child_id] = n_tokens
         if self._prefix is not None:
@@ -614,8 +703,9 @@ class HybridKVPool:
                 pages_free=pages.allocator.num_free,
                 bytes_per_page=spec.bytes_per_page,
                 kv_bits=None if spec.quantization is None else spec.quantization.bits,
+                pages_committed=None if self._slabs is None else self._storage.committed(i),
             )
-            for spec, pages in zip(self._specs, self._pages, strict=True)
+            for i, (spec, pages) in enumerate(zip(self._specs, self._pages, strict=True))
         ]
         full_caps = [
             (spec.num_pages - 1) * spec.page_size

@@ -86,9 +86,11 @@ def _read(buffer: KVBuffer, slots: mx.array) -> mx.array:
 class KVStorage:
     """K/V buffers of every attention layer, grouped by sub-pool, addressed by slot.
 
-    Each layer's buffers are head-major, ``(n_kv_heads, num_pages * page_size, head_dim)``
+    Each layer's buffers are head-major, ``(n_kv_heads, committed * page_size, head_dim)``
     (V with its own width); slot ``page * page_size + i`` holds position ``i`` of a page and
-    page 0 is the null page. A quantized sub-pool's buffers are :class:`kv_protocol.QuantizedKV`
+    page 0 is the null page. ``committed[i]`` (default: all of sub-pool ``i``'s pages) is how
+    many pages its buffers hold now: :meth:`resize` grows or cuts them at the end, so a page's
+    slots never move. A quantized sub-pool's buffers are :class:`kv_protocol.QuantizedKV`
     of that logical shape (packed data, scales and biases, each slot-addressed the same way).
     ``allocators[i]`` is sub-pool ``i``'s page allocator: its page
     generations end the trust of slot arrays whose pages lost an owner.
@@ -99,18 +101,23 @@ class KVStorage:
         layout: CacheLayout,
         specs: Sequence[SubPoolSpec],
         allocators: Sequence[PageAllocator],
+        committed: Sequence[int] | None = None,
     ) -> None:
         self._layout = layout
         self._specs = tuple(specs)
         self._allocators = tuple(allocators)
+        self._committed = (
+            [s.num_pages for s in self._specs] if committed is None else list(committed)
+        )
         self.keys: list[list[KVBuffer]] = []
         self.values: list[list[KVBuffer]] = []
         # attention index -> (sub-pool index, layer index inside the sub-pool)
         self._by_attention: list[tuple[int, int]] = [(-1, -1)] * len(layout.attention_layer_ids)
         for index, spec in enumerate(self._specs):
             g = spec.geometry
-            key_shape = (g.n_kv_heads, spec.num_slots, g.head_dim)
-            value_shape = (g.n_kv_heads, spec.num_slots, g.value_dim)
+            slots = self._committed[index] * spec.page_size
+            key_shape = (g.n_kv_heads, slots, g.head_dim)
+            value_shape = (g.n_kv_heads, slots, g.value_dim)
             # mx.zeros is lazy: memory is committed when a buffer is first evaluated.
             self.keys.append([_zeros(spec, key_shape) for _ in spec.layer_ids])
             self.values.append([_zeros(spec, value_shape) for _ in spec.layer_ids])
@@ -134,6 +141,40 @@ class KVStorage:
     def spec_of(self, layer_id: int) -> SubPoolSpec:
         """The spec of the sub-pool storing ``layer_id``."""
         return self._specs[self.entry(layer_id)[0]]
+
+    def committed(self, index: int) -> int:
+        """Pages sub-pool ``index``'s buffers hold now (the null page included)."""
+        return self._committed[index]
+
+    def resize(self, index: int, pages: int) -> None:
+        """Make sub-pool ``index``'s buffers hold ``pages`` pages, growing or cutting the end.
+
+        Growing appends zeroed pages; cutting keeps pages ``0 .. pages - 1`` (the caller
+        checks that nobody holds a page past them). One buffer at a time is copied and
+        evaluated, and its old copy let go, so the memory in flight beyond the new size is
+        one layer's buffer, never the sub-pool's.
+        """
+        spec = self._specs[index]
+        old = self._committed[index]
+        if pages == old:
+            return
+        size = spec.page_size
+        extra = (pages - old) * size
+
+        def resized(array: mx.array) -> mx.array:
+            if extra < 0:
+                return mx.contiguous(array[:, : pages * size])
+            tail = mx.zeros((array.shape[0], extra, *array.shape[2:]), dtype=array.dtype)
+            return mx.concatenate([array, tail], axis=1)
+
+        for buffers in (self.keys[index], self.values[index]):
+            for local, buffer in enumerate(buffers):
+                new = buffer.map(resized) if isinstance(buffer, QuantizedKV) else resized(buffer)
+                mx.eval(*stored_arrays(new))
+                buffers[local] = new
+                del buffer
+        self._committed[index] = pages
+        mx.clear_cache()
 
     # ------------------------------------------------------------------ transfers
 
@@ -278,17 +319,19 @@ class KVStorage:
 
     def _check_slot_values(self, layer_id: int, slots: mx.array, *, write: bool) -> list[int]:
         """Read ``slots`` on the host: in range, outside the null page, distinct for a write."""
-        spec = self.spec_of(layer_id)
+        index = self.entry(layer_id)[0]
+        spec = self._specs[index]
+        num_slots = self._committed[index] * spec.page_size
         values = cast(list[int], slots.tolist())
         if not values:
             return values
         low, high = min(values), max(values)
-        if low < spec.page_size or high >= spec.num_slots:
+        if low < spec.page_size or high >= num_slots:
             bad = low if low < spec.page_size else high
             where = "in the null page 0" if 0 <= bad < spec.page_size else "out of range"
             raise RequestStateError(
                 f"layer {layer_id}: slot {bad} is {where}; slots of sub-pool {spec.name!r} "
-                f"must be in {spec.page_size}..{spec.num_slots - 1} (page 0 is the null page)"
+                f"must be in {spec.page_size}..{num_slots - 1} (page 0 is the null page)"
             )
         if write and len(set(values)) != len(values):
             seen: set[int] = set()

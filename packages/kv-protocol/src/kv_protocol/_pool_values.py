@@ -132,7 +132,9 @@ class SubPoolReport:
     """Pages and bytes of one sub-pool. Byte counts cover K and V of every layer it stores.
 
     ``kv_bits`` is the width of its quantized pages (``None``: the model's dtype); bytes are
-    what the pages store, quantized data with its scales and biases.
+    what the pages store, quantized data with its scales and biases. ``pages_committed`` is
+    how many pages its buffers hold now when they grow with use (``None``: all
+    ``num_pages``, preallocated).
     """
 
     name: str
@@ -145,11 +147,18 @@ class SubPoolReport:
     pages_free: int
     bytes_per_page: int
     kv_bits: int | None = None
+    pages_committed: int | None = None
 
     @property
     def bytes_total(self) -> int:
-        """Bytes of the sub-pool's buffers, null page included."""
+        """Bytes of the sub-pool's buffers at their cap, null page included."""
         return self.num_pages * self.bytes_per_page
+
+    @property
+    def bytes_committed(self) -> int:
+        """Bytes its buffers hold now (the cap when preallocated), null page included."""
+        pages = self.num_pages if self.pages_committed is None else self.pages_committed
+        return pages * self.bytes_per_page
 
     @property
     def bytes_used(self) -> int:
@@ -186,6 +195,11 @@ class PoolMemoryReport:
     def bytes_total(self) -> int:
         """Bytes of every sub-pool's buffers."""
         return sum(s.bytes_total for s in self.sub_pools)
+
+    @property
+    def bytes_committed(self) -> int:
+        """Bytes every sub-pool's buffers hold now (below ``bytes_total`` while they grow)."""
+        return sum(s.bytes_committed for s in self.sub_pools)
 
     @property
     def bytes_used(self) -> int:

@@ -404,6 +404,19 @@ class KVPoolStats(Protocol):
 
 
 @runtime_checkable
+class KVPoolMemory(Protocol):
+    """A pool whose buffers grow with use and can give memory back (optional for a pool)."""
+
+    def shrink(self, *, drop_cached: bool = False) -> int:
+        """Cut the buffers back to what the pages in use need; return the bytes given back.
+
+        Cached prefix pages count as needed unless ``drop_cached``; a preallocated pool
+        gives back 0.
+        """
+        ...
+
+
+@runtime_checkable
 class KVPool(KVPageAddressing, KVBufferStorage, KVPoolStats, Protocol):
     """A paged KV pool with one sub-pool per (lifetime, geometry) group of attention layers.
 

@@ -16,11 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 from ._blas import BLAS_ENV, BlasError, BlasInfo, active_blas, load_fast_blas
 from ._extras import require_extra
+from ._sizes import DEFAULT_KV_SLAB_BYTES
 
 if TYPE_CHECKING:
     from ._chat_templates import CHAT_TEMPLATES, GEMMA3_CHAT_TEMPLATE, ChatTemplate
     from ._draft import DraftModelProposer, draft_speculation
-    from ._engine import build_engine, build_kernels, build_pool, pool_backed_cache
+    from ._engine import (
+        build_engine,
+        build_kernels,
+        build_pool,
+        pool_backed_cache,
+    )
     from ._generate import Completion, GenerationStats, TextStream, complete, generate
     from ._gguf import GEMMA3_HARD_CODED, convert_gguf, gguf_sha256, read_gguf_tensor
     from ._load import GEMMA3_270M, default_cache_dir, encode_prompt, load_model, stop_token_ids
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BLAS_ENV",
     "CHAT_TEMPLATES",
+    "DEFAULT_KV_SLAB_BYTES",
     "GEMMA3_270M",
     "GEMMA3_CHAT_TEMPLATE",
     "GEMMA3_HARD_CODED",

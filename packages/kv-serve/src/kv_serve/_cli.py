@@ -15,6 +15,7 @@ from typing import Any
 
 from ._blas import load_fast_blas
 from ._extras import MissingExtraError, require_extra
+from ._sizes import DEFAULT_KV_SLAB_BYTES
 
 __all__ = ["main", "parser"]
 
@@ -199,6 +200,14 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="KV pool size in MiB (default: what --max-running requests of --max-context "
         "tokens need at their peak)",
+    )
+    srv.add_argument(
+        "--kv-slab-mib",
+        type=_non_negative_int,
+        default=DEFAULT_KV_SLAB_BYTES // 2**20,
+        help="the KV pool's buffers grow by slabs of this many MiB per sub-pool as pages are "
+        "first needed, up to --kv-budget-mib, and shrink back when the server is idle "
+        f"({DEFAULT_KV_SLAB_BYTES // 2**20}; 0 allocates the whole budget at start)",
     )
     srv.add_argument(
         "--max-running", type=_positive_int, default=16, help="requests decoded together (16)"
@@ -466,6 +475,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_quantize=args.kv_quantize,
         state_snapshot_interval=args.state_snapshot_interval,
         state_cache_bytes=None if args.state_cache_mib is None else args.state_cache_mib * 2**20,
+        kv_slab_bytes=args.kv_slab_mib * 2**20 or None,
         speculative=_speculation(args, model, tokenizer, progress),
         num_speculative_tokens=_speculative_tokens(args),
         ranks=ranks,

@@ -29,8 +29,15 @@ from kv_protocol import (
 
 from ._lockstep import LockstepEngine
 from ._ranks import STARTUP_TIMEOUT, RankGroup
+from ._sizes import DEFAULT_KV_SLAB_BYTES
 
-__all__ = ["build_engine", "build_kernels", "build_pool", "pool_backed_cache"]
+__all__ = [
+    "DEFAULT_KV_SLAB_BYTES",
+    "build_engine",
+    "build_kernels",
+    "build_pool",
+    "pool_backed_cache",
+]
 
 
 def pool_backed_cache(pool: KVPool, reservation: Reservation, layer_id: int) -> KVCache:
@@ -65,6 +72,7 @@ def build_pool(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     kv_quantize: str = "all",
+    kv_slab_bytes: int | None = DEFAULT_KV_SLAB_BYTES,
 ) -> HybridKVPool:
     """A pool from a byte budget, from a page count, or sized for ``max_running`` x context.
 
@@ -74,9 +82,16 @@ def build_pool(
     ``kv_bits`` (8 or 4) stores pages quantized in groups of ``kv_group_size`` along
     ``head_dim``, for the layer kinds ``kv_quantize`` names (``all``, ``full``,
     ``sliding``); a budget then holds about 1.9x (8-bit) or 3.5x (4-bit) the tokens.
+
+    The budget (or page count) is a cap: the buffers start at one slab of about
+    ``kv_slab_bytes`` per sub-pool and grow by slabs as pages are first needed (pages never
+    move; admission is still decided on the cap), and ``shrink()`` gives them back when idle.
+    ``kv_slab_bytes=None`` allocates the whole cap up front.
     """
     if kv_budget_bytes is not None and num_pages is not None:
         raise RequestStateError("give kv_budget_bytes or num_pages, not both")
+    if kv_slab_bytes is not None:
+        kv_slab_bytes = check_int(kv_slab_bytes, "kv_slab_bytes", minimum=1)
     quantization = kv_quantization_choice(kv_bits, kv_group_size, kv_quantize)
     page_size = check_int(page_size, "page_size", minimum=1)
     max_running = check_int(max_running, "max_running", minimum=1)
@@ -96,6 +111,7 @@ def build_pool(
             page_size=page_size,
             prefix_caching=prefix_caching,
             kv_quantization=quantization,
+            slab_bytes=kv_slab_bytes,
         )
     if kv_budget_bytes is None:
         budget = required_bytes(
@@ -117,6 +133,7 @@ def build_pool(
         prefill_chunk=prefill_chunk,
         prefix_caching=prefix_caching,
         kv_quantization=quantization,
+        slab_bytes=kv_slab_bytes,
     )
 
 
@@ -146,6 +163,7 @@ def build_engine(
     speculative: str | SpeculationConfig | None = None,
     num_speculative_tokens: int = 4,
     ranks: RankGroup | None = None,
+    kv_slab_bytes: int | None = DEFAULT_KV_SLAB_BYTES,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -158,9 +176,11 @@ def build_engine(
     ``universal`` or ``fast``) picks each attention layer's decode path (see
     :class:`kv_batching.DecodeEngine`; ``engine.decode_plan`` reports each layer's route).
 
-    ``kv_budget_bytes`` bounds the KV pool; a model with recurrent STATE layers also keeps
-    one state per running request beside it (``engine.memory_report()`` shows both), which
-    ``state_budget_bytes`` caps at admission. Building the engine wraps the attention
+    ``kv_budget_bytes`` bounds the KV pool (a cap: its buffers grow by slabs of about
+    ``kv_slab_bytes`` as pages are first needed and ``engine.shrink_pool()`` cuts them back;
+    ``kv_slab_bytes=None`` allocates the cap up front); a model with recurrent STATE layers
+    also keeps one state per running request beside it (``engine.memory_report()`` shows
+    both), which ``state_budget_bytes`` caps at admission. Building the engine wraps the attention
     modules it serves on the fast path in place; ``engine.close()`` puts them back.
 
     ``prefix_caching`` (on by default) keeps the complete pages of finished and running
@@ -213,6 +233,7 @@ def build_engine(
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             kv_quantize=kv_quantize,
+            kv_slab_bytes=kv_slab_bytes,
         )
     elif kv_budget_bytes is not None or num_pages is not None:
         raise RequestStateError("give a pool or kv_budget_bytes / num_pages, not both")
@@ -294,6 +315,7 @@ def _agree_on_pool(
         page_size={s.name: s.page_size for s in report.sub_pools},
         prefix_caching=pool.prefix_cache is not None,
         kv_quantization=kv_quantization_choice(kv_bits, kv_group_size, kv_quantize),
+        slab_pages=pool.slab_pages,
     )
 
 

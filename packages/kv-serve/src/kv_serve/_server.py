@@ -43,7 +43,7 @@ from kv_protocol import (
     kv_quantization_choice,
 )
 
-from ._engine import build_engine
+from ._engine import DEFAULT_KV_SLAB_BYTES, build_engine
 from ._load import stop_token_ids
 from ._lockstep import LockstepEngine
 from ._ranks import RankGroup
@@ -286,7 +286,10 @@ class KVServer:
     quantized, and ``state_snapshot_interval`` / ``state_cache_bytes`` govern the recurrent
     state snapshots that let models with STATE layers reuse prefixes, and ``speculative`` /
     ``num_speculative_tokens`` turn on speculative decoding (see :func:`kv_serve.build_engine`;
-    a bad value fails :meth:`start`, where the engine is built).
+    a bad value fails :meth:`start`, where the engine is built). The KV pool's buffers grow by
+    slabs of about ``kv_slab_bytes`` as its pages are first needed, up to the budget, and are
+    cut back whenever the engine is idle (the cached prefixes stay); ``None`` allocates the
+    whole budget at start.
 
     ``ranks`` (a :class:`kv_serve.RankGroup`, the model sharded with
     :func:`kv_serve.shard_model`) serves one tensor-parallel group: rank 0 builds a
@@ -319,6 +322,7 @@ class KVServer:
         num_speculative_tokens: int = 4,
         ranks: RankGroup | None = None,
         make_engine: Callable[[], DecodeEngine] | None = None,
+        kv_slab_bytes: int | None = DEFAULT_KV_SLAB_BYTES,
     ) -> None:
         # Refuse a bad quantization here, not later on the engine thread.
         kv_quantization_choice(kv_bits, kv_group_size, kv_quantize)
@@ -350,6 +354,7 @@ class KVServer:
                     speculative=speculative,
                     num_speculative_tokens=num_speculative_tokens,
                     ranks=ranks,
+                    kv_slab_bytes=kv_slab_bytes,
                 )
 
         elif ranks is not None:
@@ -1184,9 +1189,14 @@ class KVServer:
             "# HELP kv_serve_world_size Ranks the model is sharded over (tensor parallel).",
             "# TYPE kv_serve_world_size gauge",
             f"kv_serve_world_size {snap.world_size}",
-            "# HELP kv_serve_pool_kv_bytes Bytes of this rank's KV pool (its own KV heads).",
+            "# HELP kv_serve_pool_kv_bytes Bytes of this rank's KV pool at its cap (its own "
+            "KV heads).",
             "# TYPE kv_serve_pool_kv_bytes gauge",
             f"kv_serve_pool_kv_bytes {snap.pool_bytes}",
+            "# HELP kv_serve_pool_committed_bytes Bytes the KV pool's buffers hold now (they "
+            "grow with use up to the cap and shrink when idle).",
+            "# TYPE kv_serve_pool_committed_bytes gauge",
+            f"kv_serve_pool_committed_bytes {snap.pool_committed_bytes}",
             "# HELP kv_serve_pool_pages_used KV pages in use per sub-pool.",
             "# TYPE kv_serve_pool_pages_used gauge",
         ]

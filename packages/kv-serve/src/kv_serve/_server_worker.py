@@ -162,8 +162,10 @@ class WorkerSnapshot:
     speculative_accepted: int = 0
     #: Ranks of the tensor-parallel group the engine runs on (1: one process).
     world_size: int = 1
-    #: Bytes of this rank's KV pool (each rank holds the K/V of its own heads).
+    #: Bytes of this rank's KV pool at its cap (each rank holds the K/V of its own heads).
     pool_bytes: int = 0
+    #: Bytes the pool's buffers hold now (they grow with use up to ``pool_bytes``).
+    pool_committed_bytes: int = 0
 
 
 @dataclass
@@ -339,12 +341,20 @@ class EngineWorker:
             self._shutdown(engine)
 
     def _loop(self, engine: DecodeEngine) -> None:
+        # False from the first step after the pool last gave memory back.
+        shrunk = True
         while True:
             commands: list[Any] = []
             if not engine.has_work:
                 try:
                     commands.append(self._inbox.get(timeout=0.5))
                 except queue.Empty:
+                    if not shrunk:
+                        # Idle for a while: the pool's buffers go back to what the cached
+                        # prefixes hold, so the server's memory follows its load.
+                        engine.shrink_pool()
+                        shrunk = True
+                        self._publish(engine)
                     continue
             while True:
                 try:
@@ -357,6 +367,7 @@ class EngineWorker:
                 self._apply(engine, command)
             if engine.has_work:
                 self._step(engine)
+                shrunk = False
             self._publish(engine)
 
     def _apply(self, engine: DecodeEngine, command: Any) -> None:
@@ -498,6 +509,7 @@ class EngineWorker:
             speculative_accepted=stats.speculative_accepted,
             world_size=engine.ranks.size if isinstance(engine, LockstepEngine) else 1,
             pool_bytes=memory.pool.bytes_total,
+            pool_committed_bytes=memory.pool.bytes_committed,
         )
         with self._lock:
             self._engine_queued = engine.num_queued
