@@ -82,8 +82,8 @@ class HybridKVPool:
     that many bytes in every sub-pool, at least one page). ``num_pages`` stays the cap and
     admission is decided on it exactly as for preallocated buffers. :meth:`shrink` cuts the
     buffers back to the slabs that the pages in use (and, unless asked, the cached prefix
-    pages) still need. The allocator hands out the lowest free page ids first, so pages in use gather at
-    the start of the buffers.
+    pages) still need. The allocator hands out the lowest free page ids first, so pages in
+    use gather at the start of the buffers.
     """
 
     def __init__(
