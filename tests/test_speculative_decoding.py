@@ -99,6 +99,7 @@ def test_ngram_speculation_gives_mlx_lm_s_tokens(arch: str) -> None:
     got, stats = serve(arch, batched)
     assert got == want
     assert stats.speculative_steps > 0
+    assert stats.decode_fallbacks == 0  # no verification failed over to plain decoding
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_next"])
@@ -111,6 +112,7 @@ def test_every_acceptance_length_keeps_the_tokens(arch: str, right: int) -> None
     got, stats = serve(arch, config)
     assert got == [greedy(arch, tuple(p)) for p in PROMPTS]
     assert stats.speculative_steps > 0 and proposer.proposals
+    assert stats.decode_fallbacks == 0
     rate = stats.acceptance_rate
     assert rate is not None
     if right == 0:
@@ -359,3 +361,14 @@ def test_a_shadowed_proposal_scores_what_the_request_emits(
     assert (state.shadow_steps, state.shadow_accepted) == (1, kept)
     assert (state.steps, state.proposed, state.accepted) == (0, 0, 0)  # nothing verified
     assert state.pays_at(2) == (1 + kept >= 3)
+    # Inside a shared step the share of accepted proposed tokens decides.
+    assert state.pays_in_batch(1, 1.0)
+    assert state.pays_in_batch(2, 0.5) == (kept / len(proposal) >= 0.5)
+
+
+def test_min_acceptance_must_be_a_rate() -> None:
+    for bad in (-0.1, 1.5, "half", True):
+        with pytest.raises(ValueError, match="min_acceptance must be a number in"):
+            SpeculationConfig(proposer=NgramProposer(), min_acceptance=bad)  # type: ignore[arg-type]
+    assert not SpeculationState(4).pays_in_batch(3, 0.5)
+    assert SpeculationState(4).pays_in_batch(3, 0.5, shadow=False)

@@ -2,7 +2,9 @@
 
 Random submit / step / preempt / abort sequences, with proposals right for a drawn number of
 tokens and wrong after, drive an engine serving a model with full, sliding-window and
-recurrent STATE layers on a pool too small for everything. After every rule: each request in
+recurrent STATE layers (each request verified by a forward of its own), and again one with
+full and sliding-window layers only (proposals verified as extra rows of the shared decode
+step), on a pool too small for everything. After every rule: each request in
 the pool holds exactly the positions the engine says it has, and in each full-attention
 sub-pool exactly the pages those positions need (rejected positions came back); a sliding
 sub-pool holds no more pages than its window needs. Every finished request's tokens equal
@@ -36,19 +38,20 @@ BASES = (
 
 
 @cache
-def model() -> nn.Module:
-    return build_zoo_model("gear")  # full, sliding (window 8) and state layers
+def model(arch: str) -> nn.Module:
+    return build_zoo_model(arch)
 
 
 @cache
-def greedy(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
-    return tuple(mlx_lm_greedy(model(), list(prompt), max_tokens))
+def greedy(arch: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    return tuple(mlx_lm_greedy(model(arch), list(prompt), max_tokens))
 
 
 class Oracle:
     """Proposes mlx-lm's continuation, right for ``right`` tokens and wrong after."""
 
-    def __init__(self) -> None:
+    def __init__(self, arch: str) -> None:
+        self.arch = arch
         self.right = 1
         self.prompts: dict[tuple[int, ...], int] = {}
 
@@ -56,17 +59,20 @@ class Oracle:
         for prompt, max_tokens in self.prompts.items():
             if tuple(tokens[: len(prompt)]) == prompt:
                 done = len(tokens) - len(prompt)
-                truth = greedy(prompt, max_tokens)[done : done + k]
+                truth = greedy(self.arch, prompt, max_tokens)[done : done + k]
                 return [t if i < self.right else (t + 1) % VOCAB for i, t in enumerate(truth)]
         return []
 
 
 class SpeculationMachine(RuleBasedStateMachine):
+    #: Full, sliding (window 8) and recurrent state layers: per-request verification.
+    arch = "gear"
+
     def __init__(self) -> None:
         super().__init__()
-        self.oracle = Oracle()
+        self.oracle = Oracle(self.arch)
         self.engine: DecodeEngine = build_engine(
-            model(),
+            model(self.arch),
             num_pages=18,
             page_size=PAGE,
             max_running=3,
@@ -122,9 +128,13 @@ class SpeculationMachine(RuleBasedStateMachine):
             out = self.engine.output(rid)
             if out.status is RequestStatus.FINISHED:
                 assert out.finish_reason == "length", (rid, out.finish_reason, out.error)
-                want = greedy(self.prompts[rid], self.max_tokens[rid])
+                want = greedy(self.arch, self.prompts[rid], self.max_tokens[rid])
                 assert out.tokens == want, (self.prompts[rid], out.tokens, want)
                 self.prompts.pop(rid)
+
+    @invariant()
+    def no_verification_fell_back(self) -> None:
+        assert self.engine.stats.decode_fallbacks == 0
 
     @invariant()
     def pages_held_are_pages_needed(self) -> None:
@@ -156,10 +166,17 @@ class SpeculationMachine(RuleBasedStateMachine):
             self.engine.close()
 
 
-SpeculationMachine.TestCase.settings = settings(
-    max_examples=30,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+class BatchedVerificationMachine(SpeculationMachine):
+    #: Full and sliding layers only: proposals verified as rows of the shared decode step.
+    arch = "gpt_oss"
+
+
+for machine in (SpeculationMachine, BatchedVerificationMachine):
+    machine.TestCase.settings = settings(
+        max_examples=30,
+        stateful_step_count=25,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 test_speculation_machine = SpeculationMachine.TestCase
+test_batched_verification_machine = BatchedVerificationMachine.TestCase

@@ -4,10 +4,12 @@ Both servers run as processes on 127.0.0.1 serving the same mlx-lm model directo
 ``gemma3-270m``, the directory it is converted into). A bounded asyncio client sends the
 same streamed, greedy ``/v1/completions`` requests at each concurrency level, the two
 servers alternating which goes first, and reports per server and level: requests/s, output
-tokens/s, time to first token p50/p99, inter-token latency p50/p99 and the server
-process's peak RSS (sampled every 20 ms). Tokens are counted as streamed chunks with text
-(both servers send one chunk per token, except where a piece is held back to complete a
-character).
+tokens/s, time to first token p50/p99, inter-token latency p50/p99, the server
+process's peak RSS (sampled every 20 ms) and its RSS once it has been idle for
+``--idle-seconds`` after the level (kv-serve gives its pool's buffers back when idle).
+``--plot FILE`` draws both against the number of clients (the RSS curve). Tokens are
+counted as streamed chunks with text (both servers send one chunk per token, except where a
+piece is held back to complete a character).
 
 Two workloads: ``synthetic`` (random words, ``--prompt-words`` long) and ``long`` (the real
 English prompts of ``tools.real_prompts`` longer than Gemma 3's 512-token sliding window,
@@ -17,6 +19,8 @@ that both servers may decode that many requests together.
 
     uv run python -m tools.bench_serve --model gemma3-270m --concurrency 1 4 16 64
     uv run python -m tools.bench_serve --workload long --concurrency 4 16 --requests 1
+    uv run python -m tools.bench_serve --concurrency 1 2 4 8 16 --max-context 4096 \
+        --plot docs/images/rss_curve.png
 """
 
 from __future__ import annotations
@@ -141,12 +145,15 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
 
-    def sample(self, stop: threading.Event) -> None:
+    def rss(self) -> int:
+        """The server's resident set now, its child processes included."""
         assert self.process is not None
         proc = psutil.Process(self.process.pid)
+        return int(proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children()))
+
+    def sample(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children())
-            self.peak_rss = max(self.peak_rss, rss)
+            self.peak_rss = max(self.peak_rss, self.rss())
             stop.wait(0.02)
 
 
@@ -251,6 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kv-budget-mib", type=int, default=None, help="kv-serve's --kv-budget-mib (its default)"
     )
     parser.add_argument("--servers", nargs="+", default=["kv-serve", "mlx-lm"])
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=3.0,
+        help="how long a server rests after each level before its idle RSS is read (3)",
+    )
+    parser.add_argument("--plot", type=Path, default=None, help="write the RSS curve here (PNG)")
     add_run_options(parser, quick=None)
     args = parser.parse_args(argv)
     max_context = args.max_context or (1024 if args.workload == "synthetic" else 2048)
@@ -277,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         servers.append(_Server(name, command, f"http://127.0.0.1:{port}"))
     rng = random.Random(0)
     rows: list[str] = []
+    curve: dict[str, list[tuple[int, float, float]]] = {s.name: [] for s in servers}
     try:
         for server in servers:
             server.start()
@@ -295,13 +310,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 stop.set()
                 sampler.join()
+                time.sleep(args.idle_seconds)
+                idle = server.rss()
+                curve[server.name].append((concurrency, server.peak_rss / 2**20, idle / 2**20))
                 rows.append(
                     f"| {server.name} | {concurrency} | {level.requests}/{len(prompts)} | "
                     f"{level.requests / level.seconds:.2f} | "
                     f"{level.tokens / level.seconds:.1f} | "
                     f"{ms(level.ttft, 0.5)} / {ms(level.ttft, 0.99)} | "
                     f"{ms(level.itl, 0.5)} / {ms(level.itl, 0.99)} | "
-                    f"{server.peak_rss / 2**20:.0f} |"
+                    f"{server.peak_rss / 2**20:.0f} | {idle / 2**20:.0f} |"
                 )
                 print(rows[-1], flush=True)
                 if level.failed:
@@ -321,13 +339,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(
             "| server | clients | done | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms "
-            "| peak RSS MiB |"
+            "| peak RSS MiB | idle RSS MiB |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for row in rows:
             print(row)
     results.write(args.markdown, prog="tools.bench_serve", argv=argv)
+    if args.plot is not None:
+        _plot(args.plot, curve, f"{args.model}, {args.max_tokens}-token outputs")
     return 0
+
+
+def _plot(path: Path, curve: dict[str, list[tuple[int, float, float]]], title: str) -> None:
+    """Peak and idle RSS against the number of clients, one colour per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, points in curve.items():
+        points = sorted(points)
+        clients = [p[0] for p in points]
+        (line,) = ax.plot(clients, [p[1] for p in points], marker="o", label=f"{name} peak")
+        ax.plot(
+            clients,
+            [p[2] for p in points],
+            marker="x",
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{name} idle after",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients (requests running)")
+    ax.set_ylabel("server RSS (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Server memory against load: {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -363,10 +363,15 @@ def run_engine(
     chunk: int,
     fused: str,
     stall: float | None = None,
+    defaults: bool = False,
 ) -> tuple[RunResult, Any, Any]:
     """kv-batching's ``DecodeEngine`` on a ``HybridKVPool`` of ``budget_bytes``.
 
-    Returns the result, the pool and the engine (for their statistics).
+    ``defaults=True`` ignores ``budget_bytes`` and builds the engine as ``build_engine``
+    does by itself: prefix caching on, the pool capped at what ``running`` requests of the
+    longest request need, its buffers growing by slabs; the result's KV bytes are then what
+    the buffers held at the end (they only grow during a run). Returns the result, the pool
+    and the engine (for their statistics).
     """
     from kv_pool import HybridKVPool
     from kv_protocol import layout_from_model
@@ -374,22 +379,34 @@ def run_engine(
 
     layout = layout_from_model(model)
     longest = max(len(p) + m for p, m in requests)
-    pool = HybridKVPool.from_budget(
-        layout,
-        budget_bytes,
-        max_context=longest,
-        concurrency=running,
-        page_size=page_size,
-        prefill_chunk=chunk,
-    )
-    engine = build_engine(
-        model,
-        pool=pool,
-        fused_rope=fused,
-        max_running=running,
-        prefill_chunk=chunk,
-        prefill_stall=stall,
-    )
+    if defaults:
+        engine = build_engine(
+            model,
+            max_context=longest,
+            page_size=page_size,
+            fused_rope=fused,
+            max_running=running,
+            prefill_chunk=chunk,
+            prefill_stall=stall,
+        )
+        pool = engine.pool
+    else:
+        pool = HybridKVPool.from_budget(
+            layout,
+            budget_bytes,
+            max_context=longest,
+            concurrency=running,
+            page_size=page_size,
+            prefill_chunk=chunk,
+        )
+        engine = build_engine(
+            model,
+            pool=pool,
+            fused_rope=fused,
+            max_running=running,
+            prefill_chunk=chunk,
+            prefill_stall=stall,
+        )
     ids = [engine.submit(p, m) for p, m in requests]
     steps: list[float] = []
     first: list[float] = []
@@ -404,7 +421,7 @@ def run_engine(
             first.append(time.perf_counter() - start)
     seconds = time.perf_counter() - start
     out = {i: list(engine.output(rid).tokens) for i, rid in enumerate(ids)}
-    capacity = sum(s.num_pages * s.bytes_per_page for s in pool.memory_report().sub_pools)
+    capacity = pool.memory_report().bytes_committed
     result = RunResult(
         "kv-batching DecodeEngine",
         seconds,

@@ -102,7 +102,9 @@ def test_empty_batch_is_a_clear_error() -> None:
     [
         ([3, -1], (0, 1), "must be an int >= 0"),
         ([3, 1.5], (0, 1), "must be an int"),
-        ([3, 4], (0, 0), "duplicated"),
+        ([3, 5], (0, 0), "duplicated"),  # one request's rows are at consecutive positions
+        ([3, 4, 5], (0, 1, 0), "duplicated"),  # ... and adjacent
+        ([4, 3], (0, 0), "duplicated"),
         ([3, 4], (0, 1, 2), "one length per request"),
     ],
 )
@@ -114,6 +116,19 @@ def test_bad_lengths_and_ids(seq_lens: list[object], ids: tuple[int, ...], match
             layout=gpt_oss_like(),
             aot=FakeKernels(),
         )
+
+
+def test_a_verifying_request_takes_adjacent_rows_at_consecutive_positions() -> None:
+    c = BatchedDecodeContext(
+        request_ids=(7, 7, 7, 2),
+        seq_lens=(5, 6, 7, 3),
+        layout=gpt_oss_like(),
+        aot=FakeKernels(),
+    )
+    assert c.offsets.tolist() == [5, 6, 7, 3]
+    # Each row sees the keys up to its own position: the proposal is attended causally.
+    assert c.visible_keys(None) == [6, 7, 8, 4]
+    assert c.visible_keys(4) == [4, 4, 4, 4]
 
 
 def test_attention_map_defaults_to_identity_over_attention_layers() -> None:
@@ -235,7 +250,7 @@ def test_a_step_takes_the_reservations_slots_and_its_old_lengths() -> None:
         step.layer(4)
 
 
-def test_a_step_takes_one_reserved_token_per_request_only() -> None:
+def test_a_step_takes_a_row_per_reserved_token() -> None:
     pool = ReferenceKVPool(gpt_oss_like(window=64), num_pages=3, page_size=2)
     pool.add_request(0)
     pool.add_request(1)
@@ -247,8 +262,17 @@ def test_a_step_takes_one_reserved_token_per_request_only() -> None:
     pool.free_request(1)
     chunk = pool.try_reserve_batch({0: 2})
     assert chunk is not None
-    with pytest.raises(CacheStateError, match="one reserved token per request"):
-        DecodeStep.from_reservation(chunk, pool, FakeKernels(), PoolAddressing.from_pool(pool))
+    # Two reserved tokens (a verification): two rows at consecutive positions, one table.
+    step = DecodeStep.from_reservation(chunk, pool, FakeKernels(), PoolAddressing.from_pool(pool))
+    assert step.context.request_ids == (0, 0) and step.context.seq_lens == (2, 3)
+    for name, sub in step.sub_pools.items():
+        table = chunk.page_tables[name].tolist()
+        assert sub.page_table.tolist() == table * 2
+        assert sub.new_token_slots.tolist() == chunk.slots[name].tolist()
+    none = pool.try_reserve_batch({0: 0})
+    assert none is not None
+    with pytest.raises(CacheStateError, match="at least one reserved token per request"):
+        DecodeStep.from_reservation(none, pool, FakeKernels(), PoolAddressing.from_pool(pool))
 
 
 def test_a_step_needs_every_sub_pool() -> None:

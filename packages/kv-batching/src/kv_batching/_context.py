@@ -40,12 +40,32 @@ def _checked_lengths(request_ids: Sequence[int], seq_lens: Sequence[int]) -> Non
             f"BatchedDecodeContext got {len(request_ids)} request ids but "
             f"{len(seq_lens)} seq_lens; expected one length per request"
         )
-    if len(set(request_ids)) != len(request_ids):
+    if len(set(request_ids)) != len(request_ids) and not _verification_rows(request_ids, seq_lens):
         duplicates = sorted({r for r in request_ids if list(request_ids).count(r) > 1})
         raise RequestStateError(f"request ids must be unique in a batch; duplicated: {duplicates}")
     for rid, length in zip(request_ids, seq_lens, strict=True):
         check_int(rid, "request id")
         check_int(length, f"seq_len of request {rid}", minimum=0)
+
+
+def _verification_rows(request_ids: Sequence[int], seq_lens: Sequence[int]) -> bool:
+    """Whether every repeated id is one request's run of adjacent rows at consecutive positions.
+
+    A speculative verification gives a request one row per query position (its last token
+    and each proposed token); anything else repeating an id is a mistake.
+    """
+    seen: set[int] = set()
+    previous: int | None = None
+    for index, rid in enumerate(request_ids):
+        if rid == previous:
+            if seq_lens[index] != seq_lens[index - 1] + 1:
+                return False
+            continue
+        if rid in seen:
+            return False
+        seen.add(rid)
+        previous = rid
+    return True
 
 
 def _checked_layer_map(value: object, what: str) -> Mapping[int, int]:
@@ -65,9 +85,12 @@ class BatchedDecodeContext:
     """Everything one batched decode step shares across the model's attention layers.
 
     ``seq_lens[b]`` counts the tokens request ``b`` already has cached, i.e. it is the
-    position of the token being decoded. Derived once at construction: ``offsets``
-    (int32 ``(B,)``, the RoPE positions), ``max_len = max(seq_lens) + 1``, ``valid_lens =
-    offsets + 1`` (keys per request including the new one), ``needs_padding``,
+    position of the token being decoded. A request verifying a speculative proposal takes
+    several adjacent rows, one per query position (consecutive ``seq_lens``): each row sees
+    the keys up to its own position, so the proposal is attended causally. Derived once at
+    construction: ``offsets`` (int32 ``(B,)``, the RoPE positions), ``max_len =
+    max(seq_lens) + 1``, ``valid_lens = offsets + 1`` (keys per request including the new
+    one), ``needs_padding``,
     ``pad_sizes`` (right padding to ``max_len`` per request) and ``positions``
     (``arange(max_len)`` when padding is needed, else ``None``).
 

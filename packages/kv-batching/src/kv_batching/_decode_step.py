@@ -254,24 +254,39 @@ class DecodeStep:
         kernels: KernelSet,
         addressing: PoolAddressing,
     ) -> DecodeStep:
-        """The decode step of the requests ``reservation`` reserved one token each for.
+        """The decode step of the requests ``reservation`` reserved tokens for.
 
-        ``seq_lens`` are the reservation's start lengths, the new-token slots and page tables
-        its own: nothing is asked of the pool, nothing goes through the host. O(B), no sync.
+        A request with one reserved token is one row at its start length; one with ``n``
+        (a speculative verification: its last token and ``n - 1`` proposed ones) is ``n``
+        adjacent rows at positions ``start .. start + n - 1``, each with the request's page
+        table, so each query attends causally up to its own position. The new-token slots
+        are the reservation's own (already in that row order) and nothing is asked of the
+        pool. O(rows), no sync.
         """
         ids = list(reservation.request_ids)
         if not ids:
             raise RequestStateError(
                 "BatchedDecodeContext needs at least one request; got an empty batch"
             )
-        if any(n != 1 for n in reservation.n_tokens):
+        counts = reservation.n_tokens
+        if any(n < 1 for n in counts):
             raise CacheStateError(
-                f"a decode step takes one reserved token per request; the reservation holds "
-                f"{list(reservation.n_tokens)}"
+                f"a decode step takes at least one reserved token per request; the "
+                f"reservation holds {list(counts)}"
             )
+        seq_lens: tuple[int, ...] = tuple(reservation.start_lengths)
+        row_of: mx.array | None = None
+        if any(n != 1 for n in counts):
+            ids = [rid for rid, n in zip(ids, counts, strict=True) for _ in range(n)]
+            seq_lens = tuple(
+                start + i
+                for start, n in zip(reservation.start_lengths, counts, strict=True)
+                for i in range(n)
+            )
+            row_of = mx.array([b for b, n in enumerate(counts) for _ in range(n)], dtype=mx.int32)
         context = BatchedDecodeContext(
             request_ids=tuple(ids),
-            seq_lens=reservation.start_lengths,
+            seq_lens=seq_lens,
             layout=addressing.layout,
             aot=kernels,
             full_kv_pool_index_by_layer=addressing.layout.full_attention_layer_id_mapping,
@@ -280,7 +295,11 @@ class DecodeStep:
             name: SubPoolStep(
                 name=name,
                 new_token_slots=reservation.slots[name],
-                page_table=reservation.page_tables[name],
+                page_table=(
+                    reservation.page_tables[name]
+                    if row_of is None
+                    else mx.take(reservation.page_tables[name], row_of, axis=0)
+                ),
             )
             for name in addressing.sub_pools
             if name in reservation.slots

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, cast
 
@@ -899,14 +899,23 @@ class DecodeEngine:
     def _decode(self, produced: dict[int, list[int]]) -> None:
         start = time.perf_counter()
         rows: list[EngineRequest] | None = None
+        drafts: dict[int, list[int]] = {}
         spec = self._speculation
-        if spec is not None and len(self._scheduler.running) <= spec.max_batch:
+        if spec is not None and not self._state_layer_ids:
+            # Attention only: proposals are verified as extra rows of the shared step.
+            for request in list(self._scheduler.running):
+                draft = self._proposal(request, batched=True)
+                if draft:
+                    drafts[request.rid] = draft
+        elif spec is not None and len(self._scheduler.running) <= spec.max_batch:
             rows = [r for r in list(self._scheduler.running) if not self._speculate(r, produced)]
             if not rows:
                 self._stats.decode_seconds += time.perf_counter() - start
                 return
         try:
-            reservation = self._scheduler.reserve_decode(rows)
+            reservation = self._scheduler.reserve_decode(
+                rows, {rid: len(d) for rid, d in drafts.items()}
+            )
         except Exception as error:
             # The pool raised instead of granting or refusing: nothing was reserved, and
             # each request is tried alone (the group's fallback).
@@ -923,6 +932,16 @@ class DecodeEngine:
         else:
             groups = [batch]
         if len(groups) == 1:
+            if reservation is not None and any(n > 1 for n in reservation.n_tokens):
+                try:
+                    self._verify_batch(batch, reservation, drafts, produced)
+                except Exception as error:
+                    # Rolled back: the step decodes one token per request instead.
+                    logger.warning("batched verification failed (%r); decoding plainly", error)
+                    self._stats.decode_fallbacks += 1
+                    self._decode_group(batch, self._scheduler.reserve_rows(batch), produced)
+                self._stats.record_decode(time.perf_counter() - start, len(batch))
+                return
             self._decode_group(batch, reservation, produced)
         else:
             # The whole batch fits; each group takes its own part of that room.
@@ -931,6 +950,77 @@ class DecodeEngine:
             for group in groups:
                 self._decode_group(group, self._scheduler.reserve_rows(group), produced)
         self._stats.record_decode(time.perf_counter() - start, len(batch))
+
+    def _verify_batch(
+        self,
+        batch: list[EngineRequest],
+        reservation: Reservation,
+        drafts: Mapping[int, list[int]],
+        produced: dict[int, list[int]],
+    ) -> None:
+        """One shared decode step in which some requests also verify their proposals.
+
+        A request the reservation holds ``k + 1`` positions for runs its last token and its
+        proposal of ``k`` as ``k + 1`` rows of the step (each attending up to its own
+        position); the others take one row and are sampled as in a plain step. Nothing is
+        kept unless the whole forward and every choice went through: on an error the
+        sampler and the reservation are put back and the error raised.
+        """
+        counts = reservation.n_tokens
+        inputs: list[list[int]] = []
+        for request, n in zip(batch, counts, strict=True):
+            draft = drafts.get(request.rid, []) if n > 1 else []
+            if len(draft) != n - 1:
+                raise RequestStateError(
+                    f"request {request.rid} was reserved {n} positions for a proposal of "
+                    f"{len(draft)} tokens"
+                )
+            inputs.append([request.generated[-1], *draft])
+        first = [0]
+        for n in counts:
+            first.append(first[-1] + n)
+        plain = [i for i, n in enumerate(counts) if n == 1]
+        saved = self._sampler.save()
+        try:
+            out = self._runner.decode(reservation, inputs, [[] for _ in batch])
+            logits = out.logits
+            chosen: dict[int, tuple[int, TokenLogprob | None]] = {}
+            pending: list[Any] = []
+            sampled = None
+            if plain:
+                plain_batch = [batch[i] for i in plain]
+                rows_of_plain = logits[mx.array([first[i] for i in plain], dtype=mx.int32)]
+                masks = self._token_masks(plain_batch, rows_of_plain)
+                sampled = self._sampler.sample(
+                    rows_of_plain, [r.sampling_row() for r in plain_batch], masks
+                )
+                pending.append(sampled.arrays())
+            argmax = logits.argmax(axis=-1)
+            tic = time.perf_counter()
+            mx.eval(pending, argmax)
+            self._stats.decode_device_seconds += time.perf_counter() - tic
+            if sampled is not None:
+                picks = zip(sampled.token_list(), sampled.logprobs(), strict=True)
+                chosen = dict(zip(plain, picks, strict=True))
+            greedy_all = [int(t) for t in cast(list[int], argmax.tolist())]
+            verdicts: dict[int, tuple[int, int]] = {}
+            for i, request in enumerate(batch):
+                if counts[i] == 1:
+                    continue
+                rows = slice(first[i], first[i + 1])
+                greedy = greedy_all[rows] if request.params.greedy else None
+                verdicts[i] = self._accept(request, inputs[i][1:], logits[rows], greedy)
+        except BaseException:
+            self._sampler.restore(saved)
+            self._scheduler.rollback(reservation)
+            raise
+        for i, request in enumerate(batch):
+            if i in verdicts:
+                accepted, token = verdicts[i]
+                start = reservation.start_lengths[i]
+                self._keep_verified(request, inputs[i][1:], accepted, token, start, produced)
+            else:
+                self._advance(request, chosen[i], reservation.lengths[i], produced)
 
     # ------------------------------------------------------------------ speculation
 
@@ -956,26 +1046,8 @@ class DecodeEngine:
         go back to the pool; a recurrent state is put back as it was and advanced through
         the kept tokens alone.
         """
-        config = self._speculation
-        if config is None or not self._speculates(request):
-            return False
-        state = request.speculation
-        if state is None:
-            state = request.speculation = SpeculationState(config.num_tokens)
-        pays = state.pays_at(len(self._scheduler.running), shadow=config.shadow)
-        if not pays and state.shadowing:
-            return False
-        k = min(state.length(), request.max_tokens - len(request.generated) - 1)
-        if k <= 0:
-            return False
-        draft = [int(t) for t in config.proposer.propose(request.prompt + request.generated, k)]
-        draft = draft[:k]
+        draft = self._proposal(request, batched=False)
         if not draft:
-            return False
-        if not pays:
-            # Beside other requests without a record: compare the proposal with what the
-            # request decodes in the batch (free), instead of verifying it (a forward).
-            state.shadow(draft)
             return False
         inputs = [request.generated[-1], *draft]
         try:
@@ -999,27 +1071,104 @@ class DecodeEngine:
             tic = time.perf_counter()
             mx.eval(logits, [getattr(c, "cache", []) for c in request.states or []])
             self._stats.decode_device_seconds += time.perf_counter() - tic
-            if request.params.greedy:
-                greedy = [int(t) for t in cast(list[int], logits.argmax(axis=-1).tolist())]
-                accepted = 0
-                while accepted < len(draft) and draft[accepted] == greedy[accepted]:
-                    accepted += 1
-                token = greedy[accepted]
-            else:
-                base = request.sampling_row()
-                rows = [replace(base, generated=base.generated + i) for i in range(len(inputs))]
-                accepted, token = self._sampler.verify_draft(logits, draft, rows)
+            greedy = (
+                [int(t) for t in cast(list[int], logits.argmax(axis=-1).tolist())]
+                if request.params.greedy
+                else None
+            )
+            accepted, token = self._accept(request, draft, logits, greedy)
         except Exception as error:
             self._sampler.restore(saved)
             request.states = None if before is None else before.caches()
             self._scheduler.rollback(reservation)
             logger.warning("speculative step of request %d failed: %r", request.rid, error)
             return False
+        self._keep_verified(request, draft, accepted, token, length, produced, before)
+        return True
+
+    def _proposal(self, request: EngineRequest, *, batched: bool) -> list[int]:
+        """The proposal ``request`` verifies this step, or ``[]`` (it decodes one token).
+
+        ``batched``: the proposal would be verified as extra rows of the shared decode step
+        (:meth:`SpeculationState.pays_in_batch`), else by a forward of its own
+        (:meth:`SpeculationState.pays_at`). A proposal that does not pay yet is shadowed.
+        """
+        config = self._speculation
+        if config is None or not self._speculates(request):
+            return []
+        state = request.speculation
+        if state is None:
+            state = request.speculation = SpeculationState(config.num_tokens)
+        batch = len(self._scheduler.running)
+        if batched:
+            pays = state.pays_in_batch(batch, config.min_acceptance, shadow=config.shadow)
+        else:
+            pays = state.pays_at(batch, shadow=config.shadow)
+        if not pays and state.shadowing:
+            return []
+        k = min(state.length(), request.max_tokens - len(request.generated) - 1)
+        if k <= 0:
+            return []
+        draft = [int(t) for t in config.proposer.propose(request.prompt + request.generated, k)]
+        draft = draft[:k]
+        if draft and not pays:
+            # Beside other requests without a record: compare the proposal with what the
+            # request decodes in the batch (free), instead of verifying it.
+            state.shadow(draft)
+            return []
+        return draft
+
+    def _accept(
+        self,
+        request: EngineRequest,
+        draft: list[int],
+        logits: mx.array,
+        greedy: list[int] | None,
+    ) -> tuple[int, int]:
+        """``(accepted, token)``: how much of ``draft`` is kept and the token after it.
+
+        ``logits`` are the ``(len(draft) + 1, vocab)`` rows of the request's last token and
+        its proposal; ``greedy`` their argmax for a greedy request (exactly plain decoding's
+        tokens), ``None`` for a sampled one (the rejection rule of
+        :meth:`Sampler.verify_draft`, which keeps the request's distribution).
+        """
+        if greedy is not None:
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == greedy[accepted]:
+                accepted += 1
+            return accepted, greedy[accepted]
+        base = request.sampling_row()
+        rows = [replace(base, generated=base.generated + i) for i in range(len(draft) + 1)]
+        return self._sampler.verify_draft(logits, draft, rows)
+
+    def _keep_verified(
+        self,
+        request: EngineRequest,
+        draft: list[int],
+        accepted: int,
+        token: int,
+        length: int,
+        produced: dict[int, list[int]],
+        before: StateSnapshot | None = None,
+    ) -> None:
+        """Keep a verification's outcome: trim the rest, commit and emit the kept tokens.
+
+        The pool holds ``len(draft) + 1`` new positions from ``length`` (the last token and
+        the proposal); what follows the kept tokens goes back, and a recurrent state
+        (``before`` the step) is put back and advanced through the kept tokens alone.
+        """
+        config = self._speculation
+        state = request.speculation
+        assert config is not None and state is not None
+        inputs = [request.generated[-1], *draft]
         emitted = [*draft[:accepted], token]
         kept = 0  # tokens emitted before the request finishes
-        for token in emitted:
+        for emitted_token in emitted:
             kept += 1
-            if token in request.stop_tokens or len(request.generated) + kept >= request.max_tokens:
+            if (
+                emitted_token in request.stop_tokens
+                or len(request.generated) + kept >= request.max_tokens
+            ):
                 break
         try:
             self._pool.trim_request(request.rid, len(inputs) - kept)
@@ -1027,16 +1176,15 @@ class DecodeEngine:
                 self._replay_state(request, before, inputs[:kept])
         except Exception as error:
             self._scheduler.fail(request, error)
-            return True
+            return
         state.record(len(draft), accepted, config)
         self._stats.record_speculation(len(draft), accepted, kept)
         request.step_snapshot = None
         if request.hashes is not None:
             request.hashes.extend(inputs[:kept])
             self._commit(request, length + kept)
-        for token in emitted[:kept]:
-            self._emit(request, token, produced)
-        return True
+        for emitted_token in emitted[:kept]:
+            self._emit(request, emitted_token, produced)
 
     def _replay_state(
         self, request: EngineRequest, before: StateSnapshot, tokens: list[int]

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kv_protocol import KernelSet, KVPool, Reservation
+from kv_protocol import KernelSet, KVPool, RequestStateError, Reservation
 
 from ._cache_nesting import CacheNesting
 from ._decode_step import DecodeStep, PoolAddressing
@@ -130,17 +130,31 @@ class ModelRunner:
     def decode(
         self,
         reservation: Reservation,
-        last_tokens: Sequence[int],
+        last_tokens: Sequence[int] | Sequence[Sequence[int]],
         states: Sequence[Sequence[Any]],
     ) -> DecodeOutput:
         """One batched decode forward: each request's ``last_tokens`` entry at its position.
 
-        ``reservation`` is the scheduler's reservation of one token per request (rows in its
-        order); ``states[b]`` are row ``b``'s recurrent state caches, one per STATE layer.
-        The caller rolls the reservation back if anything after fails.
+        ``reservation`` is the scheduler's reservation (rows in its order); ``states[b]`` are
+        row ``b``'s recurrent state caches, one per STATE layer. A request the reservation
+        holds ``n > 1`` tokens for (a speculative verification, attention-only models) gives
+        a list of ``n`` tokens, its last one and its proposal: the logits then have one row per
+        token, in order. The caller rolls the reservation back if anything after fails.
         """
         step = DecodeStep.from_reservation(reservation, self.pool, self.kernels, self.addressing)
-        tokens = mx.array([[t] for t in last_tokens], dtype=mx.int32)
+        flat: list[int] = []
+        for entry, n in zip(last_tokens, reservation.n_tokens, strict=True):
+            row = [entry] if isinstance(entry, int) else list(cast(Sequence[int], entry))
+            if len(row) != n:
+                raise RequestStateError(
+                    f"a decode row was given {len(row)} tokens for {n} reserved positions"
+                )
+            flat.extend(row)
+        if len(flat) != len(last_tokens) and self.state_layer_ids:
+            raise RequestStateError(
+                "several tokens per row verify only on models without recurrent state layers"
+            )
+        tokens = mx.array([[t] for t in flat], dtype=mx.int32)
         caches = batched_layer_caches(step)
         stacked = (
             install_stacked_states(caches, self.state_layer_ids, states)

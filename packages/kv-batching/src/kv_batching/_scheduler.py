@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kv_protocol import KVRequestBookkeeping, Reservation, check_int
 
@@ -202,14 +202,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decisions
 
-    def reserve_decode(self, rows: Sequence[EngineRequest] | None = None) -> Reservation | None:
+    def reserve_decode(
+        self,
+        rows: Sequence[EngineRequest] | None = None,
+        extra: Mapping[int, int] | None = None,
+    ) -> Reservation | None:
         """The decode step's reservation: one more token for every running request.
 
         ``rows``: only these running requests (the others already took their step). Preempts
         (the prefilling request first, then the newest running one) or finishes a lone
         request that cannot fit, until the pool grants the batch; ``None`` when no request
-        (of ``rows``) is left running.
+        (of ``rows``) is left running. ``extra`` (request id -> tokens) asks for that many
+        more positions for some requests (their speculative proposals) when the pool has
+        the room as it stands; nobody is preempted for them (the reservation's ``n_tokens``
+        tell whether they were granted).
         """
+        if extra and self.running:
+            batch = self.running if rows is None else [r for r in rows if r in self.running]
+            granted = self.pool.try_reserve_batch({r.rid: 1 + extra.get(r.rid, 0) for r in batch})
+            if granted is not None:
+                return granted
         while self.running:
             batch = self.running if rows is None else [r for r in rows if r in self.running]
             if not batch:

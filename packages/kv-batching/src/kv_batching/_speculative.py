@@ -80,8 +80,12 @@ class SpeculationConfig:
     ``proposer`` guesses; ``num_tokens`` is the longest proposal (``1 ..
     MAX_SPECULATIVE_TOKENS``); a request's own length adapts between 1 and it to how much of
     its proposals the model accepts. ``max_batch``: speculation runs only while at most this
-    many requests decode (each speculating request is verified by a forward of its own, which
-    a large batch's shared decode step does more cheaply). A request that had
+    many requests decode, on models with recurrent state layers, where each speculating
+    request is verified by a forward of its own (which a large batch's shared decode step does
+    more cheaply). On attention-only models the proposals are verified inside the shared
+    decode step, as extra rows of its forward, at any batch size: beside other requests a
+    request verifies while at least ``min_acceptance`` of its proposed tokens are accepted
+    (:meth:`SpeculationState.pays_in_batch`). A request that had
     ``cooldown_after`` proposals in a row wholly rejected stops proposing for ``cooldown``
     steps. With ``shadow`` (the default), a request decoding beside others speculates only
     once its record pays for the forward a verification costs, and until then its proposals
@@ -95,6 +99,7 @@ class SpeculationConfig:
     cooldown_after: int = 3
     cooldown: int = 8
     shadow: bool = True
+    min_acceptance: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.proposer, Proposer):
@@ -107,6 +112,9 @@ class SpeculationConfig:
         check_int(self.cooldown, "cooldown", minimum=0)
         if not isinstance(self.shadow, bool):
             raise TypeError(f"shadow must be a bool, got {self.shadow!r}")
+        rate = self.min_acceptance
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+            raise ValueError(f"min_acceptance must be a number in [0, 1], got {rate!r}")
 
 
 class SpeculationState:
@@ -132,6 +140,7 @@ class SpeculationState:
         "accepted",
         "proposed",
         "shadow_accepted",
+        "shadow_proposed",
         "shadow_steps",
         "steps",
     )
@@ -147,6 +156,7 @@ class SpeculationState:
         self.steps = 0
         #: Shadowed proposals and how many of their tokens the request then emitted.
         self.shadow_steps = 0
+        self.shadow_proposed = 0
         self.shadow_accepted = 0
         self._shadow: list[int] = []
         self._shadow_kept = 0
@@ -174,6 +184,22 @@ class SpeculationState:
             return not shadow
         return 1 + (self.accepted + self.shadow_accepted) / steps >= batch + 1
 
+    def pays_in_batch(self, batch: int, min_acceptance: float, *, shadow: bool = True) -> bool:
+        """Whether verifying this request's proposals inside a shared step of ``batch`` pays.
+
+        There a proposal of ``k`` tokens costs ``k`` more rows of the step's forward, not a
+        forward of its own: it pays while the share of proposed tokens the model accepts
+        (verified and shadowed together) is at least ``min_acceptance``. Alone it always
+        may; beside others, not before a record exists (shadowed first), unless ``shadow``
+        is off.
+        """
+        if batch <= 1:
+            return True
+        proposed = self.proposed + self.shadow_proposed
+        if not proposed:
+            return not shadow
+        return (self.accepted + self.shadow_accepted) / proposed >= min_acceptance
+
     @property
     def shadowing(self) -> bool:
         """Whether a shadowed proposal waits for the request's next tokens."""
@@ -199,6 +225,7 @@ class SpeculationState:
         kept = self._shadow_kept
         self._shadow = []
         self.shadow_steps += 1
+        self.shadow_proposed += proposed
         self.shadow_accepted += kept
         self._adapt(proposed, kept, config)
 
