@@ -12,8 +12,10 @@ mlx-lm's own greedy decoding too (``kv_testing.mlx_lm_greedy``: mlx-lm's model o
 caches; mlx-lm has speculative decoding only with a draft model, and none batched). All in
 one process, same BLAS, modes alternating within each round; reported: the median over
 rounds of generated tokens per second (wall time from submission to the last token, prefill
-included), the speedup over plain, the acceptance rate, and whether every request's tokens
-equal plain decoding's.
+included) and of the generation phase alone (tokens of the decode steps per second of
+decode-step time, verifications included: the prompts' prefill is the same in every mode),
+the speedups over plain, the acceptance rate, and whether every request's tokens equal plain
+decoding's.
 
     uv run python -m tools.bench_spec
     uv run python -m tools.bench_spec --batch 1 2 4 16 --markdown docs/results/bench_spec.md
@@ -70,11 +72,22 @@ class Run:
     seconds: float
     proposed: int = 0
     accepted: int = 0
+    #: The engine's time in decode steps (verifications included); ``None`` for mlx-lm.
+    decode_seconds: float | None = None
+    #: Tokens the decode steps produced (each prompt's first token comes from its prefill).
+    decode_tokens: int = 0
 
     @property
     def rate(self) -> float:
         """Generated tokens per second of wall time."""
         return sum(len(t) for t in self.tokens) / self.seconds
+
+    @property
+    def decode_rate(self) -> float | None:
+        """Tokens of the decode steps per second of decode-step time (the generation phase)."""
+        if not self.decode_seconds:
+            return None
+        return self.decode_tokens / self.decode_seconds
 
 
 def run_engine(
@@ -97,8 +110,14 @@ def run_engine(
         out = engine.run()
         seconds = time.perf_counter() - start
         stats = engine.stats
+        tokens = [out[i] for i in ids]
         return Run(
-            [out[i] for i in ids], seconds, stats.speculative_proposed, stats.speculative_accepted
+            tokens,
+            seconds,
+            stats.speculative_proposed,
+            stats.speculative_accepted,
+            decode_seconds=stats.decode_seconds,
+            decode_tokens=sum(len(t) for t in tokens) - len(tokens),
         )
 
 
@@ -152,8 +171,9 @@ def _run(args: argparse.Namespace) -> None:
     print(f"BLAS: {active_blas().describe()}; model {args.model}, greedy, {args.max_out} tokens")
     print()
     print(
-        "| workload | batch | mode | tok/s | vs plain | accepted / proposed | same tokens |\n"
-        "|---|---|---|---|---|---|---|"
+        "| workload | batch | mode | tok/s | vs plain | generation tok/s | vs plain | "
+        "accepted / proposed | same tokens |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
     for name in args.workload:
         for batch in args.batch:
@@ -179,6 +199,7 @@ def _run(args: argparse.Namespace) -> None:
                     else:
                         runs[mode].append(run_engine(model, prompts, args.max_out, stops, config))
             plain_rate = quantile([run.rate for run in runs["plain"]], 0.5)
+            plain_decode = quantile([run.decode_rate or 0.0 for run in runs["plain"]], 0.5)
             reference = runs["plain"][0].tokens
             for mode, done in runs.items():
                 rate = quantile([run.rate for run in done], 0.5)
@@ -186,9 +207,14 @@ def _run(args: argparse.Namespace) -> None:
                 accepted = sum(run.accepted for run in done)
                 share = f"{accepted} / {proposed}" if proposed else "-"
                 same = all(run.tokens == reference for run in done)
+                decode = [run.decode_rate for run in done if run.decode_rate is not None]
+                generation = "- | -"
+                if decode and plain_decode:
+                    phase = quantile(decode, 0.5)
+                    generation = f"{phase:.1f} | {phase / plain_decode:.2f}x"
                 print(
                     f"| {name} | {batch} | {mode} | {rate:.1f} | {rate / plain_rate:.2f}x | "
-                    f"{share} | {'yes' if same else 'NO'} |"
+                    f"{generation} | {share} | {'yes' if same else 'NO'} |"
                 )
 
 
