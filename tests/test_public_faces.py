@@ -31,6 +31,7 @@ FACES: dict[str, set[str]] = {
         "MAX_LOGPROBS",
         "MAX_SPECULATIVE_TOKENS",
         "NgramProposer",
+        "BatchProposer",
         "PrefillCacheFactory",
         "Proposer",
         "RankAgreement",

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kv_batching import EngineStats, NgramProposer, SpeculationConfig
 from kv_batching._speculative import SpeculationState
 from kv_protocol import KVCacheError
-from kv_serve import DraftModelProposer, build_engine, draft_speculation
+from kv_serve import DraftModelProposer, EngineDraftProposer, build_engine, draft_speculation
 from kv_testing import build_tiny_model, build_zoo_model, mlx_lm_greedy
 
 VOCAB = 128
@@ -225,12 +225,15 @@ def test_the_proposal_length_adapts_and_cools_down() -> None:
     assert (state.proposed, state.accepted, state.steps) == (10, 3, 4)
 
 
+@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen3_next"])
-def test_a_draft_model_proposes_and_the_tokens_stay(arch: str) -> None:
+def test_a_draft_model_proposes_and_the_tokens_stay(arch: str, batched: bool) -> None:
     want = [greedy(arch, tuple(p)) for p in PROMPTS]
     # The same weights: every proposal is the model's own greedy continuation.
     twin = replace(
-        draft_speculation(build_zoo_model(arch), model(arch), num_tokens=4, max_batch=3),
+        draft_speculation(
+            build_zoo_model(arch), model(arch), num_tokens=4, max_batch=3, batched=batched
+        ),
         shadow=False,
     )
     got, stats = serve(arch, twin)
@@ -238,10 +241,41 @@ def test_a_draft_model_proposes_and_the_tokens_stay(arch: str) -> None:
     assert 0 < stats.speculative_accepted == stats.speculative_proposed
     # Other weights: mostly wrong proposals, the same tokens.
     other = replace(
-        draft_speculation(build_zoo_model(arch, seed=7), model(arch), max_batch=3), shadow=False
+        draft_speculation(build_zoo_model(arch, seed=7), model(arch), max_batch=3, batched=batched),
+        shadow=False,
     )
     got, stats = serve(arch, other)
     assert got == want and stats.speculative_steps > 0
+    for config in (twin, other):
+        if isinstance(config.proposer, EngineDraftProposer):
+            config.proposer.close()
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_the_draft_engine_decodes_a_step_s_proposals_as_one_batch(arch: str) -> None:
+    draft = build_zoo_model(arch, seed=3)
+    proposer = EngineDraftProposer.build(draft, max_running=4, max_context=128)
+    try:
+        texts = [list(p) for p in PROMPTS]
+        ks = [4, 0, 3]
+        got = proposer.propose_batch(texts, ks)
+        # The oracle: mlx-lm's greedy decoding of the draft, each text alone.
+        want = [
+            list(mlx_lm_greedy(draft, t, k)) if k else [] for t, k in zip(texts, ks, strict=True)
+        ]
+        assert got == want
+        # The texts grow (accepted tokens and a correction): the earlier text is a prefix hit.
+        grown = [[*t, *g[:1], 5] for t, g in zip(texts, got, strict=True)]
+        again = proposer.propose_batch(grown, [2, 2, 2])
+        assert again == [list(mlx_lm_greedy(draft, t, 2)) for t in grown]
+        engine = proposer.engine
+        assert engine.stats.prefix_hit_tokens > 0
+        assert engine.num_requests == 0  # every draft request was released
+        # A text longer than the draft engine can hold gets no proposal; the others do.
+        long = [1] * 5000
+        assert proposer.propose_batch([long, texts[0]], [2, 2]) == [[], got[0][:2]]
+    finally:
+        proposer.close()
 
 
 def test_the_draft_keeps_its_cache_per_text_and_trims_it() -> None:

@@ -36,6 +36,7 @@ DOCUMENTED = [
     "ChatTemplate",
     "Completion",
     "DraftModelProposer",
+    "EngineDraftProposer",
     "GenerationStats",
     "KVServer",
     "LockstepEngine",

@@ -19,7 +19,13 @@ from ._model_forward import last_position_forward, vocabulary_size
 from ._patching import is_patched, patch_model_attention, unpatch_model_attention
 from ._requests import RequestOutput, RequestStatus
 from ._sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
-from ._speculative import MAX_SPECULATIVE_TOKENS, NgramProposer, Proposer, SpeculationConfig
+from ._speculative import (
+    MAX_SPECULATIVE_TOKENS,
+    BatchProposer,
+    NgramProposer,
+    Proposer,
+    SpeculationConfig,
+)
 from ._state_cache import StateCacheFactory
 from ._state_snapshots import StateSnapshotStats
 
@@ -28,6 +34,7 @@ __all__ = [
     "FUSED_ROPE_MAP_ERROR",
     "MAX_LOGPROBS",
     "MAX_SPECULATIVE_TOKENS",
+    "BatchProposer",
     "BatchedDecodeContext",
     "DecodeEngine",
     "DecodePlan",

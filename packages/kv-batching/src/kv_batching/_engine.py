@@ -55,7 +55,7 @@ from ._sampling import (
     log_softmax_top,
 )
 from ._scheduler import Scheduler
-from ._speculative import SpeculationConfig, SpeculationState
+from ._speculative import BatchProposer, SpeculationConfig, SpeculationState
 from ._state_cache import (
     StateCacheFactory,
     copy_state_caches,
@@ -903,10 +903,7 @@ class DecodeEngine:
         spec = self._speculation
         if spec is not None and not self._state_layer_ids:
             # Attention only: proposals are verified as extra rows of the shared step.
-            for request in list(self._scheduler.running):
-                draft = self._proposal(request, batched=True)
-                if draft:
-                    drafts[request.rid] = draft
+            drafts = self._proposals(list(self._scheduler.running), batched=True)
         elif spec is not None and len(self._scheduler.running) <= spec.max_batch:
             rows = [r for r in list(self._scheduler.running) if not self._speculate(r, produced)]
             if not rows:
@@ -1087,36 +1084,61 @@ class DecodeEngine:
         return True
 
     def _proposal(self, request: EngineRequest, *, batched: bool) -> list[int]:
-        """The proposal ``request`` verifies this step, or ``[]`` (it decodes one token).
+        """The proposal ``request`` verifies this step, or ``[]`` (it decodes one token)."""
+        return self._proposals([request], batched=batched).get(request.rid, [])
 
-        ``batched``: the proposal would be verified as extra rows of the shared decode step
+    def _proposals(
+        self, requests: Sequence[EngineRequest], *, batched: bool
+    ) -> dict[int, list[int]]:
+        """The proposals ``requests`` verify this step, by request id (absent: none).
+
+        ``batched``: a proposal would be verified as extra rows of the shared decode step
         (:meth:`SpeculationState.pays_in_batch`), else by a forward of its own
-        (:meth:`SpeculationState.pays_at`). A proposal that does not pay yet is shadowed.
+        (:meth:`SpeculationState.pays_at`). A proposal that does not pay yet is shadowed. A
+        :class:`BatchProposer` guesses for all of them in one call.
         """
         config = self._speculation
-        if config is None or not self._speculates(request):
-            return []
-        state = request.speculation
-        if state is None:
-            state = request.speculation = SpeculationState(config.num_tokens)
+        if config is None:
+            return {}
         batch = len(self._scheduler.running)
-        if batched:
-            pays = state.pays_in_batch(batch, config.min_acceptance, shadow=config.shadow)
+        wanted: list[tuple[EngineRequest, int, bool]] = []
+        for request in requests:
+            if not self._speculates(request):
+                continue
+            state = request.speculation
+            if state is None:
+                state = request.speculation = SpeculationState(config.num_tokens)
+            if batched:
+                pays = state.pays_in_batch(batch, config.min_acceptance, shadow=config.shadow)
+            else:
+                pays = state.pays_at(batch, shadow=config.shadow)
+            if not pays and state.shadowing:
+                continue
+            k = min(state.length(), request.max_tokens - len(request.generated) - 1)
+            if k > 0:
+                wanted.append((request, k, pays))
+        if not wanted:
+            return {}
+        proposer = config.proposer
+        texts = [r.prompt + r.generated for r, _, _ in wanted]
+        ks = [k for _, k, _ in wanted]
+        if isinstance(proposer, BatchProposer):
+            guesses = proposer.propose_batch(texts, ks)
         else:
-            pays = state.pays_at(batch, shadow=config.shadow)
-        if not pays and state.shadowing:
-            return []
-        k = min(state.length(), request.max_tokens - len(request.generated) - 1)
-        if k <= 0:
-            return []
-        draft = [int(t) for t in config.proposer.propose(request.prompt + request.generated, k)]
-        draft = draft[:k]
-        if draft and not pays:
-            # Beside other requests without a record: compare the proposal with what the
-            # request decodes in the batch (free), instead of verifying it.
-            state.shadow(draft)
-            return []
-        return draft
+            guesses = [proposer.propose(text, k) for text, k in zip(texts, ks, strict=True)]
+        drafts: dict[int, list[int]] = {}
+        for (request, k, pays), guess in zip(wanted, guesses, strict=True):
+            draft = [int(t) for t in guess][:k]
+            if not draft:
+                continue
+            if pays:
+                drafts[request.rid] = draft
+            else:
+                # Beside other requests without a record: compare the proposal with what the
+                # request decodes in the batch (free), instead of verifying it.
+                assert request.speculation is not None
+                request.speculation.shadow(draft)
+        return drafts
 
     def _accept(
         self,

@@ -18,6 +18,7 @@ from kv_protocol import check_int
 
 __all__ = [
     "MAX_SPECULATIVE_TOKENS",
+    "BatchProposer",
     "NgramProposer",
     "Proposer",
     "SpeculationConfig",
@@ -37,6 +38,20 @@ class Proposer(Protocol):
 
         An empty list proposes nothing: the request decodes one token as usual.
         """
+        ...
+
+
+@runtime_checkable
+class BatchProposer(Proposer, Protocol):
+    """A proposer that guesses for every speculating request of a step at once.
+
+    The engine calls :meth:`propose_batch` once per decode step with the texts of the
+    requests that propose (a draft model then decodes them as one batch) instead of
+    :meth:`Proposer.propose` once per request.
+    """
+
+    def propose_batch(self, texts: Sequence[Sequence[int]], ks: Sequence[int]) -> list[list[int]]:
+        """For each text, at most ``ks[i]`` tokens guessed to follow it (``[]``: none)."""
         ...
 
 

@@ -20,7 +20,7 @@ from ._sizes import DEFAULT_KV_SLAB_BYTES
 
 if TYPE_CHECKING:
     from ._chat_templates import CHAT_TEMPLATES, GEMMA3_CHAT_TEMPLATE, ChatTemplate
-    from ._draft import DraftModelProposer, draft_speculation
+    from ._draft import DraftModelProposer, EngineDraftProposer, draft_speculation
     from ._engine import (
         build_engine,
         build_kernels,
@@ -48,6 +48,7 @@ __all__ = [
     "ChatTemplate",
     "Completion",
     "DraftModelProposer",
+    "EngineDraftProposer",
     "GenerationStats",
     "KVServer",
     "LockstepEngine",
@@ -82,7 +83,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **dict.fromkeys(
         ("CHAT_TEMPLATES", "GEMMA3_CHAT_TEMPLATE", "ChatTemplate"), ("_chat_templates", None)
     ),
-    **dict.fromkeys(("DraftModelProposer", "draft_speculation"), ("_draft", None)),
+    **dict.fromkeys(
+        ("DraftModelProposer", "EngineDraftProposer", "draft_speculation"), ("_draft", None)
+    ),
     **dict.fromkeys(
         ("build_engine", "build_kernels", "build_pool", "pool_backed_cache"), ("_engine", None)
     ),

@@ -560,7 +560,13 @@ def _speculation(
             "(their vocabularies differ): a draft must share the served model's tokenizer"
         )
     progress(f"draft model {args.draft_model} loaded")
-    return draft_speculation(draft, model, num_tokens=_speculative_tokens(args))
+    return draft_speculation(
+        draft,
+        model,
+        num_tokens=_speculative_tokens(args),
+        max_running=args.max_running,
+        max_context=args.max_context,
+    )
 
 
 def _speculative_tokens(args: argparse.Namespace) -> int:
