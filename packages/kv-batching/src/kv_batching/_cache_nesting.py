@@ -79,13 +79,18 @@ class CacheNesting:
         """The list the model takes, from one cache per flat layer id."""
         if self._flat:
             return list(flat)
+        return [_build(node, flat) for node in self._nodes]
 
-        def build(node: _Node) -> Any:
-            if isinstance(node, int):
-                return flat[node]
-            template, children = node
-            nested = copy.copy(template)
-            nested.caches = tuple(build(child) for child in children)
-            return nested
 
-        return [build(node) for node in self._nodes]
+def _build(node: _Node, flat: Sequence[Any]) -> Any:
+    """One model-level cache of ``node`` from the flat caches.
+
+    A module function: a closure that calls itself is a reference cycle, which would hold
+    ``flat`` (and the arrays it reaches) until the cycle collector runs.
+    """
+    if isinstance(node, int):
+        return flat[node]
+    template, children = node
+    nested = copy.copy(template)
+    nested.caches = tuple(_build(child, flat) for child in children)
+    return nested

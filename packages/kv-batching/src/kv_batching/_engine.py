@@ -1538,18 +1538,20 @@ def _kv_length(request: EngineRequest) -> int:
 
 
 def _written_state(caches: Sequence[Any]) -> list[mx.array]:
-    """The arrays of the caches' ``state``: what evaluating a prefill chunk's writes needs."""
-    arrays: list[mx.array] = []
+    """The arrays of the caches' ``state``: what evaluating a prefill chunk's writes needs.
 
-    def collect(value: object) -> None:
+    An explicit stack, not a recursive closure: a closure that calls itself is a reference
+    cycle, which would keep the list (the pool's buffers of that moment) alive until the
+    cycle collector ran, and buffers a growing pool has replaced with that.
+    """
+    arrays: list[mx.array] = []
+    stack: list[object] = [getattr(cache, "state", None) for cache in reversed(caches)]
+    while stack:
+        value = stack.pop()
         if isinstance(value, mx.array):
             arrays.append(value)
         elif isinstance(value, list | tuple):
-            for item in value:
-                collect(item)
-
-    for cache in caches:
-        collect(getattr(cache, "state", None))
+            stack.extend(reversed(value))
     return arrays
 
 
