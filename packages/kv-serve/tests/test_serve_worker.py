@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kv_batching import DecodeEngine
+from kv_pool import HybridKVPool
 from kv_serve import build_engine
 from kv_serve._server_worker import (
     EngineWorker,
@@ -208,3 +209,48 @@ def test_a_batch_is_submitted_whole_or_not_at_all(
             assert sum(len(e.tokens) for e in mine) == 3 and mine[-1].finish_reason == "length"
     finally:
         loop.close()
+
+
+def test_an_idle_worker_gives_the_pool_s_grown_slabs_back() -> None:
+    model = build_tiny_model("gemma3_text", window=8, num_layers=4, vocab_size=64)
+
+    def make_engine() -> DecodeEngine:
+        # One-page slabs (1 byte): the buffers grow with every page handed out.
+        return build_engine(
+            model, max_running=4, max_context=64, page_size=4, kv_slab_bytes=1, prefix_caching=False
+        )
+
+    worker = EngineWorker(make_engine, max_queued=8)
+    worker.start(timeout=120)
+    loop = asyncio.new_event_loop()
+    try:
+        start = worker.snapshot().pool_committed_bytes
+        tickets = [Ticket(loop) for _ in range(4)]
+        for i, ticket in enumerate(tickets):
+            worker.submit(ticket, [1 + i, 2, 3, 4, 5, 6, 7, 8, 9], RequestParams(max_tokens=12))
+        grown = 0
+        ended = 0
+        for _ in range(3000):
+            grown = max(grown, worker.snapshot().pool_committed_bytes)
+            for ticket in tickets:
+                while not ticket.events.empty():
+                    ended += ticket.events.get_nowait().finish_reason is not None
+            if ended == len(tickets):
+                break
+            loop.run_until_complete(asyncio.sleep(0.01))
+        assert ended == len(tickets)
+        assert grown > start  # the buffers grew with the load
+        # Idle for more than the worker's half-second wait: the pool is cut back to one slab
+        # (one page) per sub-pool, nothing being held or cached.
+        pool = worker.engine.pool if worker.engine is not None else None
+        assert isinstance(pool, HybridKVPool) and pool.slab_pages is not None
+        least = sum(s.bytes_per_page * pool.slab_pages[s.name] for s in pool.sub_pools)
+        for _ in range(500):
+            if worker.snapshot().pool_committed_bytes == least:
+                break
+            loop.run_until_complete(asyncio.sleep(0.01))
+        snap = worker.snapshot()
+        assert snap.pool_committed_bytes == least < grown < snap.pool_bytes
+    finally:
+        loop.close()
+        worker.stop()

@@ -24,6 +24,7 @@ from typing import Any
 from kv_batching import DecodeEngine, SamplingParams, TokenLogprob
 from kv_protocol import KVCacheError, PoolMemoryReport
 
+from ._host_memory import trim_host_memory
 from ._lockstep import LockstepEngine
 
 __all__ = [
@@ -326,6 +327,8 @@ class EngineWorker:
             self.vocab_size = engine.vocab_size
             self.max_running = engine.max_running
             self.layout = engine.pool.layout
+            # What loading the model and building the engine freed goes back to the system.
+            trim_host_memory()
             self._publish(engine)
         except BaseException as error:
             self._startup_error = error
@@ -353,6 +356,7 @@ class EngineWorker:
                         # Idle for a while: the pool's buffers go back to what the cached
                         # prefixes hold, so the server's memory follows its load.
                         engine.shrink_pool()
+                        trim_host_memory()
                         shrunk = True
                         self._publish(engine)
                     continue
