@@ -346,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(row)
     results.write(args.markdown, prog="tools.bench_serve", argv=argv)
     if args.plot is not None:
-        _plot(args.plot, curve, f"{args.model}, {args.max_tokens}-token outputs")
+        shape = f"{args.prompt_words}-word" if args.workload == "synthetic" else "long real"
+        _plot(args.plot, curve, f"{args.model}, {shape} prompts, {args.max_tokens} tokens out")
     return 0
 
 
@@ -374,7 +375,7 @@ def _plot(path: Path, curve: dict[str, list[tuple[int, float, float]]], title: s
     ax.set_xlabel("concurrent clients (requests running)")
     ax.set_ylabel("server RSS (MiB)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Server memory against load: {title}")
+    ax.set_title(f"Server RSS against load\n{title}", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
