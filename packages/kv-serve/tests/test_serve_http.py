@@ -170,6 +170,13 @@ def test_models_health_and_metrics(served: RunningServer) -> None:
         assert name in text, name
     # An attention-only model holds no recurrent state.
     assert "\nkv_serve_state_bytes 0\n" in text
+    # The pool's buffers hold at most its cap (they grow with use).
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith(("kv_serve_pool_kv_bytes ", "kv_serve_pool_committed_bytes "))
+    }
+    assert 0 < values["kv_serve_pool_committed_bytes"] <= values["kv_serve_pool_kv_bytes"]
     assert "\nkv_serve_prefix_cache_hit_tokens_total " in text
 
 
