@@ -100,6 +100,30 @@ DecodeForward = Callable[..., mx.array]
 HEAD_REORDER_MIN_WEIGHTS = 1 << 24
 
 
+#: Vocabulary rows per product when a head is projected in slices (see :func:`project_rows`).
+HEAD_SLICE_ROWS = 4096
+
+
+def project_rows(weight: mx.array, rows: mx.array) -> mx.array:
+    """``rows @ weight.T`` for a large ``(vocab, hidden)`` head, in MKL's fastest form here.
+
+    Measured on a 2-core x86_64 with MKL for Gemma 3's 262144 x 640 head
+    (``W @ h.T`` whole / padded / in slices of :data:`HEAD_SLICE_ROWS` vocabulary rows):
+    one row 46 ms whole, 33 ms padded to two (a matrix product instead of MKL's slower
+    matrix-vector one); 16 rows 94 ms whole, 67 ms in slices (the slices' products stay in
+    cache); 24 rows 118 against 94 ms; 4, 8, 32 and more rows gain nothing from either.
+    """
+    m = rows.shape[0]
+    if m == 1:
+        padded = mx.concatenate([rows, mx.zeros_like(rows)], axis=0)
+        return (weight @ padded.T)[:, :1].T
+    if 12 <= m <= 28:
+        vocab = weight.shape[0]
+        parts = [weight[i : i + HEAD_SLICE_ROWS] @ rows.T for i in range(0, vocab, HEAD_SLICE_ROWS)]
+        return mx.concatenate(parts, axis=0).T
+    return (weight @ rows.T).T
+
+
 def decode_forward(model: nn.Module, vocab_size: int) -> DecodeForward | None:
     """The model's forward with its vocabulary head as ``(W @ h.T).T``, where that pays.
 
@@ -131,10 +155,10 @@ def decode_forward(model: nn.Module, vocab_size: int) -> DecodeForward | None:
     def forward(tokens: mx.array, cache: Any = None) -> mx.array:
         hidden = backbone(tokens, cache=cache)
         rows = hidden.reshape(-1, hidden.shape[-1])
-        logits = (weight @ rows.T).T
+        logits = project_rows(weight, rows)
         if bias is not None:
             logits = logits + bias
-        return cast(mx.array, logits.reshape(*hidden.shape[:-1], logits.shape[-1]))
+        return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
     probe = mx.array([[(7 * i + 3 * j + 1) % vocab_size for i in range(3)] for j in range(4)])
     try:

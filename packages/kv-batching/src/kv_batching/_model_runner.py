@@ -17,6 +17,7 @@ from kv_protocol import KernelSet, KVPool, RequestStateError, Reservation
 
 from ._cache_nesting import CacheNesting
 from ._decode_step import DecodeStep, PoolAddressing
+from ._fast_mlp import fast_mlps
 from ._layer_cache import batched_layer_caches
 from ._model_forward import DecodeForward, LastPositionForward
 from ._patching import wrapped_attention
@@ -61,7 +62,8 @@ class ModelRunner:
     prefill chunk when given; ``decode_forward`` (``_model_forward.decode_forward``) replaces
     the model's call in a batched decode when given. When ``kernels`` carry a
     ``prefill_attention``, the wrapped (fast-path) layers attend through it during
-    :meth:`prefill`.
+    :meth:`prefill`. With ``fast_mlps`` every forward is built inside
+    :func:`~kv_batching._fast_mlp.fast_mlps` (swapped MLPs take their vectorised activation).
     """
 
     def __init__(
@@ -75,8 +77,10 @@ class ModelRunner:
         nesting: CacheNesting | None = None,
         prefill_forward: LastPositionForward | None = None,
         decode_forward: DecodeForward | None = None,
+        fast_mlps: bool = False,
     ) -> None:
         self.model = model
+        self.fast_mlps = fast_mlps
         self.pool = pool
         self.kernels = kernels
         self.state_layer_ids = tuple(state_layer_ids)
@@ -100,10 +104,11 @@ class ModelRunner:
         for wrapper in self._wrappers:
             wrapper.prefill_attention = self.prefill_attention
         try:
-            if self.prefill_forward is not None and not every_position:
-                return self.prefill_forward(chunk, model_caches)
-            logits: mx.array = self.model(chunk, cache=model_caches)
-            return logits
+            with fast_mlps(self.fast_mlps):
+                if self.prefill_forward is not None and not every_position:
+                    return self.prefill_forward(chunk, model_caches)
+                logits: mx.array = self.model(chunk, cache=model_caches)
+                return logits
         finally:
             for wrapper in self._wrappers:
                 wrapper.prefill_attention = None
@@ -121,7 +126,8 @@ class ModelRunner:
             wrapper.prefill_attention = self.prefill_attention
         try:
             forward = self.decode_forward if self.decode_forward is not None else self.model
-            logits: mx.array = forward(chunk, cache=model_caches)
+            with fast_mlps(self.fast_mlps):
+                logits: mx.array = forward(chunk, cache=model_caches)
             return logits
         finally:
             for wrapper in self._wrappers:
@@ -162,5 +168,6 @@ class ModelRunner:
             else []
         )
         forward = self.decode_forward if self.decode_forward is not None else self.model
-        logits = forward(tokens, cache=self.nesting.nest(caches))
+        with fast_mlps(self.fast_mlps):
+            logits = forward(tokens, cache=self.nesting.nest(caches))
         return DecodeOutput(logits=logits[:, -1, :], step=step, states=stacked)

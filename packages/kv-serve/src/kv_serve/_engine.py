@@ -164,6 +164,7 @@ def build_engine(
     num_speculative_tokens: int = 4,
     ranks: RankGroup | None = None,
     kv_slab_bytes: int | None = DEFAULT_KV_SLAB_BYTES,
+    fast_activations: bool = True,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
@@ -216,6 +217,10 @@ def build_engine(
     tensor-parallel group: the ranks first check that they were given the same layout and
     settings and agree on the pool's page count (``all_min``), then run in lock step.
     Speculative decoding is refused with it.
+
+    ``fast_activations`` (on MLX's CPU) computes the wide SiLU / tanh-GELU gated MLPs'
+    activation from vectorised arithmetic in the engine's forwards (see
+    :class:`kv_batching.DecodeEngine`); ``False`` keeps mlx-lm's own operations.
     """
     speculation = speculation_config(speculative, num_speculative_tokens)
     layout = layout_from_model(model)
@@ -274,6 +279,7 @@ def build_engine(
         state_cache_bytes=state_cache_bytes,
         step_snapshots=step_snapshots,
         speculation=speculation,
+        fast_activations=fast_activations,
     )
 
 

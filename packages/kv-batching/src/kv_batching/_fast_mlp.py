@@ -1,0 +1,243 @@
+"""Gated MLPs with their activation from vectorised arithmetic, for MLX's CPU backend.
+
+mlx-lm's gated MLPs compute ``down(act(gate(x)) * up(x))`` with ``act`` SiLU (``swiglu``:
+Llama, Qwen, Mistral, ...) or the tanh GELU (``gelu_approx``: Gemma). On MLX's CPU backend
+``exp`` and ``tanh`` evaluate element by element: Gemma 3 270M's ``gelu_approx`` over a
+512-token prefill chunk (512 x 2048) takes 28 ms, more than the layer's three matrix products
+together with MKL, about a third of a prefill. Both activations are ``x * sigmoid(c(x))``
+(``0.5 * (1 + tanh(z)) = sigmoid(2 z)``), and :func:`sigmoid` builds the sigmoid on
+:func:`kv_protocol.exp_nonpositive` (adds, multiplies and shifts, which MLX vectorises), the
+whole gated product compiled as one kernel: 8.7 against 28.6 ms (GELU) and 7.7 against 16.7 ms
+(SiLU) at 512 x 2048, to a relative error of about ``1e-6`` against float64 (MLX's own tanh
+GELU loses up to ``2.5e-4`` relative where ``1 + tanh`` cancels).
+
+:func:`patch_model_mlps` swaps such a module for a :class:`FastGatedMLP` only where it pays
+and is the same function: on the CPU, float32 activations, a gate at least
+:data:`FAST_MLP_MIN_WIDTH` wide, and a probe whose outputs equal the module's own (to float
+rounding) for one of the two activations. Anything else keeps the model's own call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kv_protocol import exp_nonpositive, find_layers
+
+__all__ = [
+    "FAST_MLP_MIN_WIDTH",
+    "FastGatedMLP",
+    "fast_mlps",
+    "patch_model_mlps",
+    "sigmoid",
+    "unpatch_model_mlps",
+]
+
+#: Narrowest gate (``gate_proj`` output features) for which the MLP is swapped; narrower
+#: activations cost little and keep the model's own (bit-identical to mlx-lm) call.
+FAST_MLP_MIN_WIDTH = 1024
+
+#: Names under which mlx-lm decoder layers hold their MLP.
+_MLP_CHILD_NAMES = ("mlp", "feed_forward")
+#: ``2 * sqrt(2 / pi)``: ``0.5 * (1 + tanh(sqrt(2/pi) * u)) = sigmoid(2 * sqrt(2/pi) * u)``.
+_GELU_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
+_GELU_CUBIC = 0.044715
+#: Whether forwards built now take the fast path (see :func:`fast_mlps`).
+_ACTIVE: ContextVar[bool] = ContextVar("kv_batching_fast_mlps", default=False)
+
+
+@contextmanager
+def fast_mlps(active: bool = True) -> Iterator[None]:
+    """Within the block, each :class:`FastGatedMLP` computes their own product (else ``inner``'s).
+
+    The engine's runner builds its forwards inside it, so a swapped model called anywhere
+    else (an mlx-lm oracle, ``mlx_lm.generate``) computes exactly what mlx-lm computes. MLX
+    is lazy: what counts is when a forward is built, not when it is evaluated.
+    """
+    token = _ACTIVE.set(active)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def sigmoid(x: mx.array) -> mx.array:
+    """``1 / (1 + exp(-x))`` of a float32 ``x``, vectorised on the CPU.
+
+    With ``e = exp(-|x|)`` (:func:`kv_protocol.exp_nonpositive`, never overflowing) it is
+    ``1 / (1 + e)`` for ``x >= 0`` and ``e / (1 + e)`` below, so both tails keep their
+    relative precision; ``+-inf`` give 1 and 0.
+    """
+    e = exp_nonpositive(-mx.abs(x))
+    r = 1.0 / (1.0 + e)
+    return mx.where(x >= 0, r, e * r)
+
+
+def _silu_gated(gate: mx.array, up: mx.array) -> mx.array:
+    return gate * sigmoid(gate) * up
+
+
+def _gelu_approx_gated(gate: mx.array, up: mx.array) -> mx.array:
+    inner = gate + _GELU_CUBIC * (gate * gate * gate)
+    return gate * sigmoid(_GELU_SCALE * inner) * up
+
+
+_GATED: dict[str, Callable[[mx.array, mx.array], mx.array]] = {
+    "silu": _silu_gated,
+    "gelu_approx": _gelu_approx_gated,
+}
+# Compiled, each product is one fused CPU kernel; shapes are traced as they come (the bit
+# casts of the exponent do not compile shapeless).
+_COMPILED: dict[str, Callable[[mx.array, mx.array], mx.array]] = {}
+
+
+def _gated(activation: str) -> Callable[[mx.array, mx.array], mx.array]:
+    fn = _COMPILED.get(activation)
+    if fn is None:
+        fn = _COMPILED[activation] = cast(
+            Callable[[mx.array, mx.array], mx.array], mx.compile(_GATED[activation])
+        )
+    return fn
+
+
+class FastGatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` of a wrapped mlx-lm MLP, ``act`` vectorised in float32.
+
+    ``activation`` is ``"silu"`` or ``"gelu_approx"``. Holds the module it replaces as its
+    one child (``inner``: the weights are counted once, under ``inner``). Outside
+    :func:`fast_mlps`, and for input of another dtype than float32, it is ``inner``'s call.
+    """
+
+    def __init__(self, inner: nn.Module, activation: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        if activation not in _GATED:
+            raise ValueError(f"activation must be one of {sorted(_GATED)}, got {activation!r}")
+        self.inner = inner
+        self.activation = activation
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """The MLP's output for ``x`` (``(..., hidden)``)."""
+        inner: Any = self.inner
+        if not _ACTIVE.get():
+            return cast(mx.array, inner(x))
+        gate = inner.gate_proj(x)
+        if gate.dtype != mx.float32:
+            return cast(mx.array, inner(x))
+        return cast(mx.array, inner.down_proj(_gated(self.activation)(gate, inner.up_proj(x))))
+
+
+def _linear(module: object) -> bool:
+    return type(module) in (nn.Linear, nn.QuantizedLinear)
+
+
+def _gate_width(module: Any) -> int:
+    gate = module.gate_proj
+    if type(gate) is nn.QuantizedLinear:
+        return int(gate.scales.shape[0])
+    return int(gate.weight.shape[0])
+
+
+def _hidden_width(module: Any) -> int:
+    gate = module.gate_proj
+    weight = gate.weight
+    if type(gate) is nn.QuantizedLinear:
+        return int(weight.shape[1] * 32 // gate.bits)
+    return int(weight.shape[1])
+
+
+def _probe(module: Any) -> str | None:
+    """Which activation makes :class:`FastGatedMLP` equal ``module`` on probe inputs, if any."""
+    hidden = _hidden_width(module)
+    key = mx.random.key(20261205)
+    x = mx.random.normal((2, 3, hidden), key=key)
+    # Inputs at a few scales put the gate's pre-activations across both tails and the knee.
+    probes = [x * scale for scale in (0.25, 1.0, 4.0)]
+    try:
+        expected = [module(p) for p in probes]
+        mx.eval(expected)
+        if any(
+            e.dtype != mx.float32 or e.shape != p.shape
+            for e, p in zip(expected, probes, strict=True)
+        ):
+            return None
+        for activation in _GATED:
+            candidate = FastGatedMLP(module, activation)
+            with fast_mlps():
+                got = [candidate(p) for p in probes]
+            if all(
+                bool(
+                    mx.allclose(
+                        g, e, rtol=1e-4, atol=1e-5 * float(cast(float, mx.abs(e).max().item()))
+                    )
+                )
+                for g, e in zip(got, expected, strict=True)
+            ):
+                return activation
+    except Exception:  # a module the gated form does not fit keeps its own call
+        return None
+    return None
+
+
+def _mlp_child(layer: Any) -> tuple[str, Any] | None:
+    for name in _MLP_CHILD_NAMES:
+        child = getattr(layer, name, None)
+        if isinstance(child, FastGatedMLP) or (
+            child is not None
+            and all(_linear(getattr(child, p, None)) for p in ("gate_proj", "up_proj", "down_proj"))
+        ):
+            return name, child
+    return None
+
+
+def patch_model_mlps(model: nn.Module, *, min_width: int = FAST_MLP_MIN_WIDTH) -> int:
+    """Swap each gated MLP of ``model``'s decoder layers for a :class:`FastGatedMLP`.
+
+    Only on MLX's CPU device and where the probe finds the module's activation (see the
+    module docstring); already swapped modules are kept. Returns how many layers hold a
+    :class:`FastGatedMLP` afterwards.
+    """
+    if mx.default_device().type != mx.cpu:
+        return 0
+    try:
+        layers = find_layers(model)
+    except Exception:
+        return 0
+    patched = 0
+    for layer in layers:
+        found = _mlp_child(layer)
+        if found is None:
+            continue
+        name, child = found
+        if isinstance(child, FastGatedMLP):
+            patched += 1
+            continue
+        if _gate_width(child) < min_width:
+            continue
+        activation = _probe(child)
+        if activation is None:
+            continue
+        setattr(layer, name, FastGatedMLP(child, activation))
+        patched += 1
+    return patched
+
+
+def unpatch_model_mlps(model: nn.Module) -> int:
+    """Put the original MLP modules back; returns how many were restored."""
+    restored = 0
+    try:
+        layers = find_layers(model)
+    except Exception:
+        return 0
+    for layer in layers:
+        for name in _MLP_CHILD_NAMES:
+            child = getattr(layer, name, None)
+            if isinstance(child, FastGatedMLP):
+                setattr(layer, name, child.inner)
+                restored += 1
+    return restored
