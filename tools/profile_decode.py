@@ -4,10 +4,12 @@ For each batch size the engine decodes ``B`` requests (128-token random prompts,
 prefix caching off) and reports its mean decode step and the part spent waiting for MLX's
 evaluation (the rest is host work: Python, scheduling, page tables, graph building). Then the
 step's parts run alone on the model's own modules with the step's shapes (``B`` rows of one
-token): the vocabulary head (the tied 262144 x 640 embedding, as mlx-lm calls it, ``h @ W.T``,
-and in the other operand order, ``(W @ h.T).T``, which the engine uses on the CPU; the
-table marks the one not used), the attention projections and the MLPs of
-all 18 layers, and the greedy pick over the vocabulary. Each part is one evaluation of all
+token): the vocabulary head (the tied 262144 x 640 embedding, as mlx-lm calls it, ``h @ W.T``;
+in the other operand order, ``(W @ h.T).T``; and as the engine projects on the CPU,
+``project_rows``: that order, one row padded to two, 12-28 rows in vocabulary slices), the
+attention projections, the MLPs of all 18 layers (mlx-lm's modules, and with the engine's
+vectorised activation, ``FastGatedMLP``), and the greedy pick over the vocabulary; the table
+marks the variants the engine does not use. Each part is one evaluation of all
 its layers' work, the best of ``--repeats``. What the parts do not cover (attention over the
 pages, norms, RoPE, the pool writes, sampling bookkeeping) is the step minus their sum.
 
@@ -51,9 +53,20 @@ def best_seconds(work: Callable[[], Any], repeats: int) -> float:
     return min(times)
 
 
+#: Part names of the head and MLP variants, and which the engine uses on the CPU.
+MLX_LM_HEAD = "vocabulary head, h @ W.T (mlx-lm)"
+WHOLE_HEAD = "vocabulary head, (W @ h.T).T whole"
+ENGINE_HEAD = "vocabulary head, project_rows (the engine)"
+MLX_LM_MLPS = "MLPs (18 layers), mlx-lm's modules"
+FAST_MLPS = "MLPs (18 layers), vectorised activation (the engine)"
+
+
 def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
     """Seconds of each part of a decode step of ``batch`` rows, run alone."""
     import mlx.core as mx
+
+    from kv_batching._fast_mlp import fast_mlps, patch_model_mlps, unpatch_model_mlps
+    from kv_batching._model_forward import project_rows
 
     layers = model.model.layers
     width = model.model.embed_tokens.weight.shape[1]
@@ -77,26 +90,35 @@ def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
     def mlps() -> list[Any]:
         return [layer.mlp(mlp_in) for layer in layers]
 
+    def fast() -> list[Any]:
+        with fast_mlps():
+            return [layer.mlp(mlp_in) for layer in layers]
+
     logits = model.model.embed_tokens.as_linear(hidden)
     mx.eval(logits)
     del inner
-    return {
-        "vocabulary head, h @ W.T (mlx-lm)": best_seconds(
-            lambda: model.model.embed_tokens.as_linear(hidden), repeats
-        ),
-        "vocabulary head, (W @ h.T).T": best_seconds(lambda: (weight @ rows.T).T, repeats),
+    measured = {
+        MLX_LM_HEAD: best_seconds(lambda: model.model.embed_tokens.as_linear(hidden), repeats),
+        WHOLE_HEAD: best_seconds(lambda: (weight @ rows.T).T, repeats),
+        ENGINE_HEAD: best_seconds(lambda: project_rows(weight, rows), repeats),
         "attention projections (q, k, v, o; 18 layers)": best_seconds(projections, repeats),
-        "MLPs (18 layers)": best_seconds(mlps, repeats),
-        "greedy pick (argmax over 262144)": best_seconds(
-            lambda: mx.argmax(logits, axis=-1), repeats
-        ),
+        MLX_LM_MLPS: best_seconds(mlps, repeats),
     }
+    if patch_model_mlps(model):
+        try:
+            measured[FAST_MLPS] = best_seconds(fast, repeats)
+        finally:
+            unpatch_model_mlps(model)
+    measured["greedy pick (argmax over 262144)"] = best_seconds(
+        lambda: mx.argmax(logits, axis=-1), repeats
+    )
+    return measured
 
 
-def engine_step(model: Any, batch: int, seed: int) -> tuple[float, float, bool]:
-    """The engine's decode step at ``batch`` rows: mean seconds, device part, head order.
+def engine_step(model: Any, batch: int, seed: int) -> tuple[float, float, set[str]]:
+    """The engine's decode step at ``batch`` rows: mean seconds, device part, variants used.
 
-    The last is whether the engine projects in the ``(W @ h.T).T`` order.
+    The last names the head and MLP variants of :func:`parts` the engine runs.
     """
     from kv_serve import build_engine
 
@@ -110,8 +132,9 @@ def engine_step(model: Any, batch: int, seed: int) -> tuple[float, float, bool]:
         engine.run()
         stats = engine.stats
         steps = max(stats.decode_steps, 1)
-        reordered = engine._runner.decode_forward is not None
-        return stats.decode_seconds / steps, stats.decode_device_seconds / steps, reordered
+        used = {ENGINE_HEAD if engine._runner.decode_forward is not None else MLX_LM_HEAD}
+        used.add(FAST_MLPS if engine._runner.fast_mlps else MLX_LM_MLPS)
+        return stats.decode_seconds / steps, stats.decode_device_seconds / steps, used
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,8 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"BLAS: {active_blas().describe()}; prompts of {PROMPT} tokens, {DECODE} decoded")
         for batch in args.batches:
             measured = parts(model, batch, args.repeats)
-            step, device, reordered = engine_step(model, batch, args.seed)
-            used = "(W @ h.T)" if reordered else "h @ W.T"
+            step, device, used = engine_step(model, batch, args.seed)
+            variants = {MLX_LM_HEAD, WHOLE_HEAD, ENGINE_HEAD, MLX_LM_MLPS, FAST_MLPS}
             print(f"\n### B = {batch}: engine decode step {1000 * step:.1f} ms\n")
             print("| part | ms | share of the step |")
             print("|---|---|---|")
@@ -169,8 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             counted = 0.0
             for name, seconds in measured.items():
                 share = f"{100 * seconds / step:.0f}%"
-                if "vocabulary head" in name and used not in name:
-                    share = "(not the engine's order)"
+                if name in variants and name not in used:
+                    share = "(not what the engine runs)"
                 else:
                     counted += seconds
                 print(f"| {name} | {1000 * seconds:.1f} | {share} |")

@@ -104,23 +104,34 @@ HEAD_REORDER_MIN_WEIGHTS = 1 << 24
 HEAD_SLICE_ROWS = 4096
 
 
+def _padded(rows: mx.array, m: int) -> mx.array:
+    extra = mx.zeros((m - rows.shape[0], rows.shape[1]), dtype=rows.dtype)
+    return mx.concatenate([rows, extra], axis=0)
+
+
+def _sliced(weight: mx.array, rows: mx.array) -> mx.array:
+    vocab = weight.shape[0]
+    parts = [weight[i : i + HEAD_SLICE_ROWS] @ rows.T for i in range(0, vocab, HEAD_SLICE_ROWS)]
+    return mx.concatenate(parts, axis=0).T
+
+
 def project_rows(weight: mx.array, rows: mx.array) -> mx.array:
     """``rows @ weight.T`` for a large ``(vocab, hidden)`` head, in MKL's fastest form here.
 
-    Measured on a 2-core x86_64 with MKL for Gemma 3's 262144 x 640 head
-    (``W @ h.T`` whole / padded / in slices of :data:`HEAD_SLICE_ROWS` vocabulary rows):
-    one row 46 ms whole, 33 ms padded to two (a matrix product instead of MKL's slower
-    matrix-vector one); 16 rows 94 ms whole, 67 ms in slices (the slices' products stay in
-    cache); 24 rows 118 against 94 ms; 4, 8, 32 and more rows gain nothing from either.
+    MKL's single-precision product picks its kernel by shape, and for a few rows against
+    Gemma 3's 262144 x 640 head the time is far from proportional to the rows (2-core
+    x86_64; ``W @ h.T`` whole, or in slices of :data:`HEAD_SLICE_ROWS` vocabulary rows):
+    1 row 45 ms, 2 rows 30; 8 rows 91, 11 rows 119, 15 rows 152, but 16 rows 90 whole and
+    68 in slices; 20 rows 111 whole, 91 in slices. So one row is padded to two, 7 to 16 rows
+    are padded to 16 and sliced, 17 to 28 sliced; the zero rows are dropped again.
     """
     m = rows.shape[0]
     if m == 1:
-        padded = mx.concatenate([rows, mx.zeros_like(rows)], axis=0)
-        return (weight @ padded.T)[:, :1].T
-    if 12 <= m <= 28:
-        vocab = weight.shape[0]
-        parts = [weight[i : i + HEAD_SLICE_ROWS] @ rows.T for i in range(0, vocab, HEAD_SLICE_ROWS)]
-        return mx.concatenate(parts, axis=0).T
+        return (weight @ _padded(rows, 2).T)[:, :1].T
+    if 7 <= m <= 16:
+        return _sliced(weight, _padded(rows, 16))[:m]
+    if 17 <= m <= 28:
+        return _sliced(weight, rows)
     return (weight @ rows.T).T
 
 
