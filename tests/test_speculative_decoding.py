@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_batching import EngineStats, NgramProposer, SpeculationConfig
-from kv_batching._speculative import SpeculationState
+from kv_batching._speculative import SpeculationState, StepRates
 from kv_protocol import KVCacheError
 from kv_serve import DraftModelProposer, EngineDraftProposer, build_engine, draft_speculation
 from kv_testing import build_tiny_model, build_zoo_model, mlx_lm_greedy
@@ -91,11 +91,13 @@ def serve(
 def test_ngram_speculation_gives_mlx_lm_s_tokens(arch: str) -> None:
     want = [greedy(arch, tuple(p)) for p in PROMPTS]
     one_at_a_time = SpeculationConfig(
-        shadow=False, proposer=NgramProposer(min_ngram=1), num_tokens=5
+        shadow=False, compare_rates=False, proposer=NgramProposer(min_ngram=1), num_tokens=5
     )
     got, stats = serve(arch, one_at_a_time, prompts=PROMPTS[:1])
     assert got == want[:1]
-    batched = SpeculationConfig(shadow=False, proposer=NgramProposer(min_ngram=1), max_batch=3)
+    batched = SpeculationConfig(
+        shadow=False, compare_rates=False, proposer=NgramProposer(min_ngram=1), max_batch=3
+    )
     got, stats = serve(arch, batched)
     assert got == want
     assert stats.speculative_steps > 0
@@ -107,7 +109,7 @@ def test_ngram_speculation_gives_mlx_lm_s_tokens(arch: str) -> None:
 def test_every_acceptance_length_keeps_the_tokens(arch: str, right: int) -> None:
     proposer = OracleProposer(arch, right=right)
     config = SpeculationConfig(
-        shadow=False, proposer=proposer, num_tokens=6, max_batch=3, cooldown=0
+        shadow=False, compare_rates=False, proposer=proposer, num_tokens=6, max_batch=3, cooldown=0
     )
     got, stats = serve(arch, config)
     assert got == [greedy(arch, tuple(p)) for p in PROMPTS]
@@ -126,7 +128,11 @@ def test_every_acceptance_length_keeps_the_tokens(arch: str, right: int) -> None
 def test_prefix_hits_preemption_and_quantized_pages() -> None:
     arch = "gpt_oss"
     config = SpeculationConfig(
-        shadow=False, proposer=OracleProposer(arch, right=3), num_tokens=4, max_batch=4
+        shadow=False,
+        compare_rates=False,
+        proposer=OracleProposer(arch, right=3),
+        num_tokens=4,
+        max_batch=4,
     )
     prompts = [*PROMPTS, PROMPTS[0], PROMPTS[1]]  # the repeats hit the prefix cache
     want = [greedy(arch, tuple(p)) for p in prompts]
@@ -134,7 +140,11 @@ def test_prefix_hits_preemption_and_quantized_pages() -> None:
     assert got == want
     assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0 and stats.speculative_steps
     wide = SpeculationConfig(
-        shadow=False, proposer=NgramProposer(min_ngram=1), num_tokens=4, max_batch=8
+        shadow=False,
+        compare_rates=False,
+        proposer=NgramProposer(min_ngram=1),
+        num_tokens=4,
+        max_batch=8,
     )
     plain, _ = serve(WIDE, None, prompts=prompts, kv_bits=8)
     quantized, stats = serve(WIDE, wide, prompts=prompts, kv_bits=8)
@@ -145,7 +155,9 @@ def test_logprob_requests_decode_one_token_at_a_time() -> None:
     from kv_batching import SamplingParams
 
     arch = "llama"
-    config = SpeculationConfig(shadow=False, proposer=OracleProposer(arch, right=8), max_batch=4)
+    config = SpeculationConfig(
+        shadow=False, compare_rates=False, proposer=OracleProposer(arch, right=8), max_batch=4
+    )
     with build_engine(model(arch), page_size=4, max_context=128, speculative=config) as engine:
         penalised = engine.submit(
             PROMPTS[0], 6, sampling=SamplingParams(temperature=0.8, presence_penalty=0.5)
@@ -211,7 +223,12 @@ def test_ngram_proposals_equal_a_brute_force_lookup(
 
 def test_the_proposal_length_adapts_and_cools_down() -> None:
     config = SpeculationConfig(
-        shadow=False, proposer=NgramProposer(), num_tokens=4, cooldown_after=2, cooldown=3
+        shadow=False,
+        compare_rates=False,
+        proposer=NgramProposer(),
+        num_tokens=4,
+        cooldown_after=2,
+        cooldown=3,
     )
     state = SpeculationState(config.num_tokens)
     assert state.length() == 4
@@ -235,6 +252,7 @@ def test_a_draft_model_proposes_and_the_tokens_stay(arch: str, batched: bool) ->
             build_zoo_model(arch), model(arch), num_tokens=4, max_batch=3, batched=batched
         ),
         shadow=False,
+        compare_rates=False,
     )
     got, stats = serve(arch, twin)
     assert got == want
@@ -243,6 +261,7 @@ def test_a_draft_model_proposes_and_the_tokens_stay(arch: str, batched: bool) ->
     other = replace(
         draft_speculation(build_zoo_model(arch, seed=7), model(arch), max_batch=3, batched=batched),
         shadow=False,
+        compare_rates=False,
     )
     got, stats = serve(arch, other)
     assert got == want and stats.speculative_steps > 0
@@ -329,7 +348,7 @@ def test_sampled_speculation_keeps_the_model_s_distribution() -> None:
     expected = [first[a] * law([*prompt, a])[b] for a in range(vocab) for b in range(vocab)]
     # Token 2 is proposed after the first: kept with probability p(2), else redrawn without it.
     config = SpeculationConfig(
-        shadow=False, proposer=FixedProposer([2]), num_tokens=1, max_batch=64
+        shadow=False, compare_rates=False, proposer=FixedProposer([2]), num_tokens=1, max_batch=64
     )
     counts = [0] * (vocab * vocab)
     with build_engine(
@@ -370,7 +389,7 @@ def test_beside_others_a_request_speculates_once_its_shadowed_record_pays() -> N
     assert got == want
     assert stats.speculative_steps == 0
     # Without shadows the first proposal of each request is verified beside the other.
-    eager = replace(wrong, shadow=False)
+    eager = replace(wrong, shadow=False, compare_rates=False)
     got, stats = serve(arch, eager, prompts=PROMPTS[:2])
     assert got == want and stats.speculative_steps >= 2
 
@@ -406,3 +425,72 @@ def test_min_acceptance_must_be_a_rate() -> None:
             SpeculationConfig(proposer=NgramProposer(), min_acceptance=bad)  # type: ignore[arg-type]
     assert not SpeculationState(4).pays_in_batch(3, 0.5)
     assert SpeculationState(4).pays_in_batch(3, 0.5, shadow=False)
+
+
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(1, 3),
+            st.booleans(),
+            st.integers(0, 40),
+            st.one_of(st.just(0.0), st.floats(1e-3, 2.0)),
+        ),
+        max_size=60,
+    )
+)
+def test_step_rates_follow_the_measured_rates(steps: list[tuple[int, bool, int, float]]) -> None:
+    rates = StepRates(explore_every=4, smoothing=0.5)
+    oracle: dict[tuple[int, bool], float] = {}  # the same smoothing, by hand
+    decisions: dict[int, int] = {}
+    for batch, verified, tokens, seconds in steps:
+        plain, spec = oracle.get((batch, False)), oracle.get((batch, True))
+        if plain is None:
+            want = False
+        elif spec is None:
+            want = True
+        else:
+            decisions[batch] = decisions.get(batch, 0) + 1
+            want = (spec >= plain) != (decisions[batch] % 4 == 0)
+        assert rates.verify(batch) == want
+        rates.record(batch, verified, tokens, seconds)
+        if tokens > 0 and seconds > 0:
+            old = oracle.get((batch, verified))
+            new = tokens / seconds
+            oracle[(batch, verified)] = new if old is None else (old + new) / 2
+        for key, value in oracle.items():
+            assert rates.rate(*key) == pytest.approx(value)
+
+
+class _SlowVerification(StepRates):
+    """Rates as a machine where verifying steps emit fewer tokens a second than plain ones."""
+
+    def record(self, batch: int, verified: bool, tokens: int, seconds: float) -> None:
+        super().record(batch, verified, 1 if verified else 100, 1.0)
+
+
+def test_speculation_beside_others_stops_where_plain_steps_are_faster() -> None:
+    arch = "llama"
+    want = [greedy(arch, tuple(p)) for p in PROMPTS]
+    config = SpeculationConfig(proposer=OracleProposer(arch, right=8), num_tokens=4, shadow=False)
+    engine = build_engine(model(arch), max_running=4, max_context=128, speculative=config)
+    engine._step_rates = _SlowVerification()
+    ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
+    engine.run()
+    assert [tuple(engine.output(i).tokens) for i in ids] == want
+    # Beside others: a plain step, one verifying step per batch size, then one in 16 at most.
+    decode_steps = engine.stats.decode_steps
+    assert 0 < engine.stats.speculative_steps <= 3 * (1 + decode_steps // 16) + 3
+    # Where plain steps are slower the proposals are verified.
+    engine = build_engine(model(arch), max_running=4, max_context=128, speculative=config)
+    ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
+    engine._step_rates = StepRates()
+    engine._step_rates.record(3, False, 1, 1.0)
+    engine._step_rates.record(3, True, 100, 1.0)
+    engine.run()
+    assert [tuple(engine.output(i).tokens) for i in ids] == want
+    assert engine.stats.speculative_steps > 0
+
+
+def test_compare_rates_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="compare_rates must be a bool"):
+        SpeculationConfig(proposer=NgramProposer(), compare_rates=1)  # type: ignore[arg-type]

@@ -186,6 +186,7 @@ def _run(args: argparse.Namespace) -> None:
                     max_batch=batch,
                     min_acceptance=0.0,
                     shadow=False,
+                    compare_rates=False,
                 )
             if batch == 1:
                 modes["mlx-lm greedy"] = "mlx-lm"

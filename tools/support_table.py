@@ -262,7 +262,7 @@ def check_speculation(model: Any) -> str:
     # Verified from the first proposal on (no shadowing): every request's verifications,
     # partial acceptances and rollbacks run beside the others from the start.
     config = SpeculationConfig(
-        proposer=proposer, num_tokens=4, max_batch=len(prompts), shadow=False
+        proposer=proposer, num_tokens=4, max_batch=len(prompts), shadow=False, compare_rates=False
     )
     try:
         with build_engine(model, page_size=6, max_context=96, speculative=config) as engine:

@@ -56,7 +56,7 @@ from ._sampling import (
     log_softmax_top,
 )
 from ._scheduler import Scheduler
-from ._speculative import BatchProposer, SpeculationConfig, SpeculationState
+from ._speculative import BatchProposer, SpeculationConfig, SpeculationState, StepRates
 from ._state_cache import (
     StateCacheFactory,
     copy_state_caches,
@@ -227,6 +227,9 @@ class DecodeEngine:
             )
         self._agreement = agreement
         self._speculation = speculation
+        self._step_rates = (
+            StepRates() if speculation is not None and speculation.compare_rates else None
+        )
         if state_budget_bytes is not None:
             state_budget_bytes = check_int(state_budget_bytes, "state_budget_bytes", minimum=1)
         prefill_budget = PrefillBudget(prefill_chunk, prefill_stall=prefill_stall)
@@ -911,9 +914,19 @@ class DecodeEngine:
         rows: list[EngineRequest] | None = None
         drafts: dict[int, list[int]] = {}
         spec = self._speculation
-        if spec is not None and not self._state_layer_ids:
+        shared = spec is not None and not self._state_layer_ids
+        size = len(self._scheduler.running)
+        emitted_before = sum(len(tokens) for tokens in produced.values())
+        if shared:
             # Attention only: proposals are verified as extra rows of the shared step.
             drafts = self._proposals(list(self._scheduler.running), batched=True)
+            if drafts and self._step_rates is not None and not self._step_rates.verify(size):
+                # Plain steps are faster at this batch size: the proposals are shadowed.
+                for request in self._scheduler.running:
+                    draft = drafts.get(request.rid)
+                    if draft is not None and request.speculation is not None:
+                        request.speculation.shadow(draft)
+                drafts = {}
         elif spec is not None and len(self._scheduler.running) <= spec.max_batch:
             rows = [r for r in list(self._scheduler.running) if not self._speculate(r, produced)]
             if not rows:
@@ -948,8 +961,11 @@ class DecodeEngine:
                     self._stats.decode_fallbacks += 1
                     self._decode_group(batch, self._scheduler.reserve_rows(batch), produced)
                 self._stats.record_decode(time.perf_counter() - start, len(batch))
+                self._record_rate(size, True, emitted_before, produced, start)
                 return
             self._decode_group(batch, reservation, produced)
+            if shared:
+                self._record_rate(size, False, emitted_before, produced, start)
         else:
             # The whole batch fits; each group takes its own part of that room.
             if reservation is not None:
@@ -957,6 +973,20 @@ class DecodeEngine:
             for group in groups:
                 self._decode_group(group, self._scheduler.reserve_rows(group), produced)
         self._stats.record_decode(time.perf_counter() - start, len(batch))
+
+    def _record_rate(
+        self,
+        size: int,
+        verified: bool,
+        emitted_before: int,
+        produced: Mapping[int, list[int]],
+        start: float,
+    ) -> None:
+        """Feed a shared step's tokens per second to :class:`StepRates`."""
+        if self._step_rates is None:
+            return
+        emitted = sum(len(tokens) for tokens in produced.values()) - emitted_before
+        self._step_rates.record(size, verified, emitted, time.perf_counter() - start)
 
     def _verify_batch(
         self,

@@ -106,6 +106,10 @@ class SpeculationConfig:
     once its record pays for the forward a verification costs, and until then its proposals
     are shadowed: compared with the tokens it decodes in the batch, which costs nothing
     (:class:`SpeculationState`); ``shadow=False`` verifies a request's first proposal at once.
+    With ``compare_rates`` (the default) the engine also measures, per number of running
+    requests, the tokens per second of shared steps that verify proposals and of plain ones,
+    and verifies only while that pays (:class:`StepRates`): extra rows cost what this machine
+    says they cost, whatever the acceptance.
     """
 
     proposer: Proposer
@@ -115,6 +119,7 @@ class SpeculationConfig:
     cooldown: int = 8
     shadow: bool = True
     min_acceptance: float = 0.5
+    compare_rates: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.proposer, Proposer):
@@ -127,6 +132,8 @@ class SpeculationConfig:
         check_int(self.cooldown, "cooldown", minimum=0)
         if not isinstance(self.shadow, bool):
             raise TypeError(f"shadow must be a bool, got {self.shadow!r}")
+        if not isinstance(self.compare_rates, bool):
+            raise TypeError(f"compare_rates must be a bool, got {self.compare_rates!r}")
         rate = self.min_acceptance
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
             raise ValueError(f"min_acceptance must be a number in [0, 1], got {rate!r}")
@@ -262,3 +269,51 @@ class SpeculationState:
         if self._misses >= config.cooldown_after:
             self._misses = 0
             self._resting = config.cooldown
+
+
+class StepRates:
+    """Tokens per second of shared decode steps with and without verification, by batch size.
+
+    The rows a proposal adds cost what the machine makes them cost (on MLX's CPU a matrix
+    product's time jumps with its row count), so whether verifying in a step of ``batch``
+    requests pays is measured rather than assumed: :meth:`record` keeps an exponentially
+    weighted rate of each kind per batch size, and :meth:`verify` says whether the next step
+    at that size verifies: a plain step first (the baseline), then a verifying one, then
+    whichever is faster, trying the other every ``explore_every`` decisions so a rate that
+    changed is noticed.
+    """
+
+    __slots__ = ("_decisions", "_explore_every", "_rates", "_smoothing")
+
+    def __init__(self, *, explore_every: int = 16, smoothing: float = 0.25) -> None:
+        self._explore_every = check_int(explore_every, "explore_every", minimum=2)
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
+        self._smoothing = smoothing
+        self._rates: dict[tuple[int, bool], float] = {}
+        self._decisions: dict[int, int] = {}
+
+    def rate(self, batch: int, verified: bool) -> float | None:
+        """The measured tokens per second at ``batch`` running requests, or None."""
+        return self._rates.get((batch, verified))
+
+    def verify(self, batch: int) -> bool:
+        """Whether the next shared step of ``batch`` requests, which has proposals, verifies."""
+        plain = self._rates.get((batch, False))
+        if plain is None:
+            return False
+        spec = self._rates.get((batch, True))
+        if spec is None:
+            return True
+        count = self._decisions[batch] = self._decisions.get(batch, 0) + 1
+        better = spec >= plain
+        return not better if count % self._explore_every == 0 else better
+
+    def record(self, batch: int, verified: bool, tokens: int, seconds: float) -> None:
+        """A shared step of ``batch`` requests emitted ``tokens`` in ``seconds``."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        key = (batch, verified)
+        old = self._rates.get(key)
+        self._rates[key] = rate if old is None else old + self._smoothing * (rate - old)
