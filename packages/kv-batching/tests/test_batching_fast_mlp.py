@@ -55,7 +55,7 @@ def test_sigmoid_edges() -> None:
     assert np.isnan(np.array(sigmoid(mx.array([math.nan])))).all()
 
 
-def _mlp(module: str, width: int, seed: int) -> nn.Module:
+def _mlp(module: str, width: int, seed: int, *, bias: bool = False) -> nn.Module:
     models = importlib.import_module(f"mlx_lm.models.{module}")
     if module == "llama":
         args = models.ModelArgs.from_dict(
@@ -67,6 +67,7 @@ def _mlp(module: str, width: int, seed: int) -> nn.Module:
                 "num_attention_heads": 4,
                 "rms_norm_eps": 1e-6,
                 "vocab_size": 32,
+                "mlp_bias": bias,
             }
         )
         mlp: nn.Module = models.MLP(args)
@@ -75,7 +76,7 @@ def _mlp(module: str, width: int, seed: int) -> nn.Module:
     mx.random.seed(seed)
     mlp.update(
         {
-            name: {"weight": mx.random.normal(child.weight.shape) * 0.2}
+            name: {key: mx.random.normal(value.shape) * 0.2 for key, value in child.items()}
             for name, child in mlp.children().items()
         }
     )
@@ -109,10 +110,18 @@ class _ReluMLP(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("module", "activation"), [("gemma3_text", "gelu_approx"), ("llama", "silu")]
+    ("module", "activation", "variant"),
+    [
+        ("gemma3_text", "gelu_approx", "plain"),
+        ("llama", "silu", "plain"),
+        ("llama", "silu", "bias"),
+        ("gemma3_text", "gelu_approx", "8-bit"),
+    ],
 )
-def test_swapped_mlp_equals_mlx_lm_module(module: str, activation: str) -> None:
-    mlp = _mlp(module, FAST_MLP_MIN_WIDTH, seed=3)
+def test_swapped_mlp_equals_mlx_lm_module(module: str, activation: str, variant: str) -> None:
+    mlp = _mlp(module, FAST_MLP_MIN_WIDTH, seed=3, bias=variant == "bias")
+    if variant == "8-bit":
+        nn.quantize(mlp, group_size=64, bits=8)
     model = _Model([mlp])
     x = mx.random.normal((2, 7, 64), key=mx.random.key(1)) * 2
     want = mlp(x)
@@ -132,7 +141,8 @@ def test_swapped_mlp_equals_mlx_lm_module(module: str, activation: str) -> None:
     with fast_mlps():
         assert mx.array_equal(FastGatedMLP(mlp16, activation)(x16), mlp16(x16))
     # The weights are counted once, and unpatching restores the very module.
-    assert len(_flat(model.parameters())) == 3  # type: ignore[no-untyped-call]
+    weights = {"plain": 3, "bias": 6, "8-bit": 9}[variant]
+    assert len(_flat(model.parameters())) == weights  # type: ignore[no-untyped-call]
     assert unpatch_model_mlps(model) == 1 and model.layers[0].mlp is mlp
 
 

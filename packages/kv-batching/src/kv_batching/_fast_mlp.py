@@ -126,10 +126,32 @@ class FastGatedMLP(nn.Module):
         inner: Any = self.inner
         if not _ACTIVE.get():
             return cast(mx.array, inner(x))
+        projections = (inner.gate_proj, inner.up_proj, inner.down_proj)
+        if x.dtype == mx.float32 and all(type(p) is nn.Linear for p in projections):
+            return self._transposed(x, *projections)
         gate = inner.gate_proj(x)
         if gate.dtype != mx.float32:
             return cast(mx.array, inner(x))
         return cast(mx.array, inner.down_proj(_gated(self.activation)(gate, inner.up_proj(x))))
+
+    def _transposed(self, x: mx.array, gate: Any, up: Any, down: Any) -> mx.array:
+        """The product with tokens as columns: ``W @ x.T``, MKL's faster order here.
+
+        Gemma 3 270M, 2-core x86_64: a 1024-token prefill 2.12-2.33 against 2.47-2.49 s,
+        a 16-row decode step 152-159 against 159-169 ms (the vocabulary head's order of
+        :func:`kv_batching._model_forward.project_rows`, for the same reason).
+        """
+        columns = x.reshape(-1, x.shape[-1]).T
+        g = gate.weight @ columns
+        u = up.weight @ columns
+        if "bias" in gate:
+            g = g + gate.bias[:, None]
+        if "bias" in up:
+            u = u + up.bias[:, None]
+        out = (down.weight @ _gated(self.activation)(g, u)).T
+        if "bias" in down:
+            out = out + down.bias
+        return cast(mx.array, out.reshape(*x.shape[:-1], out.shape[-1]))
 
 
 def _linear(module: object) -> bool:
