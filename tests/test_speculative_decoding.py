@@ -430,7 +430,7 @@ def test_min_acceptance_must_be_a_rate() -> None:
 @given(
     steps=st.lists(
         st.tuples(
-            st.integers(1, 3),
+            st.integers(1, 4),
             st.booleans(),
             st.integers(0, 40),
             st.one_of(st.just(0.0), st.floats(1e-3, 2.0)),
@@ -442,7 +442,8 @@ def test_step_rates_follow_the_measured_rates(steps: list[tuple[int, bool, int, 
     rates = StepRates(explore_every=4, smoothing=0.5)
     oracle: dict[tuple[int, bool], float] = {}  # the same smoothing, by hand
     decisions: dict[int, int] = {}
-    for batch, verified, tokens, seconds in steps:
+    for size, verified, tokens, seconds in steps:
+        batch = {1: 1, 2: 2, 3: 2, 4: 4}[size]  # the size classes, by hand
         plain, spec = oracle.get((batch, False)), oracle.get((batch, True))
         if plain is None:
             want = False
@@ -451,14 +452,14 @@ def test_step_rates_follow_the_measured_rates(steps: list[tuple[int, bool, int, 
         else:
             decisions[batch] = decisions.get(batch, 0) + 1
             want = (spec >= plain) != (decisions[batch] % 4 == 0)
-        assert rates.verify(batch) == want
-        rates.record(batch, verified, tokens, seconds)
+        assert rates.verify(size) == want
+        rates.record(size, verified, tokens, seconds)
         if tokens > 0 and seconds > 0:
             old = oracle.get((batch, verified))
             new = tokens / seconds
             oracle[(batch, verified)] = new if old is None else (old + new) / 2
-        for key, value in oracle.items():
-            assert rates.rate(*key) == pytest.approx(value)
+        for (batch, kind), value in oracle.items():
+            assert rates.rate(batch, kind) == pytest.approx(value)
 
 
 class _SlowVerification(StepRates):
@@ -484,8 +485,9 @@ def test_speculation_beside_others_stops_where_plain_steps_are_faster() -> None:
     engine = build_engine(model(arch), max_running=4, max_context=128, speculative=config)
     ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
     engine._step_rates = StepRates()
-    engine._step_rates.record(3, False, 1, 1.0)
-    engine._step_rates.record(3, True, 100, 1.0)
+    for size in (1, 2, 3):
+        engine._step_rates.record(size, False, 1, 1.0)
+        engine._step_rates.record(size, True, 100, 1.0)
     engine.run()
     assert [tuple(engine.output(i).tokens) for i in ids] == want
     assert engine.stats.speculative_steps > 0

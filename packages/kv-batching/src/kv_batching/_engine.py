@@ -919,14 +919,10 @@ class DecodeEngine:
         emitted_before = sum(len(tokens) for tokens in produced.values())
         if shared:
             # Attention only: proposals are verified as extra rows of the shared step.
-            drafts = self._proposals(list(self._scheduler.running), batched=True)
-            if drafts and self._step_rates is not None and not self._step_rates.verify(size):
-                # Plain steps are faster at this batch size: the proposals are shadowed.
-                for request in self._scheduler.running:
-                    draft = drafts.get(request.rid)
-                    if draft is not None and request.speculation is not None:
-                        request.speculation.shadow(draft)
-                drafts = {}
+            # Where plain steps are faster at this batch size nothing is proposed at all
+            # (the proposals' host time counts in a step's rate too).
+            if self._step_rates is None or self._step_rates.verify(size):
+                drafts = self._proposals(list(self._scheduler.running), batched=True)
         elif spec is not None and len(self._scheduler.running) <= spec.max_batch:
             rows = [r for r in list(self._scheduler.running) if not self._speculate(r, produced)]
             if not rows:

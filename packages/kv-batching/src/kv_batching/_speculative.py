@@ -277,10 +277,11 @@ class StepRates:
     The rows a proposal adds cost what the machine makes them cost (on MLX's CPU a matrix
     product's time jumps with its row count), so whether verifying in a step of ``batch``
     requests pays is measured rather than assumed: :meth:`record` keeps an exponentially
-    weighted rate of each kind per batch size, and :meth:`verify` says whether the next step
-    at that size verifies: a plain step first (the baseline), then a verifying one, then
-    whichever is faster, trying the other every ``explore_every`` decisions so a rate that
-    changed is noticed.
+    weighted rate of each kind per batch-size class (1, 2-3, 4-7, 8-15, ...: powers of two,
+    so a batch that shrinks by one does not start over), and :meth:`verify` says whether the
+    next step of that class proposes and verifies: a plain step first (the baseline), then a
+    verifying one, then whichever is faster, trying the other every ``explore_every``
+    decisions so a rate that changed is noticed.
     """
 
     __slots__ = ("_decisions", "_explore_every", "_rates", "_smoothing")
@@ -293,12 +294,18 @@ class StepRates:
         self._rates: dict[tuple[int, bool], float] = {}
         self._decisions: dict[int, int] = {}
 
+    @staticmethod
+    def size_class(batch: int) -> int:
+        """The class ``batch`` running requests are measured in: its highest power of two."""
+        return 1 << (max(batch, 1).bit_length() - 1)
+
     def rate(self, batch: int, verified: bool) -> float | None:
-        """The measured tokens per second at ``batch`` running requests, or None."""
-        return self._rates.get((batch, verified))
+        """The measured tokens per second at ``batch``'s size class, or None."""
+        return self._rates.get((self.size_class(batch), verified))
 
     def verify(self, batch: int) -> bool:
-        """Whether the next shared step of ``batch`` requests, which has proposals, verifies."""
+        """Whether the next shared step of ``batch`` requests proposes and verifies."""
+        batch = self.size_class(batch)
         plain = self._rates.get((batch, False))
         if plain is None:
             return False
@@ -314,6 +321,6 @@ class StepRates:
         if seconds <= 0 or tokens <= 0:
             return
         rate = tokens / seconds
-        key = (batch, verified)
+        key = (self.size_class(batch), verified)
         old = self._rates.get(key)
         self._rates[key] = rate if old is None else old + self._smoothing * (rate - old)
