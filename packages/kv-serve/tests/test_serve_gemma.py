@@ -51,10 +51,13 @@ def test_weights_equal_the_gguf_dequantization(
     from gguf import quants
 
     model, _ = gemma
-    # An engine built on the session's model wraps its attention modules (``self_attn`` then
-    # holds the module as ``self_attn.inner``): look the weights up under mlx-lm's names.
+    # An engine built on the session's model wraps its attention and MLP modules (they then
+    # hold the module as ``.inner``): look the weights up under mlx-lm's names.
     flat = dict(tree_flatten(model.parameters()))
-    params = {name.replace(".self_attn.inner.", ".self_attn."): w for name, w in flat.items()}
+    params = {
+        name.replace(".self_attn.inner.", ".self_attn.").replace(".mlp.inner.", ".mlp."): w
+        for name, w in flat.items()
+    }
     reader = gguf.GGUFReader(str(gemma_files[0]))
     # The smallest tensor of each quantization type, whole (a type's decode is the same
     # for every tensor that has it): norms (stored as 1 + w) and linears of every type.
