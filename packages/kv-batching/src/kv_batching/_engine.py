@@ -916,12 +916,13 @@ class DecodeEngine:
         spec = self._speculation
         shared = spec is not None and not self._state_layer_ids
         size = len(self._scheduler.running)
-        emitted_before = sum(len(tokens) for tokens in produced.values())
+        rates = self._step_rates
+        emitted_before = 0 if rates is None else sum(len(t) for t in produced.values())
         if shared:
             # Attention only: proposals are verified as extra rows of the shared step.
             # Where plain steps are faster at this batch size nothing is proposed at all
             # (the proposals' host time counts in a step's rate too).
-            if self._step_rates is None or self._step_rates.verify(size):
+            if rates is None or rates.verify(size):
                 drafts = self._proposals(list(self._scheduler.running), batched=True)
         elif spec is not None and len(self._scheduler.running) <= spec.max_batch:
             rows = [r for r in list(self._scheduler.running) if not self._speculate(r, produced)]

@@ -30,6 +30,8 @@ import mlx.nn as nn
 
 from kv_protocol import exp_nonpositive, find_layers
 
+from ._patching import unwrap_layer_children
+
 __all__ = [
     "FAST_MLP_MIN_WIDTH",
     "FastGatedMLP",
@@ -54,7 +56,7 @@ _ACTIVE: ContextVar[bool] = ContextVar("kv_batching_fast_mlps", default=False)
 
 @contextmanager
 def fast_mlps(active: bool = True) -> Iterator[None]:
-    """Within the block, each :class:`FastGatedMLP` computes their own product (else ``inner``'s).
+    """Within the block, each :class:`FastGatedMLP` computes its own product (else ``inner``'s).
 
     The engine's runner builds its forwards inside it, so a swapped model called anywhere
     else (an mlx-lm oracle, ``mlx_lm.generate``) computes exactly what mlx-lm computes. MLX
@@ -251,15 +253,7 @@ def patch_model_mlps(model: nn.Module, *, min_width: int = FAST_MLP_MIN_WIDTH) -
 
 def unpatch_model_mlps(model: nn.Module) -> int:
     """Put the original MLP modules back; returns how many were restored."""
-    restored = 0
     try:
-        layers = find_layers(model)
-    except Exception:
+        return unwrap_layer_children(model, _MLP_CHILD_NAMES, FastGatedMLP)
+    except Exception:  # a model without decoder layers holds no swapped MLP
         return 0
-    for layer in layers:
-        for name in _MLP_CHILD_NAMES:
-            child = getattr(layer, name, None)
-            if isinstance(child, FastGatedMLP):
-                setattr(layer, name, child.inner)
-                restored += 1
-    return restored

@@ -21,7 +21,13 @@ from ._attention_probe import probe_attention
 from ._attention_spec import inspect_attention
 from ._batched_attention import BatchedAttention
 
-__all__ = ["is_patched", "patch_model_attention", "unpatch_model_attention", "wrap_attention_layer"]
+__all__ = [
+    "is_patched",
+    "patch_model_attention",
+    "unpatch_model_attention",
+    "unwrap_layer_children",
+    "wrap_attention_layer",
+]
 
 
 def _attention_child(layer: Any) -> tuple[str, Any] | None:
@@ -126,13 +132,23 @@ def wrapped_attention(model: nn.Module) -> list[BatchedAttention]:
     return found
 
 
-def unpatch_model_attention(model: nn.Module) -> int:
-    """Put the original attention modules back; returns how many were restored."""
+def unwrap_layer_children(
+    model: nn.Module, names: Collection[str], wrapper: type[nn.Module]
+) -> int:
+    """Put back the ``inner`` module of every ``wrapper`` child (under ``names``) of each layer.
+
+    Returns how many were restored.
+    """
     restored = 0
     for layer in find_layers(model):
-        for name in ATTENTION_CHILD_NAMES:
+        for name in names:
             child = getattr(layer, name, None)
-            if isinstance(child, BatchedAttention):
+            if isinstance(child, wrapper):
                 setattr(layer, name, child.inner)
                 restored += 1
     return restored
+
+
+def unpatch_model_attention(model: nn.Module) -> int:
+    """Put the original attention modules back; returns how many were restored."""
+    return unwrap_layer_children(model, ATTENTION_CHILD_NAMES, BatchedAttention)
