@@ -128,6 +128,7 @@ PROTOCOL_FACE = {
     "OffsetCache",
     "PageAllocator",
     "PagedDecodeAttention",
+    "PagedQueryAttention",
     "PoolExhaustedError",
     "PoolMemoryReport",
     "PrefillAttention",

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kv_batching import EngineStats, NgramProposer, SpeculationConfig
 from kv_batching._speculative import SpeculationState, StepRates
+from kv_metal_kernels import ReferencePagedAttention
 from kv_protocol import KVCacheError
 from kv_serve import DraftModelProposer, EngineDraftProposer, build_engine, draft_speculation
 from kv_testing import build_tiny_model, build_zoo_model, mlx_lm_greedy
@@ -73,6 +74,16 @@ class OracleProposer:
         return []
 
 
+class RaggedProposer(OracleProposer):
+    """:class:`OracleProposer` with proposals of 1, 3 and 5 tokens for the three prompts."""
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        for i, prompt in enumerate(PROMPTS):
+            if list(tokens[: len(prompt)]) == prompt:
+                return super().propose(tokens, min(k, 2 * i + 1))
+        return []
+
+
 def serve(
     arch: str,
     speculative: str | SpeculationConfig | None,
@@ -102,6 +113,33 @@ def test_ngram_speculation_gives_mlx_lm_s_tokens(arch: str) -> None:
     assert got == want
     assert stats.speculative_steps > 0
     assert stats.decode_fallbacks == 0  # no verification failed over to plain decoding
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss", "llama"])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_verifying_rows_attend_per_request_or_one_row_each(
+    arch: str, grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel with ``attend_queries`` reads a verifying request's pages once for its rows;
+    one without it gets one row per query. Both keep mlx-lm's tokens."""
+    queries: list[int] = []
+    if grouped:
+        original = ReferencePagedAttention.attend_queries
+
+        def spy(self: ReferencePagedAttention, q: Any, *args: Any, **kwargs: Any) -> Any:
+            queries.append(q.shape[2])
+            return original(self, q, *args, **kwargs)
+
+        monkeypatch.setattr(ReferencePagedAttention, "attend_queries", spy)
+    else:
+        monkeypatch.delattr(ReferencePagedAttention, "attend_queries")
+    config = SpeculationConfig(
+        shadow=False, compare_rates=False, proposer=RaggedProposer(arch, right=3), num_tokens=5
+    )
+    got, stats = serve(arch, config, max_running=3)
+    assert got == [greedy(arch, tuple(p)) for p in PROMPTS]
+    assert stats.speculative_steps > 0 and stats.decode_fallbacks == 0
+    assert (max(queries) > 1) if grouped else not queries
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_next"])

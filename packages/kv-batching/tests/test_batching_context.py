@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_batching import FUSED_ROPE_MAP_ERROR, BatchedDecodeContext, DecodeRoute
-from kv_batching._decode_step import DecodeStep, PoolAddressing
+from kv_batching._decode_step import DecodeStep, PoolAddressing, QueryGroups
 from kv_batching._layer_cache import BatchedLayerCache, PoolDecodeCache, batched_layer_caches
 from kv_protocol import (
     CacheLayout,
@@ -269,10 +270,51 @@ def test_a_step_takes_a_row_per_reserved_token() -> None:
         table = chunk.page_tables[name].tolist()
         assert sub.page_table.tolist() == table * 2
         assert sub.new_token_slots.tolist() == chunk.slots[name].tolist()
+        assert sub.request_page_table is not None
+        assert sub.request_page_table.tolist() == table
+    queries = step.queries
+    assert queries is not None and queries.width == 2
+    assert queries.seq_lens.tolist() == [4]
     none = pool.try_reserve_batch({0: 0})
     assert none is not None
     with pytest.raises(CacheStateError, match="at least one reserved token per request"):
         DecodeStep.from_reservation(none, pool, FakeKernels(), PoolAddressing.from_pool(pool))
+
+
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 50)), min_size=1, max_size=6))
+def test_query_groups_put_each_request_s_rows_last_in_its_grid_row(
+    requests: list[tuple[int, int]],
+) -> None:
+    counts = [n for n, _ in requests]
+    starts = [start for _, start in requests]
+    groups = QueryGroups.from_counts(counts, starts)
+    width = max(counts)
+    assert groups.width == width
+    owner = [r for r, n in enumerate(counts) for _ in range(n)]
+    offset = [i for n in counts for i in range(n)]
+    rows = cast(list[int], groups.rows.tolist())
+    cells = cast(list[int], groups.cells.tolist())
+    assert len(rows) == len(counts) * width and len(cells) == sum(counts)
+    # Every row reads back its own query, from the cell at its position in the grid.
+    assert [rows[c] for c in cells] == list(range(sum(counts)))
+    for row, cell in enumerate(cells):
+        r, column = divmod(cell, width)
+        assert r == owner[row] and column == width - counts[r] + offset[row]
+    # Padding cells repeat a row of their own request.
+    assert all(owner[rows[c]] == c // width for c in range(len(rows)))
+    assert groups.seq_lens.tolist() == [s + n for n, s in requests]
+
+
+def test_a_plain_step_has_no_query_groups() -> None:
+    pool = ReferenceKVPool(gpt_oss_like(), num_pages=8, page_size=4)
+    pool.add_request(0)
+    pool.add_request(1)
+    chunk = pool.try_reserve_batch({0: 1, 1: 1})
+    assert chunk is not None
+    step = DecodeStep.from_reservation(chunk, pool, FakeKernels(), PoolAddressing.from_pool(pool))
+    assert step.queries is None
+    assert all(sub.request_page_table is None for sub in step.sub_pools.values())
+    assert step.layer(step.context.layout.attention_layer_ids[0]).queries is None
 
 
 def test_a_step_needs_every_sub_pool() -> None:

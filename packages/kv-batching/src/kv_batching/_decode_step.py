@@ -12,7 +12,7 @@ looks anything up through optional fields.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -40,6 +40,7 @@ __all__ = [
     "LayerAddress",
     "LayerStep",
     "PoolAddressing",
+    "QueryGroups",
     "SubPoolStep",
 ]
 
@@ -125,12 +126,57 @@ class SubPoolStep:
     """One sub-pool's part of a step.
 
     ``new_token_slots``: the ``(B,)`` int32 slots of the new tokens; ``page_table``: the
-    ``(B, max_pages)`` page table of the batch.
+    ``(B, max_pages)`` page table of the batch's rows; ``request_page_table``: in a step
+    where requests verify proposals (several rows each), the ``(R, max_pages)`` table with
+    one row per request, else ``None``.
     """
 
     name: str
     new_token_slots: mx.array
     page_table: mx.array
+    request_page_table: mx.array | None = None
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class QueryGroups:
+    """The rows of a step where requests verify proposals, as a grid of queries per request.
+
+    Request ``r`` has ``n_r`` adjacent rows (its last token and its proposal) at
+    consecutive positions; the grid gives it ``width = max(n_r)`` query cells, its rows in
+    the last ``n_r`` (the first ``width - n_r`` cells are padding that repeats its first
+    row). ``rows`` (``(R * width,)`` int32) is the step row each cell reads, ``cells``
+    (``(B,)`` int32) the cell each row's output comes from, ``seq_lens`` (``(R,)`` int32)
+    each request's tokens up to and including its last row's: what
+    :class:`kv_protocol.PagedQueryAttention` takes, so a request's pages are read once for
+    all its rows.
+    """
+
+    width: int
+    rows: mx.array
+    cells: mx.array
+    seq_lens: mx.array
+
+    @classmethod
+    def from_counts(cls, counts: Sequence[int], start_lengths: Sequence[int]) -> QueryGroups:
+        """The grid of requests with ``counts[r]`` rows from position ``start_lengths[r]``."""
+        width = max(counts)
+        rows: list[int] = []
+        cells: list[int] = []
+        first = 0
+        for r, n in enumerate(counts):
+            pad = width - n
+            rows.extend(first + max(0, cell - pad) for cell in range(width))
+            cells.extend(r * width + pad + i for i in range(n))
+            first += n
+        return cls(
+            width=width,
+            rows=mx.array(rows, dtype=mx.int32),
+            cells=mx.array(cells, dtype=mx.int32),
+            seq_lens=mx.array(
+                [start + n for start, n in zip(start_lengths, counts, strict=True)],
+                dtype=mx.int32,
+            ),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -151,6 +197,7 @@ class LayerStep:
     new_token_slots: mx.array
     page_table: mx.array
     route: DecodeRoute
+    request_page_table: mx.array | None = None
 
     @property
     def step(self) -> DecodeStep:
@@ -177,6 +224,11 @@ class LayerStep:
     def kernels(self) -> KernelSet:
         """The step's RoPE + scatter and paged attention kernels."""
         return self.step.kernels
+
+    @property
+    def queries(self) -> QueryGroups | None:
+        """The step's rows as queries per request where requests verify proposals."""
+        return self.step.queries
 
     def visible_slots(self) -> mx.array:
         """``(B, width)`` pool slots of the keys each row sees (see DecodeStep.visible_slots)."""
@@ -218,6 +270,7 @@ class DecodeStep:
     kernels: KernelSet
     addressing: PoolAddressing
     sub_pools: Mapping[str, SubPoolStep]
+    queries: QueryGroups | None = None
     layers: Mapping[int, LayerStep] = field(init=False, repr=False)
     _gather_by_key: dict[tuple[str, int | None], mx.array] = field(init=False, repr=False)
 
@@ -242,6 +295,7 @@ class DecodeStep:
                 new_token_slots=sub.new_token_slots,
                 page_table=sub.page_table,
                 route=address.route,
+                request_page_table=sub.request_page_table,
             )
         setter(self, "layers", MappingProxyType(layers))
         setter(self, "_gather_by_key", {})
@@ -300,12 +354,21 @@ class DecodeStep:
                     if row_of is None
                     else mx.take(reservation.page_tables[name], row_of, axis=0)
                 ),
+                request_page_table=None if row_of is None else reservation.page_tables[name],
             )
             for name in addressing.sub_pools
             if name in reservation.slots
         }
+        queries = (
+            None if row_of is None else QueryGroups.from_counts(counts, reservation.start_lengths)
+        )
         return cls(
-            context=context, pool=pool, kernels=kernels, addressing=addressing, sub_pools=subs
+            context=context,
+            pool=pool,
+            kernels=kernels,
+            addressing=addressing,
+            sub_pools=subs,
+            queries=queries,
         )
 
     def layer(self, layer_id: int) -> LayerStep:

@@ -39,34 +39,48 @@ def _gather_pages(pool: KVBuffer, pages: mx.array, page_size: int) -> mx.array:
 
 
 def _visible_pages(
-    page_table: mx.array, seq_lens: mx.array, *, n_cols: int, page_size: int, window: int | None
+    page_table: mx.array,
+    seq_lens: mx.array,
+    *,
+    n_cols: int,
+    page_size: int,
+    window: int | None,
+    queries: int = 1,
 ) -> tuple[mx.array, mx.array]:
-    """The ``(B, n)`` page ids a decode query reads and the ``(B, n * page_size)`` keep-mask.
+    """The ``(B, n)`` page ids the queries read and their keep-mask.
 
-    At most ``n_cols`` page-table columns; a sliding window reads only the pages that can
-    cover it. Every key outside ``0 .. seq_len - 1`` (or the window) is masked, so null-page
-    entries are never attended.
+    Query ``l`` of row ``b`` is at position ``seq_lens[b] - queries + l`` (one query: the
+    decode query at ``seq_len - 1``). At most ``n_cols`` page-table columns; a sliding
+    window reads only the pages that can cover the keys its queries see. The mask is ``(B,
+    n * page_size)`` for one query, ``(B, queries, n * page_size)`` for several; every key
+    outside ``0 .. position`` (or the window) is masked, so null-page entries are never
+    attended. A query at a negative position (padding) keeps key 0 only.
     """
     max_pages = page_table.shape[1]
-    lens = seq_lens[:, None]
-    if window is not None and window_page_count(window, page_size) < n_cols:
-        n = window_page_count(window, page_size)
-        # The decode query is at position seq_len - 1.
-        first = KVLifetime(window).first_visible_array(seq_lens - 1)
-        start_page = first // page_size
-        cols = start_page[:, None] + mx.arange(n, dtype=mx.int32)[None, :]
-        in_table = cols < max_pages
+    lifetime = KVLifetime(window)
+    positions = mx.maximum(
+        seq_lens[:, None] - queries + mx.arange(queries, dtype=mx.int32)[None, :], 0
+    )
+    span = lifetime.span_pages(page_size, queries)
+    in_table: mx.array | None = None
+    if span is not None and span < n_cols:
+        first = lifetime.first_visible_array(positions[:, 0])
+        cols = (first // page_size)[:, None] + mx.arange(span, dtype=mx.int32)[None, :]
+        in_table = mx.repeat(cols < max_pages, page_size, axis=1)[:, None, :]
         pages = mx.take_along_axis(page_table, mx.minimum(cols, max_pages - 1), axis=1)
         offsets = mx.arange(page_size, dtype=mx.int32)
-        pos = (cols[:, :, None] * page_size + offsets).reshape(cols.shape[0], n * page_size)
-        keep = (pos < lens) & (pos >= first[:, None])
-        keep = keep & mx.repeat(in_table, page_size, axis=1)
+        pos = (cols[:, :, None] * page_size + offsets).reshape(cols.shape[0], 1, -1)
     else:
         pages = page_table[:, :n_cols]
-        pos = mx.arange(n_cols * page_size, dtype=mx.int32)[None, :]
-        keep = pos < lens
-        if window is not None:
-            keep = keep & (pos >= KVLifetime(window).first_visible_array(lens - 1))
+        pos = mx.arange(n_cols * page_size, dtype=mx.int32)[None, None, :]
+    query = positions[:, :, None]
+    keep = pos <= query
+    if window is not None:
+        keep = keep & (pos >= lifetime.first_visible_array(query))
+    if in_table is not None:
+        keep = keep & in_table
+    if queries == 1:
+        keep = keep[:, 0, :]
     return pages, keep
 
 
@@ -92,7 +106,7 @@ def _attend(
         keys.swapaxes(0, 1),
         values.swapaxes(0, 1),
         scale=scale,
-        mask=keep[:, None, None, :],
+        mask=keep[:, None, None, :] if keep.ndim == 2 else keep[:, None, :, :],
         sinks=None if sinks is None else sinks.astype(q.dtype),
     )
 
@@ -132,6 +146,9 @@ class ReferencePagedAttention:
     falls back to unfused operations whose ``exp`` runs element by element; elsewhere one
     ``mx.fast.scaled_dot_product_attention``. The pages and keep-mask a step's rows read
     are built once per ``page_table`` / ``seq_lens`` pair and shared by its layers.
+
+    :meth:`attend_queries` (:class:`kv_protocol.PagedQueryAttention`) attends several
+    consecutive queries per request from one gather of its pages.
     """
 
     def __init__(
@@ -166,7 +183,59 @@ class ReferencePagedAttention:
         page_size, scale, window = check_paged_attention_args(
             q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window, sinks
         )
-        b = q.shape[0]
+        return self._attend_rows(
+            q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window, sinks
+        )
+
+    def attend_queries(
+        self,
+        q: mx.array,
+        k_pool: KVBuffer,
+        v_pool: KVBuffer,
+        page_table: mx.array,
+        seq_lens: mx.array,
+        *,
+        page_size: int,
+        scale: float,
+        window: int | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        """Attention output ``(B, Hq, L, D)`` of ``L`` consecutive queries per request.
+
+        See :class:`kv_protocol.PagedQueryAttention`: query ``l`` is at position
+        ``seq_lens[b] - L + l``. Each request's pages are gathered once for all its queries
+        (a speculative verification's rows would otherwise each gather the same keys).
+        """
+        page_size, scale, window = check_paged_attention_args(
+            q,
+            k_pool,
+            v_pool,
+            page_table,
+            seq_lens,
+            page_size,
+            scale,
+            window,
+            sinks,
+            queries=True,
+        )
+        return self._attend_rows(
+            q, k_pool, v_pool, page_table, seq_lens, page_size, scale, window, sinks
+        )
+
+    def _attend_rows(
+        self,
+        q: mx.array,
+        k_pool: KVBuffer,
+        v_pool: KVBuffer,
+        page_table: mx.array,
+        seq_lens: mx.array,
+        page_size: int,
+        scale: float,
+        window: int | None,
+        sinks: mx.array | None,
+    ) -> mx.array:
+        """The checked call: ``q.shape[2]`` consecutive queries per row."""
+        b, queries = q.shape[0], q.shape[2]
         if b == 0:
             return mx.zeros_like(q)
         self._index_check(
@@ -176,7 +245,7 @@ class ReferencePagedAttention:
         unfused = use_unfused_softmax(self._unfused_softmax)
 
         def run(rows_q: mx.array, table: mx.array, lens: mx.array, n_cols: int) -> mx.array:
-            pages, keep = self._pages_and_mask(table, lens, n_cols, page_size, window)
+            pages, keep = self._pages_and_mask(table, lens, n_cols, page_size, window, queries)
             return _attend(
                 rows_q,
                 k_pool,
@@ -192,7 +261,7 @@ class ReferencePagedAttention:
         if self._buckets == 0:
             return run(q, page_table, seq_lens, max_pages)
 
-        row_work = q.shape[1] * q.shape[3]
+        row_work = q.shape[1] * queries * q.shape[3]
         plan_key = (page_size, max_pages, window, self._buckets, row_work)
         plan = self._plans.get(seq_lens, plan_key)
         if plan is None:
@@ -209,16 +278,24 @@ class ReferencePagedAttention:
         return mx.concatenate(outs, axis=0)[plan.inverse]
 
     def _pages_and_mask(
-        self, table: mx.array, lens: mx.array, n_cols: int, page_size: int, window: int | None
+        self,
+        table: mx.array,
+        lens: mx.array,
+        n_cols: int,
+        page_size: int,
+        window: int | None,
+        queries: int,
     ) -> tuple[mx.array, mx.array]:
         """:func:`_visible_pages`, kept per ``lens`` object and table object for the step."""
         # The table's id is part of the key; the entry holds the table, so while the entry
         # lives no other array can take that id.
-        key = (id(table), n_cols, page_size, window)
+        key = (id(table), n_cols, page_size, window, queries)
         held = self._visible.get(lens, key)
         if held is not None:
             return held[1], held[2]
-        pages, keep = _visible_pages(table, lens, n_cols=n_cols, page_size=page_size, window=window)
+        pages, keep = _visible_pages(
+            table, lens, n_cols=n_cols, page_size=page_size, window=window, queries=queries
+        )
         self._visible.put(lens, key, (table, pages, keep))
         return pages, keep
 

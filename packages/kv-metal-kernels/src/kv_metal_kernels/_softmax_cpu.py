@@ -129,32 +129,38 @@ def softmax_attention(
     scale: float,
     sinks: mx.array | None,
 ) -> mx.array:
-    """Single-query attention over head-major keys, softmax in float32 via :func:`exp_nonpositive`.
+    """Decode attention over head-major keys, softmax in float32 via :func:`exp_nonpositive`.
 
-    ``q`` is ``(B, Hq, 1, D)``; ``keys`` / ``values`` ``(Hkv, B, L, D)`` (the layout a
-    head-major page gather produces, so no transpose of the keys is copied); ``keep`` ``(B,
-    L)`` marks the keys each row attends (at least one per row). ``sinks`` (``(Hq,)``) adds
-    one logit per head to the softmax's denominator, as attention sinks do. Returns ``(B, Hq,
-    1, D)`` in ``q``'s dtype.
+    ``q`` is ``(B, Hq, T, D)`` (``T`` queries per row, usually one); ``keys`` / ``values``
+    ``(Hkv, B, L, D)`` (the layout a head-major page gather produces, so no transpose of the
+    keys is copied); ``keep`` ``(B, L)`` for one query or ``(B, T, L)`` marks the keys each
+    query attends (at least one per query). ``sinks`` (``(Hq,)``) adds one logit per head to
+    the softmax's denominator, as attention sinks do. Returns ``(B, Hq, T, D)`` in ``q``'s
+    dtype.
     """
-    b, n_heads, _, head_dim = q.shape
+    b, n_heads, t, head_dim = q.shape
     n_kv = keys.shape[0]
     group = n_heads // n_kv
-    # (Hkv, B, group, D): query head h reads kv head h // group.
-    q_heads = (q.reshape(b, n_kv, group, head_dim) * scale).transpose(1, 0, 2, 3)
+    # (Hkv, B, group * T, D): query head h reads kv head h // group.
+    q_heads = (
+        (q.reshape(b, n_kv, group, t, head_dim) * scale)
+        .transpose(1, 0, 2, 3, 4)
+        .reshape(n_kv, b, group * t, head_dim)
+    )
     sink_logits = None
     if sinks is not None:
         sink_logits = sinks.astype(mx.float32).reshape(n_kv, 1, group, 1, 1)
+    mask = keep[None, :, None, None, :] if keep.ndim == 2 else keep[None, :, None, :, :]
     out = _grouped_attention(
         q_heads,
         keys,
         values,
-        keep[None, :, None, None, :],
+        mask,
         sink_logits,
         group=group,
         additive=False,
     )
-    return out.astype(q.dtype).transpose(1, 0, 2, 3, 4).reshape(b, n_heads, 1, head_dim)
+    return out.astype(q.dtype).transpose(1, 0, 2, 3, 4).reshape(b, n_heads, t, head_dim)
 
 
 def _query_mask(mask: MaskSpec, b: int, n_kv: int, group: int, t: int, s: int) -> mx.array | None:

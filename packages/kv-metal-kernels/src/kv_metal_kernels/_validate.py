@@ -147,10 +147,14 @@ def check_paged_attention_args(
     scale: float,
     window: int | None,
     sinks: mx.array | None,
+    *,
+    queries: bool = False,
 ) -> tuple[int, float, int | None]:
     """Check shapes and dtypes of a paged decode attention call (no device sync).
 
-    Returns ``(page_size, scale, window)`` as plain ``int`` / ``float`` / ``int | None``.
+    ``q`` is ``(batch, q_heads, 1, head_dim)``, or with ``queries`` any number ``>= 1`` of
+    queries per request. Returns ``(page_size, scale, window)`` as plain ``int`` /
+    ``float`` / ``int | None``.
     """
     for name, x in (
         ("q", q),
@@ -163,7 +167,13 @@ def check_paged_attention_args(
             check_quantized_shape(x, name)
         else:
             _require_array(name, x)
-    if q.ndim != 4 or q.shape[2] != 1:
+    if queries:
+        if q.ndim != 4 or q.shape[2] < 1:
+            raise ShapeMismatchError(
+                f"q must be (batch, q_heads, queries, head_dim) with at least one query, got "
+                f"shape {tuple(q.shape)}"
+            )
+    elif q.ndim != 4 or q.shape[2] != 1:
         raise ShapeMismatchError(
             f"q must be (batch, q_heads, 1, head_dim) for decode, got shape {tuple(q.shape)}"
         )

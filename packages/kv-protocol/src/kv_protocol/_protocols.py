@@ -506,6 +506,39 @@ class PagedDecodeAttention(Protocol):
 
 
 @runtime_checkable
+class PagedQueryAttention(Protocol):
+    """Several consecutive queries per request attending through a page table.
+
+    A paged decode attention that also implements this serves a step in which a request
+    verifies a speculative proposal (its last token and the proposed ones, consecutive
+    positions) from one read of each request's pages, instead of one per query.
+    """
+
+    def attend_queries(
+        self,
+        q: mx.array,
+        k_pool: KVBuffer,
+        v_pool: KVBuffer,
+        page_table: mx.array,
+        seq_lens: mx.array,
+        *,
+        page_size: int,
+        scale: float,
+        window: int | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        """Attention output ``(B, Hq, L, D)`` for q ``(B, Hq, L, D)``, ``L >= 1``.
+
+        As :meth:`PagedDecodeAttention.__call__`, with ``seq_lens[b]`` counting request
+        ``b``'s tokens up to and including its *last* query: query ``l`` is at position
+        ``seq_lens[b] - L + l`` and sees the keys up to that position (the trailing
+        ``window`` of them on a sliding layer), so the queries are attended causally. A
+        query at a negative position (padding) gets an unspecified output.
+        """
+        ...
+
+
+@runtime_checkable
 class PrefillAttention(Protocol):
     """Attention of a prefill chunk's queries over the request's keys (the chunk's included)."""
 
