@@ -457,6 +457,35 @@ def test_a_shadowed_proposal_scores_what_the_request_emits(
     assert state.pays_in_batch(2, 0.5) == (kept / len(proposal) >= 0.5)
 
 
+@given(
+    proposal=st.lists(st.integers(0, 5), min_size=2, max_size=6),
+    matched=st.integers(0, 5),
+    verified=st.tuples(st.integers(1, 6), st.integers(0, 6)),
+)
+def test_a_shadow_being_emitted_counts_its_matched_tokens(
+    proposal: list[int], matched: int, verified: tuple[int, int]
+) -> None:
+    """Mid-shadow, the tokens matched so far count as accepted; a verification closes it."""
+    matched = min(matched, len(proposal) - 1)
+    config = SpeculationConfig(proposer=NgramProposer(), num_tokens=6)
+    state = SpeculationState(6)
+    state.shadow(proposal)
+    for token in proposal[:matched]:
+        state.observe(token, config)
+    assert state.shadowing  # the last proposed token is not emitted yet
+    assert state.pays_in_batch(4, 1.0) == (matched > 0)
+    assert state.pays_in_batch(4, 0.0) == (matched > 0)  # no record yet without a match
+    proposed, accepted = verified[0], min(verified)
+    state.record(proposed, accepted, config)
+    assert not state.shadowing
+    assert (state.shadow_steps, state.shadow_proposed, state.shadow_accepted) == (
+        (1, matched, matched) if matched else (0, 0, 0)
+    )
+    assert (state.steps, state.proposed, state.accepted) == (1, proposed, accepted)
+    share = (matched + accepted) / (matched + proposed)
+    assert state.pays_in_batch(4, 0.5) == (share >= 0.5)
+
+
 def test_min_acceptance_must_be_a_rate() -> None:
     for bad in (-0.1, 1.5, "half", True):
         with pytest.raises(ValueError, match="min_acceptance must be a number in"):

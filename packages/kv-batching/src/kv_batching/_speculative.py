@@ -217,10 +217,14 @@ class SpeculationState:
         """
         if batch <= 1:
             return True
-        proposed = self.proposed + self.shadow_proposed
+        # A shadowed proposal still being observed counts with the tokens it has matched:
+        # a request whose proposal is being emitted token for token need not wait for its
+        # end (a mismatch ends it at once).
+        proposed = self.proposed + self.shadow_proposed + self._shadow_kept
         if not proposed:
             return not shadow
-        return (self.accepted + self.shadow_accepted) / proposed >= min_acceptance
+        accepted = self.accepted + self.shadow_accepted + self._shadow_kept
+        return accepted / proposed >= min_acceptance
 
     @property
     def shadowing(self) -> bool:
@@ -246,14 +250,23 @@ class SpeculationState:
             proposed = self._shadow_kept + len(self._shadow)
         kept = self._shadow_kept
         self._shadow = []
+        self._shadow_kept = 0
         self.shadow_steps += 1
         self.shadow_proposed += proposed
         self.shadow_accepted += kept
         self._adapt(proposed, kept, config)
 
     def record(self, proposed: int, accepted: int, config: SpeculationConfig) -> None:
-        """A verification of ``proposed`` tokens kept ``accepted`` of them."""
+        """A verification of ``proposed`` tokens kept ``accepted`` of them.
+
+        A shadowed proposal still being observed ends here, scored by the tokens it matched.
+        """
+        if self._shadow_kept:
+            self.shadow_steps += 1
+            self.shadow_proposed += self._shadow_kept
+            self.shadow_accepted += self._shadow_kept
         self._shadow = []
+        self._shadow_kept = 0
         self.proposed += proposed
         self.accepted += accepted
         self.steps += 1
