@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_metal_kernels import DensePrefillAttention, select_kernels
+from kv_metal_kernels._softmax_cpu import PREFILL_QUERY_BLOCK, block_key_spans
 from kv_protocol import PrefillAttention, ShapeMismatchError
 
 MASK_KINDS = ("none", "causal", "keep_ts", "keep_b1ts", "keep_bhts", "additive_ts", "additive_bhts")
@@ -158,3 +159,63 @@ def test_query_blocks_run_in_memory_that_does_not_grow_with_the_chunk() -> None:
         return mx.get_peak_memory() - before
 
     assert peak(2048) <= 1.25 * peak(512)
+
+
+def band(t: int, s: int, window: int) -> np.ndarray:
+    """A sliding window's keep-mask: query i (position s - t + i) keeps its trailing window."""
+    position = np.arange(s - t, s)[:, None]
+    key = np.arange(s)[None, :]
+    return (key <= position) & (key > position - window)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    t=st.integers(129, 400),
+    cached=st.integers(0, 300),
+    window=st.integers(1, 200),
+    lead=st.sampled_from([(), (1, 1), (2, 1), (2, 4)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_band_masks_read_only_each_block_s_keys(
+    t: int, cached: int, window: int, lead: tuple[int, ...], seed: int
+) -> None:
+    """Blocks of a sliding window's chunk read only their span of keys: MLX's fused result."""
+    rng = np.random.default_rng(seed)
+    b, hkv, group, d, s = 2, 2, 2, 16, t + cached
+    keep = np.broadcast_to(band(t, s, window), (*lead, t, s))
+    mask = mx.array(np.ascontiguousarray(keep))
+    spans = block_key_spans(mask)
+    for i, (low, high) in enumerate(spans):
+        rows = band(t, s, window)[i * PREFILL_QUERY_BLOCK : (i + 1) * PREFILL_QUERY_BLOCK]
+        kept = np.flatnonzero(rows.any(axis=0))
+        assert (low, high) == (kept[0], kept[-1] + 1)
+    q, keys, values = (
+        mx.array(rng.normal(size=shape).astype(np.float32))
+        for shape in ((b, hkv * group, t, d), (b, hkv, s, d), (b, hkv, s, d))
+    )
+    args = {"scale": d**-0.5, "mask": mask, "sinks": None}
+    got = DensePrefillAttention(unfused_softmax=True)(q, keys, values, **args)  # type: ignore[arg-type]
+    want = DensePrefillAttention(unfused_softmax=False)(q, keys, values, **args)  # type: ignore[arg-type]
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=2e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.integers(1, 300),
+    s=st.integers(1, 60),
+    lead=st.sampled_from([(), (1,), (3, 2)]),
+    density=st.sampled_from([0.0, 0.02, 0.3]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_block_key_spans_cover_every_kept_key(
+    t: int, s: int, lead: tuple[int, ...], density: float, seed: int
+) -> None:
+    keep = np.random.default_rng(seed).random((*lead, t, s)) < density
+    spans = block_key_spans(mx.array(keep))
+    merged = keep.reshape(-1, t, s).any(axis=0)
+    assert len(spans) == -(-t // PREFILL_QUERY_BLOCK)
+    for i, (low, high) in enumerate(spans):
+        kept = np.flatnonzero(
+            merged[i * PREFILL_QUERY_BLOCK : (i + 1) * PREFILL_QUERY_BLOCK].any(0)
+        )
+        assert (low, high) == ((kept[0], kept[-1] + 1) if kept.size else (0, s))

@@ -17,6 +17,8 @@ import mlx.core as mx
 
 from kv_protocol import MaskSpec, ShapeMismatchError, exp_nonpositive
 
+from ._memo import IdentityMemo
+
 __all__ = [
     "exp_nonpositive",
     "prefill_softmax_attention",
@@ -211,13 +213,24 @@ def prefill_softmax_attention(
 
     Queries are attended in blocks of :data:`PREFILL_QUERY_BLOCK` rows, so the scores held
     at once are ``(B, Hq, 128, S)``; under ``"causal"`` a block reads only the keys up to its
-    last query, so the masked upper triangle is not computed either.
+    last query, so the masked upper triangle is not computed either. Under a boolean mask
+    with a row per query (a sliding window's band) a block reads only the span of keys its
+    rows keep (:func:`block_key_spans`): a 512-token chunk of a 512-token window reads 639
+    of its 1023 keys per block.
     """
     t, s = q.shape[2], keys.shape[2]
     if t <= PREFILL_QUERY_BLOCK:
         return _attend_queries(q, keys, values, scale=scale, mask=mask, sinks=sinks)
     if isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] not in (1, t):
         _query_mask(mask, q.shape[0], keys.shape[1], 1, t, s)  # raises with the shapes
+    spans: list[tuple[int, int]] | None = None
+    if (
+        isinstance(mask, mx.array)
+        and mask.dtype == mx.bool_
+        and mask.ndim >= 2
+        and mask.shape[-2:] == (t, s)
+    ):
+        spans = block_key_spans(mask)
     outs: list[mx.array] = []
     for start in range(0, t, PREFILL_QUERY_BLOCK):
         stop = min(start + PREFILL_QUERY_BLOCK, t)
@@ -230,6 +243,11 @@ def prefill_softmax_attention(
             visible = s - t + stop
             block_mask: MaskSpec = "causal"
             block_keys, block_values = keys[:, :, :visible], values[:, :, :visible]
+        elif spans is not None:
+            assert isinstance(mask, mx.array)
+            low, high = spans[start // PREFILL_QUERY_BLOCK]
+            block_keys, block_values = keys[:, :, low:high], values[:, :, low:high]
+            block_mask = mask[..., start:stop, low:high]
         else:
             block_keys, block_values = keys, values
             block_mask = mask
@@ -241,6 +259,41 @@ def prefill_softmax_attention(
             )
         )
     return mx.concatenate(outs, axis=2)
+
+
+_spans: IdentityMemo[list[tuple[int, int]]] = IdentityMemo(4)
+
+
+def block_key_spans(mask: mx.array) -> list[tuple[int, int]]:
+    """Per block of :data:`PREFILL_QUERY_BLOCK` query rows, the keys its rows keep.
+
+    ``mask`` is a boolean keep-mask ending in ``(T, S)`` (leading dimensions are merged: a
+    key kept for any batch row or head counts). Block ``i`` gets ``(low, high)``: every key
+    its rows keep lies in ``low .. high - 1``, so the keys outside add nothing to its
+    attention. A block that keeps no key at all gets ``(0, S)`` (its attention is what the
+    whole mask gives). One reduction read back to the host, kept for the last few mask
+    objects: a model's layers of one kind share one mask per forward.
+    """
+    held = _spans.get(mask, None)
+    if held is not None:
+        return held
+    t, s = mask.shape[-2], mask.shape[-1]
+    rows = mask.reshape(-1, t, s).any(axis=0)
+    blocks = -(-t // PREFILL_QUERY_BLOCK)
+    pad = blocks * PREFILL_QUERY_BLOCK - t
+    if pad:
+        rows = mx.concatenate([rows, mx.zeros((pad, s), dtype=mx.bool_)], axis=0)
+    kept = rows.reshape(blocks, PREFILL_QUERY_BLOCK, s).any(axis=1)
+    first = mx.argmax(kept, axis=1)
+    last = s - mx.argmax(kept[:, ::-1], axis=1)
+    any_kept = kept.any(axis=1)
+    bounds = cast(list[list[int]], mx.stack([first, last, any_kept.astype(mx.int32)]).tolist())
+    spans = [
+        (low, high) if has else (0, s)
+        for low, high, has in zip(bounds[0], bounds[1], bounds[2], strict=True)
+    ]
+    _spans.put(mask, None, spans)
+    return spans
 
 
 def _attend_queries(
