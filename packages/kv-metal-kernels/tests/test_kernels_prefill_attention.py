@@ -212,7 +212,7 @@ def test_block_key_spans_cover_every_kept_key(
 ) -> None:
     keep = np.random.default_rng(seed).random((*lead, t, s)) < density
     spans = block_key_spans(mx.array(keep))
-    merged = keep.reshape(-1, t, s).any(axis=0)
+    merged: np.ndarray = np.asarray(keep.reshape(-1, t, s).any(axis=0))
     assert len(spans) == -(-t // PREFILL_QUERY_BLOCK)
     for i, (low, high) in enumerate(spans):
         kept = np.flatnonzero(
