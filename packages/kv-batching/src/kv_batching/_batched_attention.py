@@ -16,6 +16,7 @@ from kv_protocol import (
 from ._attention_spec import AttentionSpec, project_qkv, project_qkv_tokens
 from ._decode_step import LayerStep
 from ._layer_cache import BatchedLayerCache
+from ._rope_table import rope_chunk
 
 __all__ = ["BatchedAttention"]
 
@@ -73,8 +74,14 @@ class BatchedAttention(nn.Module):
         q, k, v = project_qkv_tokens(inner, spec, x)
         if spec.uses_rope:
             offset = cache.offset
-            q = inner.rope(q, offset=offset)
-            k = inner.rope(k, offset=offset)
+            rope = spec.rope_config
+            if rope is not None and mx.default_device().type == mx.cpu:
+                # The chunk's angles are the same in every layer with this rope: one table
+                # (bit-identical to the module's mx.fast.rope; see _rope_table).
+                q, k = rope_chunk(q, offset, rope), rope_chunk(k, offset, rope)
+            else:
+                q = inner.rope(q, offset=offset)
+                k = inner.rope(k, offset=offset)
         keys, values = cache.update_and_fetch(k, v)
         out = kernel(
             q,

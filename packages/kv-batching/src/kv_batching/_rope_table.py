@@ -1,0 +1,83 @@
+"""RoPE of a prefill chunk from one table of cosines and sines shared by the model's layers.
+
+On MLX's CPU backend ``mx.fast.rope`` is composed from operations, and its cosines and
+sines run element by element: for Gemma 3 270M's 512-token chunk the RoPE of q and k took
+120 ms over 18 layers (about a tenth of the chunk), although every layer of one kind
+rotates the same positions by the same angles. :func:`rope_chunk` takes the angles' cosines
+and sines once per chunk (from ``mx.fast.rope`` itself, applied to a probe, so they are its
+own values bit for bit) and applies the same arithmetic ``mx.fast.rope`` applies: the result
+is bit-identical, at 50 ms for those 18 layers.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kv_protocol import RopeConfig
+
+__all__ = ["rope_chunk"]
+
+#: How many (config, offset, length, dtype) tables are kept: a forward's layer kinds.
+_KEPT = 4
+_tables: dict[tuple[RopeConfig, int, int, mx.Dtype], tuple[mx.array, mx.array]] = {}
+
+
+def _table(
+    rope: RopeConfig, offset: int, length: int, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """``(cos, sin)``, each ``(length, dims // 2)`` in ``dtype``, for positions from ``offset``.
+
+    A probe whose rotated halves are 1 and 0 comes out of ``mx.fast.rope`` as ``cos`` and
+    ``sin`` exactly (``1 * c - 0 * s`` and ``1 * s + 0 * c``).
+    """
+    key = (rope, offset, length, dtype)
+    held = _tables.get(key)
+    if held is not None:
+        return held
+    half = rope.dims // 2
+    ones, zeros = mx.ones((length, half), dtype=dtype), mx.zeros((length, half), dtype=dtype)
+    if rope.traditional:
+        probe = mx.stack([ones, zeros], axis=-1).reshape(1, 1, length, rope.dims)
+    else:
+        probe = mx.concatenate([ones, zeros], axis=-1).reshape(1, 1, length, rope.dims)
+    rotated = mx.fast.rope(
+        probe,
+        rope.dims,
+        traditional=rope.traditional,
+        base=rope.base,
+        scale=rope.scale,
+        offset=offset,
+    )[0, 0]
+    if rope.traditional:
+        pairs = rotated.reshape(length, half, 2)
+        table = (pairs[..., 0], pairs[..., 1])
+    else:
+        table = (rotated[:, :half], rotated[:, half:])
+    mx.eval(table)
+    if len(_tables) >= _KEPT:
+        del _tables[next(iter(_tables))]
+    _tables[key] = table
+    return table
+
+
+def rope_chunk(x: mx.array, offset: int, rope: RopeConfig) -> mx.array:
+    """``mx.fast.rope(x, ...)`` of ``x (B, H, T, D)`` at positions ``offset .. offset + T - 1``.
+
+    Bit-identical to ``mx.fast.rope`` on MLX's CPU backend (which composes it from the same
+    operations), with the cosines and sines of a ``(rope, offset, T, dtype)`` computed once.
+    """
+    length, dims, half = x.shape[2], rope.dims, rope.dims // 2
+    cos, sin = _table(rope, offset, length, x.dtype)
+    if rope.traditional:
+        x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:dims]
+    first = x1 * cos - x2 * sin
+    second = x1 * sin + x2 * cos
+    if rope.traditional:
+        rotated = mx.stack([first, second], axis=-1).reshape(*x.shape[:-1], dims)
+    else:
+        rotated = mx.concatenate([first, second], axis=-1)
+    if dims < x.shape[-1]:
+        rotated = mx.concatenate([rotated, x[..., dims:]], axis=-1)
+    return rotated
