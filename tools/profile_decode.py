@@ -6,7 +6,7 @@ evaluation (the rest is host work: Python, scheduling, page tables, graph buildi
 step's parts run alone on the model's own modules with the step's shapes (``B`` rows of one
 token): the vocabulary head (the tied 262144 x 640 embedding, as mlx-lm calls it, ``h @ W.T``;
 in the other operand order, ``(W @ h.T).T``; and as the engine projects on the CPU,
-``project_rows``: that order, one row padded to two, 7-112 rows padded and in vocabulary
+``project_rows``: that order, one row padded to two, 6-112 rows padded and in vocabulary
 slices), the
 attention projections, the MLPs of all 18 layers (mlx-lm's modules, and with the engine's
 vectorised activation, ``FastGatedMLP``), and the greedy pick over the vocabulary; the table

@@ -125,17 +125,17 @@ def project_rows(weight: mx.array, rows: mx.array) -> mx.array:
     MKL's single-precision product picks its kernel by shape, and for a few rows against
     Gemma 3's 262144 x 640 head the time is far from proportional to the rows (2-core
     x86_64; ``W @ h.T`` whole, or in slices of :data:`HEAD_SLICE_ROWS` vocabulary rows):
-    1 row 45 ms, 2 rows 30; 8 rows 91, 11 rows 119, 15 rows 152, but 16 rows 90 whole and
-    68 in slices; 29 rows 150 whole, 133 in slices, 91 padded to 32 in slices; 80 rows 199
-    whole, 174 in slices; 128 rows 272 whole, 318 in slices. So one row is padded to two, 7
-    to 16 rows are padded to 16 and sliced, 17 to :data:`HEAD_SLICED_MAX_ROWS` padded to a
-    multiple of 8 and sliced (a speculative verification's rows); the zero rows are dropped
-    again.
+    1 row 45 ms, 2 rows 30; 6 rows 71, 8 rows 91, 11 rows 119, 15 rows 152, but 16 rows 90
+    whole and 64-68 in slices; 29 rows 150 whole, 133 in slices, 91 padded to 32 in slices;
+    80 rows 199 whole, 174 in slices; 128 rows 272 whole, 318 in slices. So one row is
+    padded to two, 6 to 16 rows are padded to 16 and sliced, 17 to
+    :data:`HEAD_SLICED_MAX_ROWS` padded to a multiple of 8 and sliced (a speculative
+    verification's rows); the zero rows are dropped again.
     """
     m = rows.shape[0]
     if m == 1:
         return (weight @ _padded(rows, 2).T)[:, :1].T
-    if 7 <= m <= 16:
+    if 6 <= m <= 16:
         return _sliced(weight, _padded(rows, 16))[:m]
     if 16 < m <= HEAD_SLICED_MAX_ROWS:
         return _sliced(weight, _padded(rows, -(-m // 8) * 8))[:m]
