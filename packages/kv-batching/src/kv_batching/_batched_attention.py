@@ -142,42 +142,38 @@ class BatchedAttention(nn.Module):
                 k = inner.rope(k[:, :, None, :], offset=ctx.offsets)[:, :, 0, :]
             pool.set_kv(pool_layer, layer.new_token_slots, k, v)
 
-        sinks = inner.sinks if spec.has_sinks else None
-        attention = kernels.attention
         queries = layer.queries
+        request_table = layer.request_page_table
         # A kernel that is also a PagedQueryAttention (read with getattr: this runs per
         # layer and step, and a runtime protocol check is slow and caches per class).
-        attend_queries = getattr(attention, "attend_queries", None)
-        if queries is not None and layer.request_page_table is not None and attend_queries:
+        attend_queries = (
+            None if queries is None else getattr(kernels.attention, "attend_queries", None)
+        )
+        heads, dim = spec.n_heads, spec.head_dim
+        grouped = queries is not None and request_table is not None and attend_queries is not None
+        if grouped:
             # Requests verifying proposals own several adjacent rows: their queries are
             # attended together, from one read of each request's pages.
-            heads, dim = spec.n_heads, spec.head_dim
-            grid = q4[queries.rows].reshape(-1, queries.width, heads, dim).transpose(0, 2, 1, 3)
-            out = attend_queries(
-                grid,
-                pool.get_key_buffer(pool_layer),
-                pool.get_value_buffer(pool_layer),
-                layer.request_page_table,
-                queries.seq_lens,
-                page_size=layer.page_size,
-                scale=spec.scale,
-                window=layer.window,
-                sinks=sinks,
-            )
-            out = out.transpose(0, 2, 1, 3).reshape(-1, heads, dim)[queries.cells]
+            assert queries is not None and request_table is not None and attend_queries
+            attend, table, lens = attend_queries, request_table, queries.seq_lens
+            rows = q4[queries.rows].reshape(-1, queries.width, heads, dim).transpose(0, 2, 1, 3)
         else:
-            out = attention(
-                q4,
-                pool.get_key_buffer(pool_layer),
-                pool.get_value_buffer(pool_layer),
-                layer.page_table,
-                ctx.valid_lens,
-                page_size=layer.page_size,
-                scale=spec.scale,
-                window=layer.window,
-                sinks=sinks,
-            )
-        result: mx.array = inner.o_proj(out.reshape(batch, 1, spec.n_heads * spec.head_dim))
+            attend, table, lens, rows = kernels.attention, layer.page_table, ctx.valid_lens, q4
+        out = attend(
+            rows,
+            pool.get_key_buffer(pool_layer),
+            pool.get_value_buffer(pool_layer),
+            table,
+            lens,
+            page_size=layer.page_size,
+            scale=spec.scale,
+            window=layer.window,
+            sinks=inner.sinks if spec.has_sinks else None,
+        )
+        if grouped:
+            assert queries is not None
+            out = out.transpose(0, 2, 1, 3).reshape(-1, heads, dim)[queries.cells]
+        result: mx.array = inner.o_proj(out.reshape(batch, 1, heads * dim))
         return result
 
 
