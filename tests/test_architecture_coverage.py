@@ -61,4 +61,4 @@ def test_every_supported_architecture_speculates_with_mlx_lm_s_tokens() -> None:
     """Partial acceptances every step: pages trimmed, recurrent states put back and replayed."""
     for name, row in RECORDED.items():
         if row["status"] == SUPPORTED:
-            assert row["speculative"] == "yes", name
+            assert row["speculative"].startswith("yes"), name

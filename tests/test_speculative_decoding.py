@@ -4,7 +4,8 @@ The oracle is mlx-lm generating each prompt alone with the model's own caches. P
 from the n-gram proposer (prompt lookup) and from an oracle proposer that knows mlx-lm's
 continuation and corrupts it at a chosen place (so every acceptance length, none to all, is
 exercised). Architectures: full attention (llama), sliding windows (Gemma 3, gpt-oss, Cohere
-2) and recurrent-state hybrids (Qwen3-Next, LFM2, Nemotron-H, Mamba 2). Also: prefix hits,
+2) and recurrent-state hybrids (Qwen3-Next, LFM2, Nemotron-H, Mamba 2, and more verifying in
+the shared step). Also: prefix hits,
 preemption, quantized pages, the adaptive length and the bad settings.
 """
 
@@ -140,6 +141,80 @@ def test_verifying_rows_attend_per_request_or_one_row_each(
     assert got == [greedy(arch, tuple(p)) for p in PROMPTS]
     assert stats.speculative_steps > 0 and stats.decode_fallbacks == 0
     assert (max(queries) > 1) if grouped else not queries
+
+
+#: Recurrent-state hybrids whose mixers run a verification's rows inside the shared step:
+#: in one call on right-padded rows (mlx-lm's padding contract) or, where a mixer does not
+#: keep that contract (Nemotron-H's SSM, OLMo hybrid's convolution) or takes no mask (Mamba,
+#: Jamba), one call per request.
+STATE_ARCHS = [
+    "qwen3_next",
+    "qwen3_5",
+    "lfm2",
+    "granitemoehybrid",
+    "falcon_h1",
+    "kimi_linear",
+    "plamo2",
+    "gear",
+    "nemotron_h",
+    "olmo_hybrid",
+    "recurrent_gemma",
+    "mamba",
+    "jamba",
+]
+
+
+def spy_on_decode_steps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Each batched decode step's tokens per request, recorded as the engine runs."""
+    from kv_batching._model_runner import ModelRunner
+
+    steps: list[tuple[int, ...]] = []
+    original = ModelRunner.decode
+
+    def spy(self: ModelRunner, reservation: Any, *args: Any, **kwargs: Any) -> Any:
+        steps.append(tuple(reservation.n_tokens))
+        return original(self, reservation, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "decode", spy)
+    return steps
+
+
+@pytest.mark.parametrize("arch", STATE_ARCHS)
+def test_state_hybrids_verify_inside_the_shared_step(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests of 1, 3 and 5 proposed tokens (partly wrong: states roll back) and plain rows
+    share one forward; the tokens are mlx-lm's."""
+    steps = spy_on_decode_steps(monkeypatch)
+    config = SpeculationConfig(
+        shadow=False, compare_rates=False, proposer=RaggedProposer(arch, right=3), num_tokens=5
+    )
+    got, stats = serve(arch, config, max_running=3)
+    assert got == [greedy(arch, tuple(p)) for p in PROMPTS]
+    assert stats.speculative_steps > 0 and stats.decode_fallbacks == 0
+    assert stats.speculative_accepted < stats.speculative_proposed  # some rolled back
+    assert any(len(step) > 1 and len(set(step)) > 1 for step in steps)
+
+
+def test_state_hybrids_without_ragged_mixers_verify_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kv_batching._engine
+
+    monkeypatch.setattr(kv_batching._engine, "install_ragged_state_mixers", lambda *a: None)
+    steps = spy_on_decode_steps(monkeypatch)
+    arch = "qwen3_next"
+    config = SpeculationConfig(
+        shadow=False,
+        compare_rates=False,
+        proposer=RaggedProposer(arch, right=3),
+        num_tokens=5,
+        max_batch=3,
+    )
+    got, stats = serve(arch, config, max_running=3)
+    assert got == [greedy(arch, tuple(p)) for p in PROMPTS]
+    assert stats.speculative_steps > 0
+    assert all(set(step) == {1} for step in steps)  # verified by forwards of their own
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_next"])

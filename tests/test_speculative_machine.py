@@ -67,7 +67,8 @@ class Oracle:
 
 
 class SpeculationMachine(RuleBasedStateMachine):
-    #: Full, sliding (window 8) and recurrent state layers: per-request verification.
+    #: Full, sliding (window 8) and recurrent state layers: proposals verified as rows of the
+    #: shared decode step, the recurrent mixer running each request's rows in order.
     arch = "gear"
 
     def __init__(self) -> None:
@@ -184,7 +185,19 @@ class BatchedVerificationMachine(SpeculationMachine):
     arch = "gpt_oss"
 
 
-for machine in (SpeculationMachine, BatchedVerificationMachine):
+class PerRequestVerificationMachine(SpeculationMachine):
+    """The state hybrid with its mixers as the model has them: each verification is a forward
+    of its own (what a model gets whose mixers cannot run a step's rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        runner = self.engine._runner
+        assert runner.ragged_state_mixers is not None
+        runner.ragged_state_mixers.uninstall()
+        runner.ragged_state_mixers = None
+
+
+for machine in (SpeculationMachine, BatchedVerificationMachine, PerRequestVerificationMachine):
     machine.TestCase.settings = settings(
         max_examples=30,
         stateful_step_count=25,
@@ -193,3 +206,4 @@ for machine in (SpeculationMachine, BatchedVerificationMachine):
     )
 test_speculation_machine = SpeculationMachine.TestCase
 test_batched_verification_machine = BatchedVerificationMachine.TestCase
+test_per_request_verification_machine = PerRequestVerificationMachine.TestCase

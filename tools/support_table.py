@@ -251,7 +251,13 @@ class _HalfRightProposer:
 
 
 def check_speculation(model: Any) -> str:
-    """``yes`` when speculative decoding keeps mlx-lm's tokens; else ``no: why``."""
+    """``yes`` when speculative decoding keeps mlx-lm's tokens; else ``no: why``.
+
+    On a model with recurrent state layers ``yes`` says how proposals verify: in the shared
+    decode step with each mixer running its requests' rows right-padded in one call (``state:
+    padded rows``) or one call per request (``state: mixer per request``), or by a forward
+    per request (``state: a forward per request``: a mixer that cannot run a step's rows).
+    """
     from kv_batching import SpeculationConfig
     from kv_serve import build_engine
     from kv_testing import mlx_lm_greedy
@@ -269,13 +275,25 @@ def check_speculation(model: Any) -> str:
             ids = [engine.submit(p, MAX_TOKENS) for p in prompts]
             out = engine.run()
             steps = engine.stats.speculative_steps
+            runner = engine._runner
+            if not runner.state_layer_ids:
+                how = ""
+            elif runner.ragged_state_mixers is None:
+                how = " (state: a forward per request)"
+            else:
+                modes = set(runner.ragged_state_mixers.modes)
+                how = (
+                    " (state: padded rows)"
+                    if modes == {"ragged"}
+                    else " (state: mixer per request)"
+                )
     except Exception as error:
         return f"no: {_short(error)}"
     if any(out[i] != truth[tuple(p)][:MAX_TOKENS] for i, p in zip(ids, prompts, strict=True)):
         return "no: tokens differ from mlx-lm's"
     if not steps:
         return "no: nothing was speculated"
-    return "yes"
+    return "yes" + how
 
 
 def hybrid_modules() -> list[str]:

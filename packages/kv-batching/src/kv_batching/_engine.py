@@ -46,6 +46,7 @@ from ._model_forward import decode_forward, last_position_forward, vocabulary_si
 from ._model_runner import ModelRunner
 from ._patching import unpatch_model_attention
 from ._prefill_budget import PrefillBudget
+from ._ragged_state import install_ragged_state_mixers
 from ._requests import EngineRequest, RequestOutput, RequestStatus, RequestTable
 from ._sampling import (
     SampledTokens,
@@ -297,6 +298,12 @@ class DecodeEngine:
             # Outside the runner's forwards a swapped MLP is the model's own call.
             fast_mlps=fast_activations and patch_model_mlps(model) > 0,
         )
+        if speculation is not None and self._state_layer_ids and make_state_caches is not None:
+            # Proposals verify inside the shared step when every recurrent mixer runs a
+            # request's rows in order (else each verification is a forward of its own).
+            self._runner.ragged_state_mixers = install_ragged_state_mixers(
+                model, nesting, model_layout.num_layers, self._state_layer_ids, make_state_caches
+            )
         self._scheduler = Scheduler(
             pool, self._stats, max_running=max_running, state_budget_bytes=state_budget_bytes
         )
@@ -673,6 +680,8 @@ class DecodeEngine:
             self._stats.aborted += 1
         unpatch_model_attention(self._model)
         unpatch_model_mlps(self._model)
+        if self._runner.ragged_state_mixers is not None:
+            self._runner.ragged_state_mixers.uninstall()
 
     def __enter__(self) -> DecodeEngine:
         return self
@@ -914,12 +923,12 @@ class DecodeEngine:
         rows: list[EngineRequest] | None = None
         drafts: dict[int, list[int]] = {}
         spec = self._speculation
-        shared = spec is not None and not self._state_layer_ids
+        shared = spec is not None and self._runner.verifies_in_batch
         size = len(self._scheduler.running)
         rates = self._step_rates
         emitted_before = 0 if rates is None else sum(len(t) for t in produced.values())
         if shared:
-            # Attention only: proposals are verified as extra rows of the shared step.
+            # Proposals are verified as extra rows of the shared step.
             # Where plain steps are faster at this batch size nothing is proposed at all
             # (the proposals' host time counts in a step's rate too).
             if rates is None or rates.verify(size):
@@ -1014,9 +1023,15 @@ class DecodeEngine:
         for n in counts:
             first.append(first[-1] + n)
         plain = [i for i, n in enumerate(counts) if n == 1]
+        # A recurrent state comes out of the step advanced through every row of its request;
+        # a verification that keeps fewer tokens goes back to the state before the step.
+        befores = [
+            None if r.states is None else StateSnapshot(r.states, start)
+            for r, start in zip(batch, reservation.start_lengths, strict=True)
+        ]
         saved = self._sampler.save()
         try:
-            out = self._runner.decode(reservation, inputs, [[] for _ in batch])
+            out = self._runner.decode(reservation, inputs, [r.states or [] for r in batch])
             logits = out.logits
             chosen: dict[int, tuple[int, TokenLogprob | None]] = {}
             pending: list[Any] = []
@@ -1031,7 +1046,7 @@ class DecodeEngine:
                 pending.append(sampled.arrays())
             argmax = logits.argmax(axis=-1)
             tic = time.perf_counter()
-            mx.eval(pending, argmax)
+            mx.eval(pending, argmax, out.state_arrays())
             self._stats.decode_device_seconds += time.perf_counter() - tic
             if sampled is not None:
                 picks = zip(sampled.token_list(), sampled.logprobs(), strict=True)
@@ -1048,12 +1063,17 @@ class DecodeEngine:
             self._sampler.restore(saved)
             self._scheduler.rollback(reservation)
             raise
+        out.split_states()
         for i, request in enumerate(batch):
             if i in verdicts:
                 accepted, token = verdicts[i]
                 start = reservation.start_lengths[i]
-                self._keep_verified(request, inputs[i][1:], accepted, token, start, produced)
+                self._keep_verified(
+                    request, inputs[i][1:], accepted, token, start, produced, befores[i]
+                )
             else:
+                if self._step_snapshots:
+                    request.step_snapshot = befores[i]
                 self._advance(request, chosen[i], reservation.lengths[i], produced)
 
     # ------------------------------------------------------------------ speculation

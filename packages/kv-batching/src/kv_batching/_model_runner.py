@@ -21,6 +21,7 @@ from ._fast_mlp import fast_mlps
 from ._layer_cache import batched_layer_caches
 from ._model_forward import DecodeForward, LastPositionForward
 from ._patching import wrapped_attention
+from ._ragged_state import RaggedRows, RaggedStateMixers
 from ._state_cache import StackedStateCache, install_stacked_states
 
 __all__ = ["DecodeOutput", "ModelRunner"]
@@ -90,6 +91,18 @@ class ModelRunner:
         self.addressing = addressing
         self.prefill_attention = getattr(kernels, "prefill_attention", None)
         self._wrappers = wrapped_attention(model) if self.prefill_attention is not None else []
+        #: The STATE layers' mixers swapped to run a verification's ragged rows (see
+        #: :func:`~kv_batching._ragged_state.install_ragged_state_mixers`), if installed.
+        self.ragged_state_mixers: RaggedStateMixers | None = None
+
+    @property
+    def verifies_in_batch(self) -> bool:
+        """Whether a decode step may hold several tokens per row (a verified proposal).
+
+        Always on attention-only models; on models with STATE layers once their mixers run
+        ragged rows (:attr:`ragged_state_mixers`).
+        """
+        return not self.state_layer_ids or self.ragged_state_mixers is not None
 
     def prefill(
         self, tokens: Sequence[int], caches: list[Any], *, every_position: bool = False
@@ -143,9 +156,11 @@ class ModelRunner:
 
         ``reservation`` is the scheduler's reservation (rows in its order); ``states[b]`` are
         row ``b``'s recurrent state caches, one per STATE layer. A request the reservation
-        holds ``n > 1`` tokens for (a speculative verification, attention-only models) gives
-        a list of ``n`` tokens, its last one and its proposal: the logits then have one row per
-        token, in order. The caller rolls the reservation back if anything after fails.
+        holds ``n > 1`` tokens for (a speculative verification; on a model with STATE layers
+        only with :attr:`ragged_state_mixers`) gives a list of ``n`` tokens, its last one and
+        its proposal: the logits then have one row per token, in order, and each request's
+        stacked state is its state after all ``n`` tokens. The caller rolls the reservation
+        back if anything after fails.
         """
         step = DecodeStep.from_reservation(reservation, self.pool, self.kernels, self.addressing)
         flat: list[int] = []
@@ -156,10 +171,14 @@ class ModelRunner:
                     f"a decode row was given {len(row)} tokens for {n} reserved positions"
                 )
             flat.extend(row)
+        ragged = None
         if len(flat) != len(last_tokens) and self.state_layer_ids:
-            raise RequestStateError(
-                "several tokens per row verify only on models without recurrent state layers"
-            )
+            if self.ragged_state_mixers is None or not self.ragged_state_mixers.installed:
+                raise RequestStateError(
+                    "several tokens per row verify on a model with recurrent state layers only "
+                    "where its state mixers run ragged rows (none are installed)"
+                )
+            ragged = RaggedRows.from_counts(reservation.n_tokens)
         tokens = mx.array([[t] for t in flat], dtype=mx.int32)
         caches = batched_layer_caches(step)
         stacked = (
@@ -167,6 +186,9 @@ class ModelRunner:
             if self.state_layer_ids
             else []
         )
+        if ragged is not None:
+            for state in stacked:
+                RaggedStateMixers.mark(state.view, ragged)
         forward = self.decode_forward if self.decode_forward is not None else self.model
         with fast_mlps(self.fast_mlps):
             logits = forward(tokens, cache=self.nesting.nest(caches))
