@@ -185,7 +185,17 @@ def test_state_hybrids_verify_inside_the_shared_step(
 ) -> None:
     """Requests of 1, 3 and 5 proposed tokens (partly wrong: states roll back) and plain rows
     share one forward; the tokens are mlx-lm's."""
+    from kv_batching._engine import DecodeEngine
+
     steps = spy_on_decode_steps(monkeypatch)
+    forwards: list[int] = []
+    replay_by_forward = DecodeEngine._replay_state
+
+    def spy(self: DecodeEngine, request: Any, *args: Any) -> None:
+        forwards.append(request.rid)
+        replay_by_forward(self, request, *args)
+
+    monkeypatch.setattr(DecodeEngine, "_replay_state", spy)
     config = SpeculationConfig(
         shadow=False, compare_rates=False, proposer=RaggedProposer(arch, right=3), num_tokens=5
     )
@@ -194,6 +204,8 @@ def test_state_hybrids_verify_inside_the_shared_step(
     assert stats.speculative_steps > 0 and stats.decode_fallbacks == 0
     assert stats.speculative_accepted < stats.speculative_proposed  # some rolled back
     assert any(len(step) > 1 and len(set(step)) > 1 for step in steps)
+    # Rolled back by running the mixers again on the kept rows, not by forwards of their own.
+    assert not forwards
 
 
 def test_state_hybrids_without_ragged_mixers_verify_per_request(

@@ -113,7 +113,14 @@ def _check_mixers_against_requests_alone(
     counts: list[int] | None = None,
     seed: int = 0,
 ) -> None:
+    """One step's rows through every swapped mixer equal each request run alone; replaying
+    the first ``(n + 1) // 2`` of a request's rows from its state before the step equals
+    running just those alone."""
     counts = counts or [4, 1, 2]
+    kept = [(n + 1) // 2 for n in counts]
+    steps: list[StackedStateCache] = []
+    befores: list[list[Any]] = [[] for _ in counts]
+    replay_want: list[list[list[Any]]] = [[] for _ in counts]
     for k, (module, original) in enumerate(mixers._modules):
         hidden = _input_width(module)
         key = mx.random.key(seed)
@@ -133,8 +140,16 @@ def _check_mixers_against_requests_alone(
         out = module(*_args(original, flat, stacked.view))
         mx.eval(out, stacked.view.cache)
         stacked.split()
+        steps.append(stacked)
         first = 0
         for b, n in enumerate(counts):
+            before = copy.copy(starts[b])
+            before.cache = list(starts[b].cache)
+            befores[b].append(before)
+            part = copy.copy(starts[b])
+            part.cache = list(starts[b].cache)
+            original.__call__(module, tokens[b : b + 1, : kept[b]], *_rest(original, part))
+            replay_want[b].append(part.cache)
             alone = copy.copy(starts[b])
             alone.cache = list(starts[b].cache)
             want = original.__call__(module, tokens[b : b + 1, :n], *_rest(original, alone))
@@ -143,6 +158,12 @@ def _check_mixers_against_requests_alone(
                 assert got is not None and expected is not None
                 assert mx.allclose(got, expected, atol=1e-5, rtol=1e-4)
             first += n
+    firsts = [sum(counts[:b]) for b in range(len(counts))]
+    replayed = mixers.replay(steps, firsts, kept, befores)
+    for b in range(len(counts)):
+        for cache, want_slots in zip(replayed[b], replay_want[b], strict=True):
+            for got, expected in zip(cache.cache, want_slots, strict=True):
+                assert mx.allclose(got, expected, atol=1e-5, rtol=1e-4)
 
 
 def _names(original: type) -> list[str]:

@@ -43,7 +43,7 @@ from ._decode_step import PoolAddressing
 from ._engine_stats import DEFAULT_STATS_WINDOW, EngineMemoryReport, EngineStats
 from ._fast_mlp import patch_model_mlps, unpatch_model_mlps
 from ._model_forward import decode_forward, last_position_forward, vocabulary_size
-from ._model_runner import ModelRunner
+from ._model_runner import DecodeOutput, ModelRunner
 from ._patching import unpatch_model_attention
 from ._prefill_budget import PrefillBudget
 from ._ragged_state import install_ragged_state_mixers
@@ -1064,17 +1064,58 @@ class DecodeEngine:
             self._scheduler.rollback(reservation)
             raise
         out.split_states()
+        replayed = self._replay_mixers(batch, out, first, inputs, verdicts, befores)
         for i, request in enumerate(batch):
             if i in verdicts:
                 accepted, token = verdicts[i]
                 start = reservation.start_lengths[i]
+                before = None if i in replayed else befores[i]
                 self._keep_verified(
-                    request, inputs[i][1:], accepted, token, start, produced, befores[i]
+                    request, inputs[i][1:], accepted, token, start, produced, before
                 )
             else:
                 if self._step_snapshots:
                     request.step_snapshot = befores[i]
                 self._advance(request, chosen[i], reservation.lengths[i], produced)
+
+    def _replay_mixers(
+        self,
+        batch: list[EngineRequest],
+        out: DecodeOutput,
+        first: list[int],
+        inputs: list[list[int]],
+        verdicts: Mapping[int, tuple[int, int]],
+        befores: Sequence[StateSnapshot | None],
+    ) -> set[int]:
+        """Put back the states of verifications that keep fewer tokens than they ran.
+
+        Their recurrent mixers run again from the state before the step on the kept rows'
+        inputs, all such requests at once (:meth:`RaggedStateMixers.replay`); returns the
+        indices in ``batch`` done so. On an error nothing is changed and the requests replay
+        by a forward of their own in :meth:`_keep_verified`.
+        """
+        mixers = self._runner.ragged_state_mixers
+        partial: list[tuple[int, int]] = []
+        for i, (accepted, token) in verdicts.items():
+            kept = _kept_count(batch[i], [*inputs[i][1 : accepted + 1], token])
+            if befores[i] is not None and kept < len(inputs[i]):
+                partial.append((i, kept))
+        if mixers is None or not partial:
+            return set()
+        try:
+            states = mixers.replay(
+                out.states,
+                [first[i] for i, _ in partial],
+                [kept for _, kept in partial],
+                [cast(StateSnapshot, befores[i]).caches() for i, _ in partial],
+            )
+            mx.eval([getattr(c, "cache", []) for state in states for c in state])
+        except Exception as error:
+            logger.warning("replaying the mixers of a verifying step failed: %r", error)
+            return set()
+        for (i, _), state in zip(partial, states, strict=True):
+            batch[i].states = state
+        return {i for i, _ in partial}
 
     # ------------------------------------------------------------------ speculation
 
@@ -1241,14 +1282,7 @@ class DecodeEngine:
         assert config is not None and state is not None
         inputs = [request.generated[-1], *draft]
         emitted = [*draft[:accepted], token]
-        kept = 0  # tokens emitted before the request finishes
-        for emitted_token in emitted:
-            kept += 1
-            if (
-                emitted_token in request.stop_tokens
-                or len(request.generated) + kept >= request.max_tokens
-            ):
-                break
+        kept = _kept_count(request, emitted)
         try:
             self._pool.trim_request(request.rid, len(inputs) - kept)
             if before is not None and kept < len(inputs):
@@ -1587,6 +1621,19 @@ class DecodeEngine:
             except Exception as error:
                 scheduler.fail(request, error)
             budget -= reservation.n_tokens[0]
+
+
+def _kept_count(request: EngineRequest, emitted: Sequence[int]) -> int:
+    """How many of a verification's ``emitted`` tokens ``request`` keeps.
+
+    All of them, or up to and including a stop token or the one that reaches ``max_tokens``.
+    """
+    kept = 0
+    for token in emitted:
+        kept += 1
+        if token in request.stop_tokens or len(request.generated) + kept >= request.max_tokens:
+            break
+    return kept
 
 
 def _kv_length(request: EngineRequest) -> int:

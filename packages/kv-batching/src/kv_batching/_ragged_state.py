@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 #: The attribute of a step's stacked state cache (its model-class view) that holds the
 #: step's :class:`RaggedRows`; a cache without it runs the mixer as the model calls it.
 RAGGED_ROWS_ATTRIBUTE = "kv_ragged_rows"
+#: The attribute under which a swapped mixer leaves the ``(R, 1, ...)`` input rows it ran,
+#: so that a state can be advanced again through some of them without the rest of the model.
+RAGGED_INPUTS_ATTRIBUTE = "kv_ragged_inputs"
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -198,6 +201,7 @@ def _ragged_class(cls: type, mode: MixerMode) -> type:
         rows = getattr(cache, RAGGED_ROWS_ATTRIBUTE, None)
         if not isinstance(rows, RaggedRows):
             return base_call(self, *args, **kwargs)
+        setattr(cache, RAGGED_INPUTS_ATTRIBUTE, bound[signature.input_name])
         out = run(partial(base_call, self), signature, rows, bound[signature.input_name], cache)
         if not isinstance(out, mx.array):
             raise TypeError(f"{cls.__name__} returned {type(out).__name__}, not one array")
@@ -398,6 +402,46 @@ class RaggedStateMixers:
                 _HOLDS.pop(id(module), None)
                 module.__class__ = original
         self._modules.clear()
+
+    def replay(
+        self,
+        stacked: Sequence[StackedStateCache],
+        first_rows: Sequence[int],
+        counts: Sequence[int],
+        befores: Sequence[Sequence[Any]],
+    ) -> list[list[Any]]:
+        """States advanced from ``befores`` through the first ``counts[j]`` rows of request ``j``.
+
+        ``stacked`` are a finished step's stacked caches, one per STATE layer in order, each
+        holding the input rows its mixer ran (:data:`RAGGED_INPUTS_ATTRIBUTE`); request ``j``'s
+        rows start at step row ``first_rows[j]``; ``befores[j]`` are its state caches before
+        the step (one per STATE layer; they are advanced in place and returned). A mixer's
+        input at a row depends only on the rows before it, so a verification that keeps fewer
+        tokens than it ran gets its state by running only the mixers again, on the kept rows
+        of every such request at once: no other layer, no vocabulary head. Lazy: evaluate the
+        returned states.
+        """
+        if len(stacked) != len(self._modules):
+            raise CacheStateError(
+                f"{len(stacked)} stacked state caches for {len(self._modules)} swapped mixers"
+            )
+        index = mx.array(
+            [first + i for first, n in zip(first_rows, counts, strict=True) for i in range(n)],
+            dtype=mx.int32,
+        )
+        rows = RaggedRows.from_counts(counts)
+        for k, (state, (module, original)) in enumerate(zip(stacked, self._modules, strict=True)):
+            inputs = getattr(state.view, RAGGED_INPUTS_ATTRIBUTE, None)
+            if not isinstance(inputs, mx.array):
+                raise CacheStateError(
+                    f"layer {state.layer_id}: the step left no mixer inputs to replay"
+                )
+            again = StackedStateCache(state.layer_id, [before[k] for before in befores])
+            setattr(again.view, RAGGED_ROWS_ATTRIBUTE, rows)
+            call: Any = module
+            call(*_signature(original).arguments(inputs[index], None, again.view))
+            again.split()
+        return [list(before) for before in befores]
 
     @staticmethod
     def mark(view: Any, rows: RaggedRows | None) -> None:

@@ -95,11 +95,13 @@ class SpeculationConfig:
     ``proposer`` guesses; ``num_tokens`` is the longest proposal (``1 ..
     MAX_SPECULATIVE_TOKENS``); a request's own length adapts between 1 and it to how much of
     its proposals the model accepts. ``max_batch``: speculation runs only while at most this
-    many requests decode, on models with recurrent state layers, where each speculating
-    request is verified by a forward of its own (which a large batch's shared decode step does
-    more cheaply). On attention-only models the proposals are verified inside the shared
-    decode step, as extra rows of its forward, at any batch size: beside other requests a
-    request verifies while at least ``min_acceptance`` of its proposed tokens are accepted
+    many requests decode, on models with recurrent state layers whose mixers cannot run a
+    step's rows (``kv_batching._ragged_state`` refused them), where each speculating request
+    is verified by a forward of its own (which a large batch's shared decode step does more
+    cheaply). Everywhere else (attention-only models, and state hybrids whose mixers run a
+    request's rows in order) the proposals are verified inside the shared decode step, as
+    extra rows of its forward, at any batch size: beside other requests a request verifies
+    while at least ``min_acceptance`` of its proposed tokens are accepted
     (:meth:`SpeculationState.pays_in_batch`). A request that had
     ``cooldown_after`` proposals in a row wholly rejected stops proposing for ``cooldown``
     steps. With ``shadow`` (the default), a request decoding beside others speculates only
