@@ -593,9 +593,11 @@ def test_min_acceptance_must_be_a_rate() -> None:
     )
 )
 def test_step_rates_follow_the_measured_rates(steps: list[tuple[int, bool, int, float]]) -> None:
-    rates = StepRates(explore_every=4, smoothing=0.5)
+    rates = StepRates(explore_every=4, explore_max=16, smoothing=0.5)
     oracle: dict[tuple[int, bool], float] = {}  # the same smoothing, by hand
-    decisions: dict[int, int] = {}
+    since: dict[int, int] = {}  # decisions since the last exploration
+    every: dict[int, int] = {}  # the interval: 4, doubled while explorations change nothing
+    against: dict[int, bool] = {}  # the choice the last exploration went against
     for size, verified, tokens, seconds in steps:
         batch = {1: 1, 2: 2, 3: 2, 4: 4}[size]  # the size classes, by hand
         plain, spec = oracle.get((batch, False)), oracle.get((batch, True))
@@ -604,9 +606,18 @@ def test_step_rates_follow_the_measured_rates(steps: list[tuple[int, bool, int, 
         elif spec is None:
             want = True
         else:
-            decisions[batch] = decisions.get(batch, 0) + 1
-            want = (spec >= plain) != (decisions[batch] % 4 == 0)
+            better = spec >= plain
+            if batch in against:
+                kept = against.pop(batch) == better
+                every[batch] = min(2 * every.get(batch, 4), 16) if kept else 4
+            since[batch] = since.get(batch, 0) + 1
+            want = better
+            if since[batch] == every.get(batch, 4):
+                since[batch] = 0
+                against[batch] = better
+                want = not better
         assert rates.verify(size) == want
+        assert rates.interval(size) == every.get(batch, 4)
         rates.record(size, verified, tokens, seconds)
         if tokens > 0 and seconds > 0:
             old = oracle.get((batch, verified))
@@ -632,7 +643,8 @@ def test_speculation_beside_others_stops_where_plain_steps_are_faster() -> None:
     ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
     engine.run()
     assert [tuple(engine.output(i).tokens) for i in ids] == want
-    # Beside others: a plain step, one verifying step per batch size, then one in 16 at most.
+    # Beside others: a plain step, one verifying step per batch size, then one in 16 at most
+    # (fewer as explorations keep confirming plain steps).
     decode_steps = engine.stats.decode_steps
     assert 0 < engine.stats.speculative_steps <= 3 * (1 + decode_steps // 16) + 3
     # Where plain steps are slower the proposals are verified.

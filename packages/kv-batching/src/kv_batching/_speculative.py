@@ -295,19 +295,27 @@ class StepRates:
     weighted rate of each kind per batch-size class (1, 2-3, 4-7, 8-15, ...: powers of two,
     so a batch that shrinks by one does not start over), and :meth:`verify` says whether the
     next step of that class proposes and verifies: a plain step first (the baseline), then a
-    verifying one, then whichever is faster, trying the other every ``explore_every``
-    decisions so a rate that changed is noticed.
+    verifying one, then whichever is faster, trying the other after ``explore_every``
+    decisions so a rate that changed is noticed. An exploration that leaves the choice as it
+    was doubles the class's interval (up to ``explore_max``: a choice that keeps being right
+    costs ever fewer steps of the slower kind); one that changes it starts over at
+    ``explore_every``.
     """
 
-    __slots__ = ("_decisions", "_explore_every", "_rates", "_smoothing")
+    __slots__ = ("_explorations", "_explore_every", "_explore_max", "_rates", "_smoothing")
 
-    def __init__(self, *, explore_every: int = 16, smoothing: float = 0.25) -> None:
+    def __init__(
+        self, *, explore_every: int = 16, explore_max: int = 128, smoothing: float = 0.25
+    ) -> None:
         self._explore_every = check_int(explore_every, "explore_every", minimum=2)
+        self._explore_max = check_int(explore_max, "explore_max", minimum=explore_every)
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing!r}")
         self._smoothing = smoothing
         self._rates: dict[tuple[int, bool], float] = {}
-        self._decisions: dict[int, int] = {}
+        #: Per size class: decisions since the last exploration, the interval, and the
+        #: choice an exploration went against (until the next decision reads it).
+        self._explorations: dict[int, tuple[int, int, bool | None]] = {}
 
     @staticmethod
     def size_class(batch: int) -> int:
@@ -318,6 +326,10 @@ class StepRates:
         """The measured tokens per second at ``batch``'s size class, or None."""
         return self._rates.get((self.size_class(batch), verified))
 
+    def interval(self, batch: int) -> int:
+        """Decisions between two explorations at ``batch``'s size class now."""
+        return self._explorations.get(self.size_class(batch), (0, self._explore_every, None))[1]
+
     def verify(self, batch: int) -> bool:
         """Whether the next shared step of ``batch`` requests proposes and verifies."""
         batch = self.size_class(batch)
@@ -327,9 +339,18 @@ class StepRates:
         spec = self._rates.get((batch, True))
         if spec is None:
             return True
-        count = self._decisions[batch] = self._decisions.get(batch, 0) + 1
         better = spec >= plain
-        return not better if count % self._explore_every == 0 else better
+        count, interval, explored = self._explorations.get(batch, (0, self._explore_every, None))
+        if explored is not None:
+            # The exploration's step is measured: did it change the choice?
+            same = explored == better
+            interval = min(2 * interval, self._explore_max) if same else self._explore_every
+        count += 1
+        if count >= interval:
+            self._explorations[batch] = (0, interval, better)
+            return not better
+        self._explorations[batch] = (count, interval, None)
+        return better
 
     def record(self, batch: int, verified: bool, tokens: int, seconds: float) -> None:
         """A shared step of ``batch`` requests emitted ``tokens`` in ``seconds``."""
