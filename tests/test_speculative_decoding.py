@@ -662,3 +662,36 @@ def test_speculation_beside_others_stops_where_plain_steps_are_faster() -> None:
 def test_compare_rates_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="compare_rates must be a bool"):
         SpeculationConfig(proposer=NgramProposer(), compare_rates=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_a_state_hybrid_s_next_turn_resumes_from_a_snapshot_inside_its_verified_output(
+    arch: str,
+) -> None:
+    """A verification jumps over prefix boundaries; the state at the last one it passes is
+    snapshotted (by the mixers alone) as a plain step's would be, so the next turn of the
+    conversation reuses as many tokens as without speculation."""
+    first = list(PROMPTS[0])
+    output = list(greedy(arch, tuple(first)))
+    turn = [*first, *output, 5, 6, 7]
+    want = greedy(arch, tuple(turn))
+    hits = []
+    for speculative in (
+        None,
+        SpeculationConfig(
+            shadow=False, compare_rates=False, proposer=OracleProposer(arch, right=8), num_tokens=5
+        ),
+    ):
+        with build_engine(
+            model(arch), speculative=speculative, page_size=8, max_context=160, max_running=2
+        ) as engine:
+            engine.submit(first, MAX_TOKENS)
+            engine.run()
+            before = engine.stats.prefix_hit_tokens
+            rid = engine.submit(turn, MAX_TOKENS)
+            engine.run()
+            assert tuple(engine.output(rid).tokens) == want
+            hits.append(engine.stats.prefix_hit_tokens - before)
+            if speculative is not None:
+                assert engine.stats.speculative_steps > 0
+    assert hits[1] == hits[0] > len(first)

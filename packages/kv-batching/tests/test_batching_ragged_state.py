@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -220,3 +221,74 @@ def test_two_installs_on_one_model_keep_the_mixers_until_the_last_lets_go() -> N
     second.uninstall()
     assert not second.installed
     assert all("rows]" not in type(m).__qualname__ for _, m in model.named_modules())
+
+
+class _ToyMixer(nn.Module):
+    """A recurrent mixer called as ``(x, mask, cache)``: a running sum from its state."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.proj = nn.Linear(8, 8)
+
+    def __call__(self, x: mx.array, mask: mx.array | None, cache: Any) -> mx.array:
+        state = cache[0] if cache[0] is not None else mx.zeros((x.shape[0], 1, 8))
+        out = mx.cumsum(self.proj(x), axis=1) + state
+        cache[0] = out[:, -1:]
+        return out
+
+
+class _ToyShift(nn.Module):
+    """A token shift that keeps its own slot in the same cache (as RWKV's channel mixing)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+
+    def __call__(self, x: mx.array, cache: Any) -> mx.array:
+        previous = cache[1] if cache[1] is not None else mx.zeros((x.shape[0], 1, 8))
+        cache[1] = x[:, -1:]
+        return x + mx.concatenate([previous, x[:, :-1]], axis=1)
+
+
+class _ToyLayer(nn.Module):
+    def __init__(self, shift: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.mixer = _ToyMixer()
+        self.shift = _ToyShift() if shift else None
+
+    def __call__(self, x: mx.array, cache: Any) -> mx.array:
+        x = self.mixer(x, None, cache)
+        return x if self.shift is None else self.shift(x, cache)
+
+
+class _ToyModel(nn.Module):
+    def __init__(self, shift: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.embed_tokens = nn.Embedding(4, 8)
+        self.layers = [_ToyLayer(shift)]
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        x: mx.array = self.embed_tokens(inputs)
+        for layer, c in zip(self.layers, cache or [None], strict=True):
+            x = layer(x, c)
+        return x
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import ArraysCache
+
+        return [ArraysCache(2)]
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_a_cache_two_modules_touch_has_no_mixer_to_swap(shift: bool) -> None:
+    model = _ToyModel(shift)
+    mixers = install_ragged_state_mixers(
+        model, CacheNesting.from_model(model), 1, [0], lambda: model.make_cache()
+    )
+    if shift:
+        assert mixers is None  # the shift would see the step's flat rows
+    else:
+        # It sums every row it is given, padding included (no mask, no lengths): the probe
+        # leaves it one call per request.
+        assert mixers is not None and mixers.modes == ["per_request"]
+        mixers.uninstall()
+    assert type(model.layers[0].mixer) is _ToyMixer

@@ -1071,12 +1071,40 @@ class DecodeEngine:
                 start = reservation.start_lengths[i]
                 before = None if i in replayed else befores[i]
                 self._keep_verified(
-                    request, inputs[i][1:], accepted, token, start, produced, before
+                    request,
+                    inputs[i][1:],
+                    accepted,
+                    token,
+                    start,
+                    produced,
+                    before,
+                    self._state_after(out, first[i], befores[i]),
                 )
             else:
                 if self._step_snapshots:
                     request.step_snapshot = befores[i]
                 self._advance(request, chosen[i], reservation.lengths[i], produced)
+
+    def _state_after(
+        self, out: DecodeOutput, first_row: int, before: StateSnapshot | None
+    ) -> Callable[[int], list[Any]] | None:
+        """The state after the first ``n`` of a request's rows in the step ``out``.
+
+        By the mixers alone, from its state ``before`` the step (its rows start at step row
+        ``first_row``); ``None`` where the mixers do not run the step's rows.
+        """
+        mixers = self._runner.ragged_state_mixers
+        if mixers is None or before is None:
+            return None
+        snapshot = before
+
+        def state_after(n: int) -> list[Any]:
+            assert mixers is not None
+            states = mixers.replay(out.states, [first_row], [n], [snapshot.caches()])[0]
+            mx.eval([getattr(c, "cache", []) for c in states])
+            return states
+
+        return state_after
 
     def _replay_mixers(
         self,
@@ -1270,12 +1298,16 @@ class DecodeEngine:
         length: int,
         produced: dict[int, list[int]],
         before: StateSnapshot | None = None,
+        state_after: Callable[[int], list[Any]] | None = None,
     ) -> None:
         """Keep a verification's outcome: trim the rest, commit and emit the kept tokens.
 
         The pool holds ``len(draft) + 1`` new positions from ``length`` (the last token and
         the proposal); what follows the kept tokens goes back, and a recurrent state
-        (``before`` the step) is put back and advanced through the kept tokens alone.
+        (``before`` the step) is put back and advanced through the kept tokens alone. With
+        state snapshots, the last prefix boundary the kept tokens reach is snapshotted as a
+        plain step's would be: from the state after them, or ``state_after(n)`` (the state
+        after the step's first ``n`` rows) for a boundary inside them.
         """
         config = self._speculation
         state = request.speculation
@@ -1296,8 +1328,38 @@ class DecodeEngine:
         if request.hashes is not None:
             request.hashes.extend(inputs[:kept])
             self._commit(request, length + kept)
+            if self._snapshots is not None and request.states:
+                self._snapshot_verified(request, length, length + kept, state_after)
         for emitted_token in emitted[:kept]:
             self._emit(request, emitted_token, produced)
+
+    def _snapshot_verified(
+        self,
+        request: EngineRequest,
+        start: int,
+        end: int,
+        state_after: Callable[[int], list[Any]] | None,
+    ) -> None:
+        """Snapshot the state at the last prefix boundary a verification passed, if known.
+
+        The verification took ``request`` from ``start`` to ``end`` tokens; the boundary is
+        the last in ``(start, end]`` (see :meth:`_snapshot_decoded`): at ``end`` the state is
+        the request's own, inside from ``state_after``.
+        """
+        boundary = end // self._boundary * self._boundary
+        if boundary <= start:
+            return
+        if boundary == end:
+            self._snapshot_decoded(request, end)
+            return
+        if state_after is None:
+            return
+        try:
+            states = state_after(boundary - start)
+        except Exception as error:  # the snapshot is an optimisation: go on without it
+            logger.warning("state snapshot of request %d not taken: %r", request.rid, error)
+            return
+        self._snapshot_decoded(request, boundary, states)
 
     def _replay_state(
         self, request: EngineRequest, before: StateSnapshot, tokens: list[int]
@@ -1383,17 +1445,21 @@ class DecodeEngine:
         except Exception as error:  # only a later request's reuse is lost
             logger.warning("state snapshot of request %d not kept: %r", request.rid, error)
 
-    def _snapshot_decoded(self, request: EngineRequest, length: int) -> None:
+    def _snapshot_decoded(
+        self, request: EngineRequest, length: int, states: Sequence[Any] | None = None
+    ) -> None:
         """After a decode step to ``length`` tokens: snapshot the state at a boundary.
 
         At an interval it is kept at once; at another boundary it becomes the request's
         pending snapshot, kept when the request leaves the pool (finished or preempted), so a
         later turn of the conversation or the request's own re-admission resumes there.
+        ``states`` is the state after ``length`` tokens when it is not the request's own.
         """
         if length % self._boundary:
             return
         # A decode row's state is a slice of the batch's; the copy holds only its own.
-        snapshot = StateSnapshot(request.states or [], length, detach=True)
+        own = (request.states or []) if states is None else states
+        snapshot = StateSnapshot(own, length, detach=True)
         mx.eval(snapshot.arrays())
         if length % self._snapshot_interval == 0:
             self._keep_snapshot(request, snapshot)

@@ -11,11 +11,13 @@ model's mixers take the convolution state at each request's last real token and 
 recurrent state as the padding found it. The mixer's output goes back to the rows.
 
 :func:`install_ragged_state_mixers` finds each STATE layer's mixer by tracing a short forward
-(the innermost module whose call is handed the layer's cache), accepts only a mixer called as
-``(x, mask, cache)``, checks each one on a probe (ragged rows against each request's tokens
-run alone, outputs and states) and swaps its class for a subclass that regroups when the cache
-carries :data:`RAGGED_ROWS_ATTRIBUTE`. A model where any of that fails gets ``None``: its
-requests verify by a forward of their own.
+(the innermost module whose call is handed the layer's cache; the same one at every access),
+accepts only a mixer called as ``(x, cache)`` or ``(x, mask, cache)``, checks each one on a
+probe (ragged rows against each request's tokens run alone, outputs and states) and swaps its
+class for a subclass that runs the rows when the cache carries :data:`RAGGED_ROWS_ATTRIBUTE`:
+right-padded in one call, or, where the probe finds the mixer does not keep mlx-lm's padding
+contract or it takes no mask, one call per request. A model where any of that fails gets
+``None``: its requests verify by a forward of their own.
 """
 
 from __future__ import annotations
@@ -254,11 +256,16 @@ def _traced_class(cls: type) -> type:
     base_set: Callable[[Any, Any, Any], None] = getattr(cls, "__setitem__")  # noqa: B009
 
     def note(self: Any) -> None:
+        # Every access is traced: a cache that two modules read or write (a token shift in
+        # the MLP beside the mixer, say) has no one mixer to swap, and is refused.
         found: dict[int, _Found | None] = self.kv_trace_found
         layer_id: int = self.kv_trace_layer
-        if layer_id in found:
-            return
         seen = _mixer_frame(self, inspect.currentframe())
+        if layer_id in found:
+            known = found[layer_id]
+            if known is not None and (seen is None or seen[0] is not known.module):
+                found[layer_id] = None
+            return
         if seen is None:
             found[layer_id] = None
             return
