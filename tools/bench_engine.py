@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         "requests of the longest request need, growing by slabs, prefix caching on)",
     )
     engine.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="the engine speculates (prompt lookup, build_engine's default switch: verifies "
+        "only where it measures that it pays); default off, as build_engine",
+    )
+    engine.add_argument(
         "--fused-rope",
         default="off",
         choices=["off", "auto", "reference", "metal", "cuda"],
@@ -191,6 +198,7 @@ def _engine_run(
         fused=args.fused_rope,
         stall=args.stall,
         defaults=args.pool == "defaults",
+        speculative=args.speculative,
     )
     stats = engine.stats
     peak_used = stats.peak_pages_used

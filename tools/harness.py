@@ -364,14 +364,16 @@ def run_engine(
     fused: str,
     stall: float | None = None,
     defaults: bool = False,
+    speculative: str | None = None,
 ) -> tuple[RunResult, Any, Any]:
     """kv-batching's ``DecodeEngine`` on a ``HybridKVPool`` of ``budget_bytes``.
 
     ``defaults=True`` ignores ``budget_bytes`` and builds the engine as ``build_engine``
     does by itself: prefix caching on, the pool capped at what ``running`` requests of the
     longest request need, its buffers growing by slabs; the result's KV bytes are then what
-    the buffers held at the end (they only grow during a run). Returns the result, the pool
-    and the engine (for their statistics).
+    the buffers held at the end (they only grow during a run). ``speculative`` is
+    ``build_engine``'s (``"ngram"``: prompt lookup). Returns the result, the pool and the
+    engine (for their statistics).
     """
     from kv_pool import HybridKVPool
     from kv_protocol import layout_from_model
@@ -388,6 +390,7 @@ def run_engine(
             max_running=running,
             prefill_chunk=chunk,
             prefill_stall=stall,
+            speculative=speculative,
         )
         pool = engine.pool
     else:
@@ -406,6 +409,7 @@ def run_engine(
             max_running=running,
             prefill_chunk=chunk,
             prefill_stall=stall,
+            speculative=speculative,
         )
     ids = [engine.submit(p, m) for p, m in requests]
     steps: list[float] = []
@@ -423,7 +427,7 @@ def run_engine(
     out = {i: list(engine.output(rid).tokens) for i, rid in enumerate(ids)}
     capacity = pool.memory_report().bytes_committed
     result = RunResult(
-        "kv-batching DecodeEngine",
+        "kv-batching DecodeEngine" + (f", speculative={speculative}" if speculative else ""),
         seconds,
         sum(len(t) for t in out.values()),
         capacity,

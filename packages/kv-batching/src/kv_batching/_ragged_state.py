@@ -37,6 +37,7 @@ import mlx.nn as nn
 from kv_protocol import CacheStateError, flatten_caches
 
 from ._cache_nesting import CacheNesting
+from ._speculative import MAX_SPECULATIVE_TOKENS
 from ._state_cache import StackedStateCache, StateCacheFactory
 
 __all__ = [
@@ -323,16 +324,21 @@ def _close(a: mx.array, b: mx.array, dtype: mx.Dtype) -> bool:
 
 
 def _probe(found: _Found, layer_id: int, fresh_cache: Callable[[], Any]) -> bool:
-    """Ragged rows through the swapped mixer equal each request's tokens run alone."""
+    """Ragged rows through the swapped mixer equal each request's tokens run alone.
+
+    Three requests from states of their own: one as wide as the widest verification (a
+    proposal of ``MAX_SPECULATIVE_TOKENS`` and the last token), one of a single row (a plain
+    row beside it) and one in between.
+    """
     module: Any = found.module
     signature = _signature(_original_class(type(module)))
-    counts = (3, 1, 2)
+    counts = (MAX_SPECULATIVE_TOKENS + 1, 1, 3)
     key = mx.random.key(layer_id + 11)
     shape = (len(counts), 2, *found.input_tail)
     prefix = (0.5 * mx.random.normal(shape, key=key)).astype(found.dtype)
-    tokens = (0.5 * mx.random.normal((len(counts), 3, *found.input_tail), key=key + 1)).astype(
-        found.dtype
-    )
+    tokens = (
+        0.5 * mx.random.normal((len(counts), max(counts), *found.input_tail), key=key + 1)
+    ).astype(found.dtype)
     starts = []
     for b in range(len(counts)):
         cache = fresh_cache()
