@@ -146,7 +146,7 @@ def test_verifying_rows_attend_per_request_or_one_row_each(
 #: Recurrent-state hybrids whose mixers run a verification's rows inside the shared step:
 #: in one call on right-padded rows (mlx-lm's padding contract) or, where a mixer does not
 #: keep that contract (Nemotron-H's SSM, OLMo hybrid's convolution) or takes no mask (Mamba,
-#: Jamba), one call per request.
+#: Jamba), one call per group of requests with as many rows.
 STATE_ARCHS = [
     "qwen3_next",
     "qwen3_5",

@@ -255,8 +255,9 @@ def check_speculation(model: Any) -> str:
 
     On a model with recurrent state layers ``yes`` says how proposals verify: in the shared
     decode step with each mixer running its requests' rows right-padded in one call (``state:
-    padded rows``) or one call per request (``state: mixer per request``), or by a forward
-    per request (``state: a forward per request``: a mixer that cannot run a step's rows).
+    padded rows``) or one call per group of requests with as many rows (``state: rows grouped
+    by length``), or by a forward per request (``state: a forward per request``: a mixer that
+    cannot run a step's rows).
     """
     from kv_batching import SpeculationConfig
     from kv_serve import build_engine
@@ -284,8 +285,8 @@ def check_speculation(model: Any) -> str:
                 modes = set(runner.ragged_state_mixers.modes)
                 how = (
                     " (state: padded rows)"
-                    if modes == {"ragged"}
-                    else " (state: mixer per request)"
+                    if modes == {"padded"}
+                    else " (state: rows grouped by length)"
                 )
     except Exception as error:
         return f"no: {_short(error)}"

@@ -72,11 +72,11 @@ def _install(arch: str) -> tuple[Any, RaggedStateMixers | None, list[int], Any]:
 @pytest.mark.parametrize(
     ("arch", "mode"),
     [
-        ("qwen3_next", "ragged"),  # gated delta net, conv state taken at each row's end
-        ("lfm2", "ragged"),  # short convolution
-        ("granitemoehybrid", "ragged"),  # Mamba 2 with lengths
-        ("nemotron_h", "per_request"),  # its SSM state moves over padding: probe refuses
-        ("mamba", "per_request"),  # called without a mask
+        ("qwen3_next", "padded"),  # gated delta net, conv state taken at each row's end
+        ("lfm2", "padded"),  # short convolution
+        ("granitemoehybrid", "padded"),  # Mamba 2 with lengths
+        ("nemotron_h", "grouped"),  # its SSM state moves over padding: probe refuses
+        ("mamba", "grouped"),  # called without a mask
     ],
 )
 def test_each_state_mixer_runs_ragged_rows_like_its_requests_alone(arch: str, mode: str) -> None:
@@ -288,7 +288,7 @@ def test_a_cache_two_modules_touch_has_no_mixer_to_swap(shift: bool) -> None:
         assert mixers is None  # the shift would see the step's flat rows
     else:
         # It sums every row it is given, padding included (no mask, no lengths): the probe
-        # leaves it one call per request.
-        assert mixers is not None and mixers.modes == ["per_request"]
+        # leaves it one call per group of requests with as many rows.
+        assert mixers is not None and mixers.modes == ["grouped"]
         mixers.uninstall()
     assert type(model.layers[0].mixer) is _ToyMixer

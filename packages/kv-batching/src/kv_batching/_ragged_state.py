@@ -16,8 +16,8 @@ accepts only a mixer called as ``(x, cache)`` or ``(x, mask, cache)``, checks ea
 probe (ragged rows against each request's tokens run alone, outputs and states) and swaps its
 class for a subclass that runs the rows when the cache carries :data:`RAGGED_ROWS_ATTRIBUTE`:
 right-padded in one call, or, where the probe finds the mixer does not keep mlx-lm's padding
-contract or it takes no mask, one call per request. A model where any of that fails gets
-``None``: its requests verify by a forward of their own.
+contract or it takes no mask, one call per group of requests with as many rows. A model
+where any of that fails gets ``None``: its requests verify by a forward of their own.
 """
 
 from __future__ import annotations
@@ -136,10 +136,11 @@ class _Signature:
         return [given[name] for name in self.names]
 
 
-#: How a swapped mixer runs a step's ragged rows: ``ragged`` in one call on the rows
-#: regrouped and right-padded (mlx-lm's padding contract), ``per_request`` one call per
-#: request on its own rows and its slice of the stacked state (any mixer, more calls).
-MixerMode = Literal["ragged", "per_request"]
+#: How a swapped mixer runs a step's ragged rows: ``padded`` in one call on the rows
+#: regrouped and right-padded (mlx-lm's padding contract); ``grouped`` one call per group of
+#: requests with the same number of rows, on their rows and their part of the stacked state
+#: (no padding, so any mixer; as many calls as distinct row counts).
+MixerMode = Literal["padded", "grouped"]
 
 _SUBCLASSES: dict[tuple[type, MixerMode], type] = {}
 _SIGNATURES: dict[type, _Signature] = {}
@@ -159,34 +160,43 @@ def _run_padded(
     # would change the step's shared array for the layers after it.
     cache.lengths = mx.array(rows.lengths)
     try:
-        return call(*signature.arguments(rows.gather(x), rows.mask, cache))
+        out = call(*signature.arguments(rows.gather(x), rows.mask, cache))
     finally:
         cache.lengths = None
+    return rows.scatter(out) if isinstance(out, mx.array) else out
 
 
-def _run_per_request(
+def _run_grouped(
     call: Callable[..., Any], signature: _Signature, rows: RaggedRows, x: mx.array, cache: Any
 ) -> Any:
-    outputs: list[mx.array] = []
-    states: list[list[Any]] = []
-    first = 0
+    firsts = [0]
+    for n in rows.counts:
+        firsts.append(firsts[-1] + n)
+    groups: dict[int, list[int]] = {}
     for b, n in enumerate(rows.counts):
+        groups.setdefault(n, []).append(b)
+    flat = x[:, 0]
+    outputs: list[mx.array | None] = [None] * len(rows.counts)
+    states: list[list[Any]] = [[] for _ in rows.counts]
+    for n, members in groups.items():
+        take = mx.array(members, dtype=mx.int32)
         own = copy.copy(cache)
-        own.cache = [None if s is None else s[b : b + 1] for s in cache.cache]
+        own.cache = [None if s is None else s[take] for s in cache.cache]
         setattr(own, RAGGED_ROWS_ATTRIBUTE, None)
-        out = call(*signature.arguments(x[first : first + n, 0][None], None, own))
+        cells = mx.array([[firsts[b] + i for i in range(n)] for b in members], dtype=mx.int32)
+        out = call(*signature.arguments(flat[cells], None, own))
         if not isinstance(out, mx.array):
             return out
-        outputs.append(out[0])
-        states.append(list(own.cache))
-        first += n
+        for j, b in enumerate(members):
+            outputs[b] = out[j]
+            states[b] = [None if s is None else s[j : j + 1] for s in own.cache]
     for slot in range(len(cache.cache)):
         values = [state[slot] for state in states]
         if all(v is not None for v in values):
             cache[slot] = mx.concatenate(values, axis=0)
         elif any(v is not None for v in values):
             raise CacheStateError(f"state slot {slot} was set for some requests and not others")
-    return mx.concatenate(outputs, axis=0)[:, None]
+    return mx.concatenate([o for o in outputs if o is not None], axis=0)[:, None]
 
 
 def _ragged_class(cls: type, mode: MixerMode) -> type:
@@ -196,7 +206,7 @@ def _ragged_class(cls: type, mode: MixerMode) -> type:
         return sub
     signature = _signature(cls)
     base_call: Callable[..., Any] = cls.__call__  # type: ignore[operator]
-    run = _run_padded if mode == "ragged" else _run_per_request
+    run = _run_padded if mode == "padded" else _run_grouped
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(args, kwargs)
@@ -208,7 +218,7 @@ def _ragged_class(cls: type, mode: MixerMode) -> type:
         out = run(partial(base_call, self), signature, rows, bound[signature.input_name], cache)
         if not isinstance(out, mx.array):
             raise TypeError(f"{cls.__name__} returned {type(out).__name__}, not one array")
-        return rows.scatter(out) if mode == "ragged" else out
+        return out
 
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
     sub.__qualname__ = f"{cls.__qualname__}[{mode} rows]"
@@ -395,7 +405,7 @@ class RaggedStateMixers:
     def modes(self) -> list[MixerMode]:
         """How each swapped mixer runs the rows, in STATE-layer order."""
         return [
-            "ragged" if "[ragged rows]" in type(module).__qualname__ else "per_request"
+            "padded" if "[padded rows]" in type(module).__qualname__ else "grouped"
             for module, _ in self._modules
         ]
 
@@ -498,9 +508,9 @@ def install_ragged_state_mixers(
             def fresh(k: int = k) -> Any:
                 return make_state_caches()[k]
 
-            modes: list[MixerMode] = ["per_request"]
+            modes: list[MixerMode] = ["grouped"]
             if _signature(original).has_mask:
-                modes.insert(0, "ragged")
+                modes.insert(0, "padded")
             for mode in modes:
                 mixer.module.__class__ = _ragged_class(original, mode)
                 if _probe(mixer, layer_id, fresh):
