@@ -253,6 +253,10 @@ class _HalfRightProposer:
 def check_speculation(model: Any) -> str:
     """``yes`` when speculative decoding keeps mlx-lm's tokens; else ``no: why``.
 
+    The staggered prompts, then the next turn of the longest one's conversation (its prompt,
+    its answer and more: a prefix hit reaching into the verified output) beside a prompt
+    that is preempted while it decodes and readmitted; every token must be mlx-lm's.
+
     On a model with recurrent state layers ``yes`` says how proposals verify: in the shared
     decode step with each mixer running its requests' rows right-padded in one call (``state:
     padded rows``) or one call per group of requests with as many rows (``state: rows grouped
@@ -271,11 +275,28 @@ def check_speculation(model: Any) -> str:
     config = SpeculationConfig(
         proposer=proposer, num_tokens=4, max_batch=len(prompts), shadow=False, compare_rates=False
     )
+    longest = max(prompts, key=len)
+    # The next turn of the longest prompt's conversation (a prefix hit that reaches into the
+    # verified output) and a prompt preempted while it decodes.
+    turn = [*longest, *truth[tuple(longest)][:MAX_TOKENS], 3]
+    later = [turn, prompts[0]]
+    for prompt in later:
+        truth[tuple(prompt)] = mlx_lm_greedy(model, prompt, MAX_TOKENS + 4)
     try:
         with build_engine(model, page_size=6, max_context=96, speculative=config) as engine:
             ids = [engine.submit(p, MAX_TOKENS) for p in prompts]
             out = engine.run()
+            ids += [engine.submit(p, MAX_TOKENS) for p in later]
+            while len(engine._scheduler.running) < len(later) and engine.has_work:
+                engine.step()
+            for _ in range(2):
+                engine.step()
+            if engine._scheduler.running:
+                engine._scheduler.preempt(engine._scheduler.running[-1])
+            out.update(engine.run())
+            prompts = [*prompts, *later]
             steps = engine.stats.speculative_steps
+            hits, preemptions = engine.stats.prefix_hit_tokens, engine.stats.preemptions
             runner = engine._runner
             if not runner.state_layer_ids:
                 how = ""
@@ -294,6 +315,8 @@ def check_speculation(model: Any) -> str:
         return "no: tokens differ from mlx-lm's"
     if not steps:
         return "no: nothing was speculated"
+    if not hits or not preemptions:
+        return f"no: {hits} prefix-hit tokens, {preemptions} preemptions (expected both)"
     return "yes" + how
 
 
