@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv_batching import NgramProposer, SpeculationConfig
-from kv_serve import active_blas, build_engine, encode_prompt, load_model, stop_token_ids
+from kv_serve import (
+    NGRAM_SPECULATIVE_TOKENS,
+    active_blas,
+    build_engine,
+    encode_prompt,
+    load_model,
+    stop_token_ids,
+)
 from tools.cli_args import ArgumentParser, add_run_options
 from tools.harness import Report, quantile
 from tools.real_prompts import PASSAGES
@@ -144,7 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch", type=int, nargs="+", default=[1, 4, 16], help="batch sizes (1 4 16)"
     )
     parser.add_argument("--max-out", type=int, default=64, help="tokens per request (64)")
-    parser.add_argument("--tokens", type=int, default=4, help="the longest proposal, 1..16 (4)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=NGRAM_SPECULATIVE_TOKENS,
+        help=f"the longest proposal, 1..16 ({NGRAM_SPECULATIVE_TOKENS}, build_engine's default)",
+    )
     parser.add_argument(
         "--workload", nargs="+", choices=("rewrite", "open"), default=["rewrite", "open"]
     )

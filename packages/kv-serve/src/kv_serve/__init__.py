@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._blas import BLAS_ENV, BlasError, BlasInfo, active_blas, load_fast_blas
 from ._extras import require_extra
-from ._sizes import DEFAULT_KV_SLAB_BYTES
+from ._sizes import DEFAULT_KV_SLAB_BYTES, DRAFT_SPECULATIVE_TOKENS, NGRAM_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from ._chat_templates import CHAT_TEMPLATES, GEMMA3_CHAT_TEMPLATE, ChatTemplate
@@ -39,9 +39,11 @@ __all__ = [
     "BLAS_ENV",
     "CHAT_TEMPLATES",
     "DEFAULT_KV_SLAB_BYTES",
+    "DRAFT_SPECULATIVE_TOKENS",
     "GEMMA3_270M",
     "GEMMA3_CHAT_TEMPLATE",
     "GEMMA3_HARD_CODED",
+    "NGRAM_SPECULATIVE_TOKENS",
     "RANK_LOST_EXIT",
     "BlasError",
     "BlasInfo",

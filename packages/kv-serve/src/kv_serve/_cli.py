@@ -15,7 +15,7 @@ from typing import Any
 
 from ._blas import load_fast_blas
 from ._extras import MissingExtraError, require_extra
-from ._sizes import DEFAULT_KV_SLAB_BYTES
+from ._sizes import DEFAULT_KV_SLAB_BYTES, DRAFT_SPECULATIVE_TOKENS, NGRAM_SPECULATIVE_TOKENS
 
 __all__ = ["main", "parser"]
 
@@ -273,7 +273,8 @@ def parser() -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         type=_int_in(1, 16),
         default=None,
-        help="the longest proposal, 1..16 (4); with --speculative or --draft-model",
+        help="the longest proposal, 1..16 (8 with --speculative ngram, 4 with "
+        "--draft-model); only with one of them",
     )
     srv.add_argument(
         "--no-prefix-caching",
@@ -477,7 +478,7 @@ def _serve(args: argparse.Namespace) -> int:
         state_cache_bytes=None if args.state_cache_mib is None else args.state_cache_mib * 2**20,
         kv_slab_bytes=args.kv_slab_mib * 2**20 or None,
         speculative=_speculation(args, model, tokenizer, progress),
-        num_speculative_tokens=_speculative_tokens(args),
+        num_speculative_tokens=_speculative_tokens(args, NGRAM_SPECULATIVE_TOKENS),
         ranks=ranks,
     )
     if ranks is not None and not ranks.is_leader:
@@ -563,15 +564,18 @@ def _speculation(
     return draft_speculation(
         draft,
         model,
-        num_tokens=_speculative_tokens(args),
+        num_tokens=_speculative_tokens(args, DRAFT_SPECULATIVE_TOKENS),
         max_running=args.max_running,
         max_context=args.max_context,
     )
 
 
-def _speculative_tokens(args: argparse.Namespace) -> int:
-    """``--num-speculative-tokens`` (4 by default; :func:`main` refuses it alone)."""
-    return 4 if args.num_speculative_tokens is None else int(args.num_speculative_tokens)
+def _speculative_tokens(args: argparse.Namespace, default: int) -> int:
+    """``--num-speculative-tokens``, else the proposer's ``default``.
+
+    :func:`main` refuses the option without a proposer.
+    """
+    return default if args.num_speculative_tokens is None else int(args.num_speculative_tokens)
 
 
 def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:

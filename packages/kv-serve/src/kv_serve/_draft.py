@@ -23,6 +23,8 @@ import mlx.nn as nn
 from kv_batching import DecodeEngine, SpeculationConfig, vocabulary_size
 from kv_protocol import KVCacheError, UnsupportedModelError
 
+from ._sizes import DRAFT_SPECULATIVE_TOKENS
+
 __all__ = ["DraftModelProposer", "EngineDraftProposer", "draft_speculation"]
 
 
@@ -165,7 +167,7 @@ def draft_speculation(
     draft: nn.Module,
     model: nn.Module,
     *,
-    num_tokens: int = 4,
+    num_tokens: int = DRAFT_SPECULATIVE_TOKENS,
     max_batch: int = 2,
     batched: bool = True,
     max_running: int = 16,

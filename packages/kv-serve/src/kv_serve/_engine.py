@@ -29,7 +29,7 @@ from kv_protocol import (
 
 from ._lockstep import LockstepEngine
 from ._ranks import STARTUP_TIMEOUT, RankGroup
-from ._sizes import DEFAULT_KV_SLAB_BYTES
+from ._sizes import DEFAULT_KV_SLAB_BYTES, NGRAM_SPECULATIVE_TOKENS
 
 __all__ = [
     "DEFAULT_KV_SLAB_BYTES",
@@ -161,7 +161,7 @@ def build_engine(
     state_cache_bytes: int | None = None,
     step_snapshots: bool = False,
     speculative: str | SpeculationConfig | None = None,
-    num_speculative_tokens: int = 4,
+    num_speculative_tokens: int = NGRAM_SPECULATIVE_TOKENS,
     ranks: RankGroup | None = None,
     kv_slab_bytes: int | None = DEFAULT_KV_SLAB_BYTES,
     fast_activations: bool = True,
@@ -209,8 +209,10 @@ def build_engine(
 
     ``speculative="ngram"`` turns on speculative decoding with prompt lookup
     (:class:`kv_batching.NgramProposer`), proposals of up to ``num_speculative_tokens``
-    (1 .. 16) tokens; a :class:`kv_batching.SpeculationConfig` sets every part of it. Greedy
-    requests then emit up to that many tokens more per step, the same tokens as without it.
+    (1 .. 16, 8 by default: a prompt-lookup proposal costs nothing to make, and each
+    request's length adapts down to what is accepted) tokens; a
+    :class:`kv_batching.SpeculationConfig` sets every part of it. Greedy requests then emit
+    up to that many tokens more per step, the same tokens as without it.
 
     ``ranks`` (this process's :class:`RankGroup`, from :func:`init_ranks`; the model already
     sharded by :func:`shard_model`) builds one rank's :class:`LockstepEngine` of a
@@ -330,7 +332,8 @@ SPECULATIVE_METHODS = ("ngram",)
 
 
 def speculation_config(
-    speculative: str | SpeculationConfig | None, num_speculative_tokens: int = 4
+    speculative: str | SpeculationConfig | None,
+    num_speculative_tokens: int = NGRAM_SPECULATIVE_TOKENS,
 ) -> SpeculationConfig | None:
     """The engine's speculation for ``build_engine``'s ``speculative`` argument."""
     if speculative is None or isinstance(speculative, SpeculationConfig):

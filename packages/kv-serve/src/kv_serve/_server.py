@@ -87,6 +87,7 @@ from ._server_worker import (
     Ticket,
     WorkerStoppedError,
 )
+from ._sizes import NGRAM_SPECULATIVE_TOKENS
 from ._structured import GrammarCompiler, GrammarError
 
 __all__ = ["KVServer", "RunningServer", "ServerMetrics"]
@@ -319,7 +320,7 @@ class KVServer:
         state_snapshot_interval: int | None = None,
         state_cache_bytes: int | None = None,
         speculative: str | SpeculationConfig | None = None,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int = NGRAM_SPECULATIVE_TOKENS,
         ranks: RankGroup | None = None,
         make_engine: Callable[[], DecodeEngine] | None = None,
         kv_slab_bytes: int | None = DEFAULT_KV_SLAB_BYTES,
