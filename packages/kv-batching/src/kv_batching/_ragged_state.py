@@ -36,11 +36,13 @@ import mlx.nn as nn
 
 from kv_protocol import CacheStateError, flatten_caches
 
+from ._attention_probe import _max_rel_err, _tolerance
 from ._cache_nesting import CacheNesting
 from ._speculative import MAX_SPECULATIVE_TOKENS
 from ._state_cache import StackedStateCache, StateCacheFactory
 
 __all__ = [
+    "RAGGED_INPUTS_ATTRIBUTE",
     "RAGGED_ROWS_ATTRIBUTE",
     "RaggedRows",
     "RaggedStateMixers",
@@ -321,16 +323,9 @@ def _trace_mixers(
     return found
 
 
-def _tolerance(dtype: mx.Dtype) -> float:
-    return 1e-4 if dtype == mx.float32 else 3e-2
-
-
 def _close(a: mx.array, b: mx.array, dtype: mx.Dtype) -> bool:
-    if a.shape != b.shape:
-        return False
-    a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
-    scale = float(mx.max(mx.abs(b32))) + 1e-6
-    return float(mx.max(mx.abs(a32 - b32))) / scale <= _tolerance(dtype)
+    """The attention probe's rule: the largest error relative to ``b``'s largest value."""
+    return a.shape == b.shape and _max_rel_err(a, b) <= _tolerance(dtype)
 
 
 def _probe(found: _Found, layer_id: int, fresh_cache: Callable[[], Any]) -> bool:
