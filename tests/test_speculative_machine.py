@@ -2,12 +2,14 @@
 
 Random submit / step / preempt / abort sequences, with proposals right for a drawn number of
 tokens and wrong after, drive an engine serving a model with full, sliding-window and
-recurrent STATE layers (each request verified by a forward of its own), and again one with
-full and sliding-window layers only (proposals verified as extra rows of the shared decode
-step), on a pool too small for everything. After every rule: each request in
-the pool holds exactly the positions the engine says it has, and in each full-attention
-sub-pool exactly the pages those positions need (rejected positions came back); a sliding
-sub-pool holds no more pages than its window needs. Every finished request's tokens equal
+recurrent STATE layers (proposals verified as rows of the shared decode step, the recurrent
+mixers running each request's rows in order; and again with the mixers left as they are, each
+request verified by a forward of its own), and one with full and sliding-window layers only,
+on a pool too small for everything. After every rule: each request in the pool holds exactly
+the positions the engine says it has, and in each full-attention sub-pool exactly the pages
+those positions need (rejected positions came back); a sliding sub-pool holds no more pages
+than its window needs; each decoding request's full-attention K/V and recurrent state equal
+mlx-lm's over its tokens. Every finished request's tokens equal
 mlx-lm generating its prompt alone; when everything is done and the prefix cache dropped,
 every page is free.
 """
@@ -17,16 +19,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cache
 
+import mlx.core as mx
 import mlx.nn as nn
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from mlx_lm.models.cache import make_prompt_cache
 
 from kv_batching import DecodeEngine, RequestStatus, SpeculationConfig
 from kv_pool import HybridKVPool
 from kv_pool._inspect import held_pages
+from kv_protocol import flatten_caches, layout_from_model
 from kv_serve import build_engine
-from kv_testing import build_zoo_model, mlx_lm_greedy
+from kv_testing import build_zoo_model, mlx_lm_greedy, mlx_lm_states, states_close
 
 VOCAB = 128
 PAGE = 4
@@ -42,6 +47,25 @@ BASES = (
 @cache
 def model(arch: str) -> nn.Module:
     return build_zoo_model(arch)
+
+
+@cache
+def mlx_lm_full_kv(arch: str, tokens: tuple[int, ...]) -> dict[int, tuple[mx.array, mx.array]]:
+    """Token-major ``(T, n_kv_heads, head_dim)`` K/V of every full-attention layer after mlx-lm
+    runs ``tokens`` on its own caches."""
+    layout = layout_from_model(model(arch))
+    caches = make_prompt_cache(model(arch))
+    mx.eval(model(arch)(mx.array([list(tokens)], dtype=mx.int32), cache=caches))
+    flat = flatten_caches(caches)
+    out = {}
+    for layer_id in layout.full_layer_ids:
+        keys, values = flat[layer_id].keys, flat[layer_id].values
+        n = len(tokens)
+        out[layer_id] = (
+            keys[0, :, :n].transpose(1, 0, 2),
+            values[0, :, :n].transpose(1, 0, 2),
+        )
+    return out
 
 
 @cache
@@ -144,6 +168,24 @@ class SpeculationMachine(RuleBasedStateMachine):
     @invariant()
     def no_verification_fell_back(self) -> None:
         assert self.engine.stats.decode_fallbacks == 0
+
+    @invariant()
+    def running_requests_hold_plain_decoding_s_kv_and_state(self) -> None:
+        """Each decoding request's full-attention K/V and recurrent state are what mlx-lm's
+        model computes over its tokens: speculation left nothing of a rejected token."""
+        layout = layout_from_model(model(self.arch))
+        pool = self.engine.pool
+        for request in self.engine._scheduler.running:
+            tokens = [*request.prompt, *request.generated[:-1]]
+            want_kv = mlx_lm_full_kv(self.arch, tuple(tokens))
+            for layer_id, (keys, values) in want_kv.items():
+                slots = pool.token_slots(request.rid, layer_id, 0, len(tokens))
+                got_keys, got_values = pool.get_kv(layer_id, slots)
+                assert mx.allclose(got_keys, keys, rtol=1e-4, atol=1e-5), (request.rid, layer_id)
+                assert mx.allclose(got_values, values, rtol=1e-4, atol=1e-5)
+            if layout.state_layer_ids:
+                want = mlx_lm_states(model(self.arch), tokens)
+                assert states_close(request.states or [], want), request.rid
 
     @invariant()
     def pages_held_are_pages_needed(self) -> None:
