@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,7 +57,7 @@ def mlx_lm_full_kv(arch: str, tokens: tuple[int, ...]) -> dict[int, tuple[mx.arr
     layout = layout_from_model(model(arch))
     caches = make_prompt_cache(model(arch))
     mx.eval(model(arch)(mx.array([list(tokens)], dtype=mx.int32), cache=caches))
-    flat = flatten_caches(caches)
+    flat: list[Any] = flatten_caches(caches)
     out = {}
     for layer_id in layout.full_layer_ids:
         keys, values = flat[layer_id].keys, flat[layer_id].values
