@@ -96,11 +96,6 @@ class RaggedRows:
             take=mx.array(take, dtype=mx.int32),
         )
 
-    @property
-    def width(self) -> int:
-        """Cells per request (``L``)."""
-        return int(self.index.shape[1])
-
     def gather(self, rows: mx.array) -> mx.array:
         """``(R, 1, ...)`` step rows -> ``(B, L, ...)`` per request, right-padded."""
         return rows[:, 0][self.index]
