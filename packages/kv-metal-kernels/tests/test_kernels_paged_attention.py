@@ -17,6 +17,7 @@ from kv_metal_kernels import (
     backend_available,
     paged_decode_attention,
 )
+from kv_metal_kernels import _paged_reference as paged_reference
 from kv_metal_kernels._native import merge_partials, split_plan
 from kv_metal_kernels._paged_reference import window_page_count
 from kv_protocol import (
@@ -184,6 +185,38 @@ def test_bucketed_calls_equal_one_call_on_a_ragged_batch() -> None:
         with_sinks=True,
         dtype_name="float32",
     )
+    bucketed = run(ReferencePagedAttention(buckets=4), batch)
+    single = run(ReferencePagedAttention(buckets=0), batch)
+    np.testing.assert_allclose(f32(bucketed), f32(single), atol=1e-6)
+    np.testing.assert_allclose(f32(bucketed), dense_oracle(batch), atol=2e-5)
+
+
+def test_sliding_layer_groups_rows_shorter_than_the_window_apart() -> None:
+    """Short rows of a sliding layer are attended apart from rows that read the whole span.
+
+    Before, a sliding layer was always one call in which every row gathered the window's
+    span of pages; now rows shorter than the window form groups that read only their own.
+    """
+    rng = np.random.default_rng(11)
+    lens = [6, 9, 14, 1000, 20, 130, 17, 870, 12, 150, 8, 1130, 25, 160, 10, 1250]
+    batch = make_batch(
+        rng,
+        lens=lens,
+        hkv=1,
+        ratio=4,
+        d=128,
+        page_size=16,
+        window=512,
+        with_sinks=False,
+        dtype_name="float32",
+    )
+    plan = paged_reference._plan_buckets(
+        batch.seq_lens, 16, batch.page_table.shape[1], 512, 4, row_work=4 * 128
+    )
+    assert plan.inverse is not None and len(plan.groups) >= 2
+    span = window_page_count(512, 16)
+    read = sum(len(np.array(g.rows)) * min(g.n_cols, span) for g in plan.groups)
+    assert read <= 0.75 * len(lens) * span
     bucketed = run(ReferencePagedAttention(buckets=4), batch)
     single = run(ReferencePagedAttention(buckets=0), batch)
     np.testing.assert_allclose(f32(bucketed), f32(single), atol=1e-6)

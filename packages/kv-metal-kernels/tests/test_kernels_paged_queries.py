@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_metal_kernels import NativePagedAttention, ReferencePagedAttention
+from kv_metal_kernels import _paged_reference as paged_reference
 from kv_protocol import KVQuantization, PagedQueryAttention, ShapeMismatchError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -225,3 +226,30 @@ def test_which_kernels_take_several_queries() -> None:
     assert isinstance(ReferencePagedAttention(), PagedQueryAttention)
     # The native kernels read pages in place: one row per query costs them no extra gather.
     assert not hasattr(NativePagedAttention, "attend_queries")
+
+
+def test_sliding_queries_of_short_and_long_rows_in_groups() -> None:
+    """Several queries per row on a sliding layer, short rows grouped apart from long ones."""
+    rng = np.random.default_rng(21)
+    lens = [7, 12, 30, 700, 18, 140, 9, 650, 11, 160, 25, 900, 16, 170, 13, 820]
+    base = make_batch(
+        rng,
+        lens=lens,
+        hkv=1,
+        ratio=4,
+        d=128,
+        page_size=16,
+        window=None,
+        with_sinks=True,
+        dtype_name="float32",
+    )
+    batch = with_queries(rng, base, 4, 256)
+    plan = paged_reference._plan_buckets(
+        batch.seq_lens, 16, batch.page_table.shape[1], 256, 4, row_work=4 * 4 * 128, queries=4
+    )
+    assert plan.inverse is not None and len(plan.groups) >= 2
+    expected, real = dense_queries_oracle(batch)
+    grouped = attend(ReferencePagedAttention(buckets=4), batch)
+    single = attend(ReferencePagedAttention(buckets=0), batch)
+    np.testing.assert_allclose(f32(grouped), f32(single), atol=1e-6)
+    np.testing.assert_allclose(f32(grouped)[real], expected[real], atol=2e-5, rtol=2e-5)

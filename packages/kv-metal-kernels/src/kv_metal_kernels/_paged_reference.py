@@ -120,9 +120,11 @@ class ReferencePagedAttention:
     the ``ceil(window / page_size) + 1`` table entries that can cover the window, so their
     cost is O(window), not O(context).
 
-    ``buckets`` (default 4): for full-attention layers the requests are sorted by length
-    and split into up to ``buckets`` groups, one SDPA call each, when that cuts the
-    gathered area by at least a quarter (ragged batches; measured 0.7x of one call on CPU).
+    ``buckets`` (default 4): the requests are sorted by length and split into up to
+    ``buckets`` groups, one SDPA call each, when that cuts the gathered area by at least a
+    quarter (ragged batches; measured 0.7x of one call on CPU). On a sliding layer a row
+    reads at most its window's span, so there the split sets rows shorter than the window
+    apart from those that read the whole span.
     This, and trimming the gather to the longest request, reads ``seq_lens`` back to the
     host (a tiny sync). ``buckets=0`` never reads ``seq_lens`` back and makes one call over
     every page-table column. The plan (host lengths, groups, row order) is kept for the
@@ -262,11 +264,17 @@ class ReferencePagedAttention:
             return run(q, page_table, seq_lens, max_pages)
 
         row_work = q.shape[1] * queries * q.shape[3]
-        plan_key = (page_size, max_pages, window, self._buckets, row_work)
+        plan_key = (page_size, max_pages, window, self._buckets, row_work, queries)
         plan = self._plans.get(seq_lens, plan_key)
         if plan is None:
             plan = _plan_buckets(
-                seq_lens, page_size, max_pages, window, self._buckets, row_work=row_work
+                seq_lens,
+                page_size,
+                max_pages,
+                window,
+                self._buckets,
+                row_work=row_work,
+                queries=queries,
             )
             self._plans.put(seq_lens, plan_key, plan)
         if plan.inverse is None:
@@ -335,31 +343,37 @@ def _plan_buckets(
     buckets: int,
     *,
     row_work: int,
+    queries: int = 1,
 ) -> _BucketPlan:
     """Read ``seq_lens`` on the host and decide the attention calls (``buckets >= 1``).
 
     Rows sorted by length are split into 1 .. ``buckets`` groups; the split chosen has the
     least modelled cost: the keys each group reads (``row_work`` = query heads x head dim
     per key) plus a fixed cost per call. One call unless splitting also cuts the keys read
-    by at least a quarter.
+    by at least a quarter. On a sliding layer a row reads at most the pages its window
+    spans (``queries`` consecutive queries): rows shorter than the window are grouped
+    apart from those that read the whole span, so they do not read (and copy) it too.
     """
     host_lens = [int(n) for n in cast(list[int], seq_lens.tolist())]
     b = len(host_lens)
+    span = KVLifetime(window).span_pages(page_size, queries)
 
     def cols_for(n_tokens: int) -> int:
         return max(1, min(max_pages, math.ceil(n_tokens / page_size)))
 
+    def read(n_cols: int) -> int:
+        """Table columns a call over ``n_cols`` gathers per row (its window's span)."""
+        return n_cols if span is None else min(n_cols, span)
+
     n_all = cols_for(max(host_lens))
     single = _BucketPlan(n_all=n_all, groups=(), inverse=None)
-    if window is not None and window_page_count(window, page_size) < n_all:
-        return single
     order = sorted(range(b), key=host_lens.__getitem__)
-    one_call_keys = b * n_all * page_size
+    one_call_keys = b * read(n_all) * page_size
     best_cost = one_call_keys * row_work + _CALL_COST
     best: list[list[int]] | None = None
     for count in range(2, buckets + 1):
         groups = _split(order, count)
-        keys = sum(len(g) * cols_for(host_lens[g[-1]]) for g in groups) * page_size
+        keys = sum(len(g) * read(cols_for(host_lens[g[-1]])) for g in groups) * page_size
         cost = keys * row_work + len(groups) * _CALL_COST
         if keys <= 0.75 * one_call_keys and cost < best_cost:
             best_cost, best = cost, groups
