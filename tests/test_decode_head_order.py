@@ -8,10 +8,18 @@ whose probe matches the model's own logits; greedy tokens must stay mlx-lm's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 
-from kv_batching._model_forward import HEAD_REORDER_MIN_WEIGHTS, decode_forward
+from kv_batching import _model_forward
+from kv_batching._model_forward import (
+    HEAD_REORDER_MIN_WEIGHTS,
+    decode_forward,
+    last_position_forward,
+)
 from kv_serve import build_engine
 from kv_testing import build_tiny_model, mlx_lm_greedy
 
@@ -56,3 +64,33 @@ def test_small_quantized_and_untied_heads_keep_the_model_call() -> None:
     quantized = big_head_model()
     nn.quantize(quantized, group_size=64, bits=8)
     assert decode_forward(quantized, VOCAB) is None
+
+
+def test_prefill_projects_its_last_position_in_the_same_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt's last position goes through the reordered head too, with the model's logits."""
+    calls: list[tuple[int, ...]] = []
+    original = _model_forward.project_rows
+
+    def counted(weight: mx.array, rows: mx.array) -> Any:
+        calls.append(tuple(rows.shape))
+        return original(weight, rows)
+
+    monkeypatch.setattr(_model_forward, "project_rows", counted)
+    model = big_head_model()
+    forward = last_position_forward(model, VOCAB)
+    assert forward is not None
+    calls.clear()
+    tokens = mx.array([[(13 * j + 7) % VOCAB for j in range(11)]], dtype=mx.int32)
+    mine, theirs = forward(tokens, None), model(tokens)[:, -1:, :]  # type: ignore[arg-type]
+    assert calls == [(1, HIDDEN)]
+    assert mine.shape == theirs.shape == (1, 1, VOCAB)
+    assert bool(mx.allclose(mine, theirs, rtol=1e-4, atol=1e-4))
+    assert bool(mx.array_equal(mine.argmax(-1), theirs.argmax(-1)))
+    small = build_tiny_model("gemma3_text", window=8, num_layers=6, vocab_size=256)
+    small_forward = last_position_forward(small, 256)
+    assert small_forward is not None
+    calls.clear()
+    small_forward(mx.array([[1, 2, 3]], dtype=mx.int32), None)  # type: ignore[arg-type]
+    assert calls == []
