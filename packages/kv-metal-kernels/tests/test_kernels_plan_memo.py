@@ -109,6 +109,25 @@ def test_attention_plans_once_per_seq_lens_object(monkeypatch: pytest.MonkeyPatc
     assert len(calls) == 3
 
 
+def test_bucket_groups_build_their_pages_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucketed step's layers share each group's pages and mask (one build per group)."""
+    calls = counting(monkeypatch, paged_reference, "_visible_pages")
+    layers = Layers(1, len(RAGGED), max(RAGGED), n_layers=4)
+    seq_lens = mx.array(RAGGED, dtype=mx.int32)
+    want = [layers.attend(ReferencePagedAttention(buckets=0), i, seq_lens, None) for i in range(4)]
+    kernel = ReferencePagedAttention()
+    plan = paged_reference._plan_buckets(
+        seq_lens, PAGE, layers.max_pages, None, 4, row_work=HKV * RATIO * D
+    )
+    assert plan.inverse is not None
+    calls.clear()
+    for layer in range(4):
+        np.testing.assert_allclose(
+            layers.attend(kernel, layer, seq_lens, None), want[layer], atol=1e-6
+        )
+    assert len(calls) == len(plan.groups)
+
+
 def test_attention_without_buckets_never_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = counting(monkeypatch, paged_reference, "_plan_buckets")
     layers = Layers(1, 3, 20, n_layers=1)

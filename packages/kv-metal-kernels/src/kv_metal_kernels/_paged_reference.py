@@ -246,8 +246,12 @@ class ReferencePagedAttention:
         max_pages = page_table.shape[1]
         unfused = use_unfused_softmax(self._unfused_softmax)
 
-        def run(rows_q: mx.array, table: mx.array, lens: mx.array, n_cols: int) -> mx.array:
-            pages, keep = self._pages_and_mask(table, lens, n_cols, page_size, window, queries)
+        def run(
+            rows_q: mx.array, lens: mx.array, n_cols: int, rows: mx.array | None = None
+        ) -> mx.array:
+            pages, keep = self._pages_and_mask(
+                page_table, lens, n_cols, page_size, window, queries, rows
+            )
             return _attend(
                 rows_q,
                 k_pool,
@@ -261,7 +265,7 @@ class ReferencePagedAttention:
             )
 
         if self._buckets == 0:
-            return run(q, page_table, seq_lens, max_pages)
+            return run(q, seq_lens, max_pages)
 
         row_work = q.shape[1] * queries * q.shape[3]
         plan_key = (page_size, max_pages, window, self._buckets, row_work, queries)
@@ -278,11 +282,8 @@ class ReferencePagedAttention:
             )
             self._plans.put(seq_lens, plan_key, plan)
         if plan.inverse is None:
-            return run(q, page_table, seq_lens, plan.n_all)
-        outs = [
-            run(q[group.rows], page_table[group.rows], group.lens, group.n_cols)
-            for group in plan.groups
-        ]
+            return run(q, seq_lens, plan.n_all)
+        outs = [run(q[group.rows], group.lens, group.n_cols, group.rows) for group in plan.groups]
         return mx.concatenate(outs, axis=0)[plan.inverse]
 
     def _pages_and_mask(
@@ -293,8 +294,13 @@ class ReferencePagedAttention:
         page_size: int,
         window: int | None,
         queries: int,
+        rows: mx.array | None = None,
     ) -> tuple[mx.array, mx.array]:
-        """:func:`_visible_pages`, kept per ``lens`` object and table object for the step."""
+        """:func:`_visible_pages` of ``table``'s ``rows`` (all when ``None``), kept per step.
+
+        Kept per ``lens`` object and table object: a bucket group's ``lens`` belongs to that
+        group alone, so its rows' pages and mask are built once for the step's layers.
+        """
         # The table's id is part of the key; the entry holds the table, so while the entry
         # lives no other array can take that id.
         key = (id(table), n_cols, page_size, window, queries)
@@ -302,7 +308,12 @@ class ReferencePagedAttention:
         if held is not None:
             return held[1], held[2]
         pages, keep = _visible_pages(
-            table, lens, n_cols=n_cols, page_size=page_size, window=window, queries=queries
+            table if rows is None else table[rows],
+            lens,
+            n_cols=n_cols,
+            page_size=page_size,
+            window=window,
+            queries=queries,
         )
         self._visible.put(lens, key, (table, pages, keep))
         return pages, keep
