@@ -11,8 +11,11 @@ slices), the
 attention projections, the MLPs of all 18 layers (mlx-lm's modules, and with the engine's
 vectorised activation, ``FastGatedMLP``), and the greedy pick over the vocabulary; the table
 marks the variants the engine does not use. Each part is one evaluation of all
-its layers' work, the best of ``--repeats``. What the parts do not cover (attention over the
-pages, norms, RoPE, the pool writes, sampling bookkeeping) is the step minus their sum.
+its layers' work, the best of ``--repeats``. Attention over the pages is the step's device
+time minus that of the same step with the paged kernel's work swapped for an identity after
+the engine is built (:func:`attention_cost`). What nothing covers (norms, RoPE, the pool
+writes, sampling bookkeeping) is the step minus their sum. ``--lengths`` sets the prompts
+(the real prompts' lengths give a ragged batch, whose attention costs more).
 
 With ``--weights-bits 8`` / ``4`` the model's weights are quantized at load (MLX's affine
 quantization, ``kv_serve.load_model(weights_bits=)``), with ``--gguf-kept`` the GGUF's own
@@ -24,6 +27,7 @@ weights cost or save on this backend.
     uv run python -m tools.profile_decode --weights-bits 8 4
     uv run python -m tools.profile_decode --gguf-kept
     uv run python -m tools.profile_decode --batches 4 --markdown docs/results/profile_decode.md
+    uv run python -m tools.profile_decode --batches 16 --lengths 6,14,20,130,147,170,840,1251
 """
 
 from __future__ import annotations
@@ -116,18 +120,33 @@ def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
     return measured
 
 
-def engine_step(model: Any, batch: int, seed: int) -> tuple[float, float, set[str]]:
+def engine_step(
+    model: Any,
+    batch: int,
+    seed: int,
+    *,
+    lengths: Sequence[int] = (PROMPT,),
+    attention: bool = True,
+) -> tuple[float, float, set[str]]:
     """The engine's decode step at ``batch`` rows: mean seconds, device part, variants used.
 
-    The last names the head and MLP variants of :func:`parts` the engine runs.
+    Row ``i``'s prompt has ``lengths[i % len(lengths)]`` random tokens. The last names the
+    head and MLP variants of :func:`parts` the engine runs. ``attention=False`` replaces the
+    paged attention kernel's work by its query (an identity) once the engine is built (so
+    the build-time probes still choose the step's paths as usual): the difference is what
+    attention over the pages costs a step (the tokens are then not the model's).
     """
     from kv_serve import build_engine
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1000, 200000) for _ in range(PROMPT)] for _ in range(batch)]
+    sizes = [lengths[i % len(lengths)] for i in range(batch)]
+    prompts = [[rng.randrange(1000, 200000) for _ in range(n)] for n in sizes]
     with build_engine(
-        model, max_running=batch, max_context=PROMPT + DECODE, prefix_caching=False
+        model, max_running=batch, max_context=max(sizes) + DECODE, prefix_caching=False
     ) as engine:
+        if not attention:
+            kernel: Any = engine._runner.kernels.attention
+            kernel._attend_rows = _query_only
         for prompt in prompts:
             engine.submit(prompt, DECODE)
         engine.run()
@@ -136,6 +155,40 @@ def engine_step(model: Any, batch: int, seed: int) -> tuple[float, float, set[st
         used = {ENGINE_HEAD if engine._runner.decode_forward is not None else MLX_LM_HEAD}
         used.add(FAST_MLPS if engine._runner.fast_mlps else MLX_LM_MLPS)
         return stats.decode_seconds / steps, stats.decode_device_seconds / steps, used
+
+
+def _query_only(q: Any, k_pool: Any, v_pool: Any, *args: Any, **kwargs: Any) -> Any:
+    """An attention kernel's rows call that returns the queries: the step without attention.
+
+    One element of each pool is added (times zero), so the step's pool writes are still
+    evaluated: the difference is the attention alone.
+    """
+    import mlx.core as mx
+
+    for pool in (k_pool, v_pool):
+        if isinstance(pool, mx.array):
+            q = q + 0 * pool[0, 0, 0].astype(q.dtype)
+    return q
+
+
+def attention_cost(model: Any, batch: int, seed: int, lengths: Sequence[int]) -> float | None:
+    """Seconds of a decode step's attention over the pages: steps with and without it.
+
+    Two runs of each, alternating, the faster of each kept; ``None`` when the engine's
+    attention kernel is not the reference one (whose work can be swapped out).
+    """
+    from kv_metal_kernels import ReferencePagedAttention
+    from kv_serve import build_engine
+
+    with build_engine(model, max_running=1, max_context=64, prefix_caching=False) as probe:
+        if not isinstance(probe._runner.kernels.attention, ReferencePagedAttention):
+            return None
+    with_attention: list[float] = []
+    without: list[float] = []
+    for _ in range(2):
+        with_attention.append(engine_step(model, batch, seed, lengths=lengths)[1])
+        without.append(engine_step(model, batch, seed, lengths=lengths, attention=False)[1])
+    return max(0.0, min(with_attention) - min(without))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode batch sizes, comma-separated (1,4,16)",
     )
     parser.add_argument("--repeats", type=int, default=5, help="timings per part, best kept (5)")
+    parser.add_argument(
+        "--lengths",
+        type=int_list(1, 8192),
+        default=[PROMPT],
+        help=f"prompt lengths in tokens, comma-separated, taken by the rows in turn ({PROMPT}); "
+        "e.g. the real prompts' 6,7,14,15,16,20,114,130,136,147,162,170,737,840,1138,1251",
+    )
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (0)")
     parser.add_argument(
         "--weights-bits",
@@ -178,10 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, _ = load_model("gemma3-270m")
     report = Report("Where a decode step of Gemma 3 270M goes")
     with report.capturing():
-        print(f"BLAS: {active_blas().describe()}; prompts of {PROMPT} tokens, {DECODE} decoded")
+        shown = ", ".join(str(n) for n in args.lengths)
+        print(f"BLAS: {active_blas().describe()}; prompts of {shown} tokens, {DECODE} decoded")
         for batch in args.batches:
             measured = parts(model, batch, args.repeats)
-            step, device, used = engine_step(model, batch, args.seed)
+            step, device, used = engine_step(model, batch, args.seed, lengths=args.lengths)
+            attention = attention_cost(model, batch, args.seed, args.lengths)
             variants = {MLX_LM_HEAD, WHOLE_HEAD, ENGINE_HEAD, MLX_LM_MLPS, FAST_MLPS}
             print(f"\n### B = {batch}: engine decode step {1000 * step:.1f} ms\n")
             print("| part | ms | share of the step |")
@@ -198,10 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     counted += seconds
                 print(f"| {name} | {1000 * seconds:.1f} | {share} |")
+            if attention is not None:
+                counted += attention
+                print(
+                    f"| attention over the pages (the step with and without the paged "
+                    f"kernel's work) | {1000 * attention:.1f} | {100 * attention / step:.0f}% |"
+                )
             rest = device - counted
             print(
-                f"| the rest of the device time (attention over pages, norms, RoPE, pool "
-                f"writes) | {1000 * rest:.1f} | {100 * rest / step:.0f}% |"
+                f"| the rest of the device time (norms, RoPE, pool writes, parts measured "
+                f"alone faster than in the step) | {1000 * rest:.1f} | {100 * rest / step:.0f}% |"
             )
     report.write(args.markdown, prog="tools.profile_decode", argv=argv)
     return 0
