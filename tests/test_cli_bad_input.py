@@ -22,7 +22,15 @@ from typing import Any
 import pytest
 
 from kv_serve import _cli as kv_serve_cli
-from tools import bench_engine, bench_kernels, bench_latency, bench_pool, cli_args, kv
+from tools import (
+    bench_engine,
+    bench_kernels,
+    bench_latency,
+    bench_pool,
+    cli_args,
+    kv,
+    profile_decode,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Seconds a refused command may take: at most an interpreter start and the imports (in a
@@ -35,6 +43,7 @@ MAINS: dict[str, Callable[[Sequence[str]], Any]] = {
     "tools.bench_pool": bench_pool.main,
     "tools.bench_kernels": lambda argv: bench_kernels.main(list(argv)),
     "tools.bench_latency": bench_latency.main,
+    "tools.profile_decode": profile_decode.main,
     "kv_serve._cli": kv_serve_cli.main,
 }
 
@@ -186,6 +195,9 @@ OTHER_BENCH_CASES = [
     ("tools.bench_kernels", ["--attn-batch", "0"], "--attn-batch"),
     ("tools.bench_kernels", ["--min-time", "nan"], "--min-time"),
     ("tools.bench_latency", ["--streams", "0"], "--streams"),
+    ("tools.profile_decode", ["--lengths", "0"], "--lengths"),
+    ("tools.profile_decode", ["--lengths", "128,x"], "--lengths"),
+    ("tools.profile_decode", ["--repeats", "0"], "--repeats"),
     ("tools.bench_latency", ["--stall", "0"], "--stall"),
     ("tools.bench_latency", ["--stall", "nan"], "--stall"),
     ("tools.bench_latency", ["--long-min", "900", "--long-max", "800"], "need --long-min <="),
@@ -270,6 +282,7 @@ def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
         ("tools.bench_pool", bench_pool.build_parser()),
         ("tools.bench_kernels", bench_kernels.build_parser()),
         ("tools.bench_latency", bench_latency.build_parser()),
+        ("tools.profile_decode", profile_decode.build_parser()),
     ]
     return found
 

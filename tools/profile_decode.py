@@ -38,7 +38,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from tools.cli_args import ArgumentParser, add_run_options, int_list
+from tools.cli_args import (
+    ArgumentParser,
+    add_run_options,
+    int_in_range,
+    int_list,
+    positive_int,
+)
 from tools.harness import Report
 
 PROMPT = 128
@@ -200,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[1, 4, 16],
         help="decode batch sizes, comma-separated (1,4,16)",
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timings per part, best kept (5)")
+    parser.add_argument(
+        "--repeats", type=positive_int(100), default=5, help="timings per part, best kept (5)"
+    )
     parser.add_argument(
         "--lengths",
         type=int_list(1, 8192),
@@ -208,12 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"prompt lengths in tokens, comma-separated, taken by the rows in turn ({PROMPT}); "
         "e.g. the real prompts' 6,7,14,15,16,20,114,130,136,147,162,170,737,840,1138,1251",
     )
-    parser.add_argument("--seed", type=int, default=0, help="prompt seed (0)")
+    parser.add_argument(
+        "--seed", type=int_in_range(0, 2**31 - 1), default=0, help="prompt seed (0)"
+    )
     parser.add_argument(
         "--weights-bits",
-        type=int,
         nargs="+",
-        choices=(4, 8),
+        choices=("4", "8"),
         default=None,
         help="compare the engine's step with weights quantized to these bits against fp32",
     )
@@ -284,7 +293,7 @@ def _quantized(args: argparse.Namespace) -> int:
 
     models = {"fp32": load_model("gemma3-270m", gguf_weights="dequantize")[0]}
     for bits in args.weights_bits or []:
-        models[f"{bits}-bit"] = load_model("gemma3-270m", weights_bits=bits)[0]
+        models[f"{bits}-bit"] = load_model("gemma3-270m", weights_bits=int(bits))[0]
     if args.gguf_kept:
         kept = load_model("gemma3-270m", gguf_weights="keep")[0]
         models["GGUF blocks kept (Q8_0 / Q5_0 / Q4_K; Q6_K as fp32)"] = kept
