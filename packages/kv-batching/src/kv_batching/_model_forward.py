@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
@@ -82,14 +83,7 @@ def last_position_forward(model: nn.Module, vocab_size: int) -> LastPositionForw
     project: Callable[[mx.array], mx.array] = head
     reordered = _reorderable_head(model)
     if reordered is not None:
-        weight, bias = reordered
-
-        def project(hidden: mx.array) -> mx.array:
-            rows = hidden.reshape(-1, hidden.shape[-1])
-            logits = project_rows(weight, rows)
-            if bias is not None:
-                logits = logits + bias
-            return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+        project = partial(_project_reordered, *reordered)
 
     def forward(tokens: mx.array, caches: list[Any]) -> mx.array:
         hidden = backbone(tokens, cache=caches)
@@ -186,6 +180,14 @@ def _reorderable_head(model: nn.Module) -> tuple[mx.array, mx.array | None] | No
     return weight, bias
 
 
+def _project_reordered(weight: mx.array, bias: mx.array | None, hidden: mx.array) -> mx.array:
+    """``hidden (..., D)`` onto the vocabulary through :func:`project_rows`, plus ``bias``."""
+    logits = project_rows(weight, hidden.reshape(-1, hidden.shape[-1]))
+    if bias is not None:
+        logits = logits + bias
+    return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+
+
 def decode_forward(model: nn.Module, vocab_size: int) -> DecodeForward | None:
     """The model's forward with its vocabulary head as ``(W @ h.T).T``, where that pays.
 
@@ -205,12 +207,7 @@ def decode_forward(model: nn.Module, vocab_size: int) -> DecodeForward | None:
     weight, bias = reordered
 
     def forward(tokens: mx.array, cache: Any = None) -> mx.array:
-        hidden = backbone(tokens, cache=cache)
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        logits = project_rows(weight, rows)
-        if bias is not None:
-            logits = logits + bias
-        return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+        return _project_reordered(weight, bias, backbone(tokens, cache=cache))
 
     probe = mx.array([[(7 * i + 3 * j + 1) % vocab_size for i in range(3)] for j in range(4)])
     try:
