@@ -115,7 +115,7 @@ def copy_bandwidth(mib: int = 256, *, min_time: float = 0.5) -> float:
 
 def machine_description() -> str:
     """One line naming this machine, the Python and MLX builds and the BLAS in use."""
-    from kv_serve import active_blas
+    from kv_serve import active_blas, active_cpu_jit
 
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
@@ -127,7 +127,7 @@ def machine_description() -> str:
         f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores ({cpu}), "
         f"Python {platform.python_version()}, mlx {version('mlx')} "
         f"({mx.default_device().type.name}), mlx-lm {version('mlx-lm')}; "
-        f"BLAS {active_blas().name}"
+        f"BLAS {active_blas().name}; compiled kernels {active_cpu_jit().flags or 'no flags'}"
     )
 
 

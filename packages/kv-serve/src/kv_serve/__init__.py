@@ -15,6 +15,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._blas import BLAS_ENV, BlasError, BlasInfo, active_blas, load_fast_blas
+from ._cpu_jit import JIT_FLAGS_ENV, CpuJitInfo, active_cpu_jit, configure_cpu_jit
 from ._extras import require_extra
 from ._sizes import DEFAULT_KV_SLAB_BYTES, DRAFT_SPECULATIVE_TOKENS, NGRAM_SPECULATIVE_TOKENS
 
@@ -43,12 +44,14 @@ __all__ = [
     "GEMMA3_270M",
     "GEMMA3_CHAT_TEMPLATE",
     "GEMMA3_HARD_CODED",
+    "JIT_FLAGS_ENV",
     "NGRAM_SPECULATIVE_TOKENS",
     "RANK_LOST_EXIT",
     "BlasError",
     "BlasInfo",
     "ChatTemplate",
     "Completion",
+    "CpuJitInfo",
     "DraftModelProposer",
     "EngineDraftProposer",
     "GenerationStats",
@@ -60,11 +63,13 @@ __all__ = [
     "ServerMetrics",
     "TextStream",
     "active_blas",
+    "active_cpu_jit",
     "build_engine",
     "build_kernels",
     "build_pool",
     "cli_main",
     "complete",
+    "configure_cpu_jit",
     "convert_gguf",
     "default_cache_dir",
     "draft_speculation",

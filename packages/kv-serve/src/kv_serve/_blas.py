@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from ._cpu_jit import configure_cpu_jit
+
 __all__ = [
     "BLAS_ENV",
     "BlasError",
@@ -161,10 +163,14 @@ def load_fast_blas(choice: str | None = None, *, strict: bool = False) -> BlasIn
     recorded as the reason MLX keeps its reference BLAS (so a bad ``KV_SERVE_BLAS`` never
     stops an entry point; the command line reports it), or, with ``strict``, raises
     :class:`BlasError` and records nothing. ``auto`` never fails for a missing one.
+
+    It also gives MLX's CPU kernel compiler its target flags
+    (:func:`kv_serve.configure_cpu_jit`), the other half of a fast Linux CPU backend.
     """
     global _active
     if _active is not None:
         return _active
+    configure_cpu_jit()
     if choice is None:
         choice = os.environ.get(BLAS_ENV, "auto").strip() or "auto"
     if not sys.platform.startswith("linux"):
