@@ -1,4 +1,4 @@
-"""A prefill chunk's RoPE from a shared table equals ``mx.fast.rope`` bit for bit."""
+"""RoPE from a shared table (a prefill chunk's, a decode step's) equals ``mx.fast.rope``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_batching._rope_table import _KEPT, _table, _tables, rope_chunk
+from kv_batching._rope_table import (
+    _KEPT,
+    _row_tables,
+    _rows_table,
+    _table,
+    _tables,
+    rope_chunk,
+    rope_rows,
+)
 from kv_protocol import RopeConfig
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -59,3 +67,53 @@ def test_a_chunk_s_table_is_computed_once_and_few_are_kept() -> None:
     for offset in range(10, 10 + 2 * _KEPT):
         _table(rope, offset, 5, mx.float32)
     assert len(_tables) <= _KEPT
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    head_dim=st.sampled_from([8, 16, 64, 80]),
+    share=st.sampled_from([1.0, 0.5, 0.25]),
+    traditional=st.booleans(),
+    base=st.sampled_from([10000.0, 1_000_000.0, 500.0]),
+    scale=st.sampled_from([1.0, 0.25, 2.0]),
+    offsets=st.lists(st.integers(0, 200_000), min_size=1, max_size=17),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_a_decode_step_s_rotation_is_mx_fast_rope(
+    heads: int,
+    head_dim: int,
+    share: float,
+    traditional: bool,
+    base: float,
+    scale: float,
+    offsets: list[int],
+    dtype: str,
+    seed: int,
+) -> None:
+    dims = max(2, int(head_dim * share) // 2 * 2)
+    rope = RopeConfig(dims=dims, traditional=traditional, base=base, scale=scale)
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.normal(size=(len(offsets), heads, 1, head_dim)).astype(np.float32))
+    x = x.astype(DTYPES[dtype])
+    positions = mx.array(offsets, dtype=mx.int32)
+    want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=positions)
+    got = rope_rows(x, positions, rope)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    np.testing.assert_array_equal(
+        np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    )
+
+
+def test_a_decode_step_s_table_is_shared_by_its_layers_only() -> None:
+    rope = RopeConfig(dims=8)
+    step = mx.array([3, 70, 5], dtype=mx.int32)
+    first = _rows_table(rope, step, mx.float32)
+    assert _rows_table(rope, step, mx.float32) is first  # the step's layers share it
+    same_values = mx.array([3, 70, 5], dtype=mx.int32)
+    assert _rows_table(rope, same_values, mx.float32) is not first  # the next step's array
+    assert _rows_table(rope, same_values, mx.bfloat16) is not first
+    for base in range(2 * _KEPT):
+        _rows_table(RopeConfig(dims=8, base=1000.0 + base), step, mx.float32)
+    assert len(_row_tables) <= _KEPT

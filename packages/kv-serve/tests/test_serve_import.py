@@ -25,6 +25,10 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 #: The public names, as the README's API section documents them.
 DOCUMENTED = [
     "BLAS_ENV",
+    "JIT_FLAGS_ENV",
+    "CpuJitInfo",
+    "active_cpu_jit",
+    "configure_cpu_jit",
     "CHAT_TEMPLATES",
     "DEFAULT_KV_SLAB_BYTES",
     "DRAFT_SPECULATIVE_TOKENS",

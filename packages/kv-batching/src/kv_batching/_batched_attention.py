@@ -16,7 +16,7 @@ from kv_protocol import (
 from ._attention_spec import AttentionSpec, project_qkv, project_qkv_tokens
 from ._decode_step import LayerStep
 from ._layer_cache import BatchedLayerCache
-from ._rope_table import rope_chunk
+from ._rope_table import rope_chunk, rope_rows
 
 __all__ = ["BatchedAttention"]
 
@@ -138,8 +138,15 @@ class BatchedAttention(nn.Module):
         else:
             q4 = q[:, :, None, :]
             if spec.uses_rope:
-                q4 = inner.rope(q4, offset=ctx.offsets)
-                k = inner.rope(k[:, :, None, :], offset=ctx.offsets)[:, :, 0, :]
+                rope = spec.rope_config
+                if rope is not None and mx.default_device().type == mx.cpu:
+                    # One table of the step's angles for every layer with this rope
+                    # (bit-identical to the module's mx.fast.rope; see _rope_table).
+                    q4 = rope_rows(q4, ctx.offsets, rope)
+                    k = rope_rows(k[:, :, None, :], ctx.offsets, rope)[:, :, 0, :]
+                else:
+                    q4 = inner.rope(q4, offset=ctx.offsets)
+                    k = inner.rope(k[:, :, None, :], offset=ctx.offsets)[:, :, 0, :]
             pool.set_kv(pool_layer, layer.new_token_slots, k, v)
 
         queries = layer.queries

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from kv_protocol import RopeConfig
 
-__all__ = ["rope_chunk"]
+__all__ = ["rope_chunk", "rope_rows"]
 
 #: How many (config, offset, length, dtype) tables are kept: a forward's layer kinds.
 _KEPT = 4
@@ -60,14 +60,71 @@ def _table(
     return table
 
 
+def _rows_table(rope: RopeConfig, offsets: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """``(cos, sin)``, each ``(B, 1, 1, dims // 2)``, at row ``b``'s position ``offsets[b]``.
+
+    Kept for the step's ``offsets`` object (every layer of a decode step passes the same
+    one), by the probe of :func:`_table` rotated by ``mx.fast.rope`` with array offsets.
+    """
+    key = (rope, dtype)
+    held = _row_tables.get(key)
+    if held is not None and held[0] is offsets:
+        return held[1]
+    rows, half = offsets.shape[0], rope.dims // 2
+    ones, zeros = (
+        mx.ones((rows, 1, 1, half), dtype=dtype),
+        mx.zeros((rows, 1, 1, half), dtype=dtype),
+    )
+    if rope.traditional:
+        probe = mx.stack([ones, zeros], axis=-1).reshape(rows, 1, 1, rope.dims)
+    else:
+        probe = mx.concatenate([ones, zeros], axis=-1)
+    rotated = mx.fast.rope(
+        probe,
+        rope.dims,
+        traditional=rope.traditional,
+        base=rope.base,
+        scale=rope.scale,
+        offset=offsets,
+    )
+    if rope.traditional:
+        pairs = rotated.reshape(rows, 1, 1, half, 2)
+        table = (pairs[..., 0], pairs[..., 1])
+    else:
+        table = (rotated[..., :half], rotated[..., half:])
+    if len(_row_tables) >= _KEPT:
+        del _row_tables[next(iter(_row_tables))]
+    _row_tables[key] = (offsets, table)
+    return table
+
+
+_row_tables: dict[tuple[RopeConfig, mx.Dtype], tuple[mx.array, tuple[mx.array, mx.array]]] = {}
+
+
+def rope_rows(x: mx.array, offsets: mx.array, rope: RopeConfig) -> mx.array:
+    """``mx.fast.rope(x, ..., offset=offsets)`` of ``x (B, H, 1, D)``: row ``b`` at ``offsets[b]``.
+
+    A decode step's rotation: bit-identical to ``mx.fast.rope`` on MLX's CPU backend, with
+    the cosines and sines of the step's positions computed once for all its layers (their
+    ``offsets`` is one array object) instead of once per layer, query and key.
+    """
+    cos, sin = _rows_table(rope, offsets, x.dtype)
+    return _rotate(x, cos, sin, rope)
+
+
 def rope_chunk(x: mx.array, offset: int, rope: RopeConfig) -> mx.array:
     """``mx.fast.rope(x, ...)`` of ``x (B, H, T, D)`` at positions ``offset .. offset + T - 1``.
 
     Bit-identical to ``mx.fast.rope`` on MLX's CPU backend (which composes it from the same
     operations), with the cosines and sines of a ``(rope, offset, T, dtype)`` computed once.
     """
-    length, dims, half = x.shape[2], rope.dims, rope.dims // 2
-    cos, sin = _table(rope, offset, length, x.dtype)
+    cos, sin = _table(rope, offset, x.shape[2], x.dtype)
+    return _rotate(x, cos, sin, rope)
+
+
+def _rotate(x: mx.array, cos: mx.array, sin: mx.array, rope: RopeConfig) -> mx.array:
+    """The arithmetic ``mx.fast.rope`` applies, with its cosines and sines given."""
+    dims, half = rope.dims, rope.dims // 2
     if rope.traditional:
         x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
     else:
