@@ -112,3 +112,24 @@ def test_mlx_builds_its_kernels_with_the_flags(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     found = eval(done.stdout.strip().splitlines()[-1])
     assert found and set(found) == {1729}
+
+
+def test_a_shared_directory_others_can_write_to_is_not_used(
+    fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_cpu_jit.tempfile, "tempdir", str(tmp_path))
+    compiler = _cpu_jit._real_compiler()
+    assert compiler is not None
+    shared = _cpu_jit._shared_dir(_cpu_jit._wrapper_script(compiler, ["-O1"]))
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could swap the compiler in here
+    info = _cpu_jit.configure_cpu_jit("-O1")
+    assert info.flags == "-O1"
+    used = Path(shutil.which("g++") or "").parent
+    assert used != shared and used.name.startswith("kv-serve-jit-")
+    assert not used.stat().st_mode & 0o022 and not (shared / "g++").exists()
+    # A private shared directory is reused as it is.
+    shared.chmod(0o700)
+    monkeypatch.setattr(_cpu_jit, "_active", None)
+    _cpu_jit.configure_cpu_jit("-O1")
+    assert Path(shutil.which("g++") or "").parent == shared

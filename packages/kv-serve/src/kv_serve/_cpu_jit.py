@@ -9,7 +9,8 @@ chunk takes 2.6 against 8.6 ms on a 2-core AMD EPYC (AVX-512), and a Gemma 3 270
 of 512 tokens about 6% less time.
 
 :func:`configure_cpu_jit` puts a ``g++`` first on this process's ``PATH`` (and its
-children's) that runs the real one with the flags added. ``KV_SERVE_JIT_FLAGS`` chooses
+children's) that runs the real one with the flags added; it lives in a directory under the
+temp dir that only this user can write to. ``KV_SERVE_JIT_FLAGS`` chooses
 them: ``auto`` (the default: ``-march=native`` where the compiler accepts it), ``off``, or
 the flags themselves. Kernels MLX cached before, built without them, are reused as they
 are (correct, only not faster): clear ``$TMPDIR/mlx`` to rebuild them. A cache shared by
@@ -19,11 +20,13 @@ other).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -82,15 +85,37 @@ def _accepts(compiler: str, flags: list[str]) -> bool:
     return done.returncode == 0
 
 
-def _install(compiler: str, flags: list[str]) -> Path:
-    """A directory holding a ``g++`` that runs ``compiler`` with ``flags`` first."""
-    script = f'#!/bin/sh\nexec {shlex.quote(compiler)} {shlex.join(flags)} "$@"\n'
+def _wrapper_script(compiler: str, flags: list[str]) -> str:
+    return f'#!/bin/sh\nexec {shlex.quote(compiler)} {shlex.join(flags)} "$@"\n'
+
+
+def _shared_dir(script: str) -> Path:
+    """Where processes of this user with the same wrapper share it (under the temp dir)."""
     digest = hashlib.sha256(script.encode()).hexdigest()[:16]
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    directory = Path(tempfile.gettempdir()) / f"{_WRAPPER_PREFIX}{uid}-{digest}"
+    return Path(tempfile.gettempdir()) / f"{_WRAPPER_PREFIX}{os.getuid()}-{digest}"
+
+
+def _private(path: Path) -> bool:
+    """A real directory of this user that nobody else may write to (not a symlink)."""
+    info = os.lstat(path)
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def _install(compiler: str, flags: list[str]) -> Path:
+    """A directory holding a ``g++`` that runs ``compiler`` with ``flags`` first.
+
+    The shared directory is used only if this user owns it and nobody else can write to
+    it (anything else there could swap the compiler MLX runs); otherwise a fresh private
+    one is made.
+    """
+    script = _wrapper_script(compiler, flags)
+    directory = _shared_dir(script)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    if not _private(directory):
+        directory = Path(tempfile.mkdtemp(prefix=_WRAPPER_PREFIX))
     wrapper = directory / "g++"
     if not (wrapper.is_file() and wrapper.read_text() == script):
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         staged = directory / f"g++.{os.getpid()}"
         staged.write_text(script)
         staged.chmod(0o755)
