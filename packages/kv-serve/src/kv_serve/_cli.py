@@ -365,11 +365,13 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stderr.flush()
 
     from ._blas import active_blas
+    from ._cpu_jit import active_cpu_jit
 
     start = time.perf_counter()
     model, tokenizer = _load_model(args, progress)
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
+    progress(f"compiled kernels: {active_cpu_jit().describe()}")
     sampling = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -430,6 +432,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     require_extra("server")
     from ._blas import active_blas
+    from ._cpu_jit import active_cpu_jit
     from ._server import KVServer
 
     def progress(message: str) -> None:
@@ -451,6 +454,7 @@ def _serve(args: argparse.Namespace) -> int:
     model, tokenizer = _load_model(args, progress, lazy=ranks is not None)
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
+    progress(f"compiled kernels: {active_cpu_jit().describe()}")
     if ranks is not None:
         from ._sharding import shard_model
 
