@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -61,10 +62,18 @@ def test_off_leaves_path_alone(fresh: None) -> None:
     assert os.environ["PATH"] == before
 
 
-def test_refused_flags_are_not_installed(fresh: None) -> None:
+@pytest.mark.parametrize(
+    ("choice", "reason"),
+    [
+        ("-fno-such-option-kv-serve", "refuses"),
+        ("-march='native", "not shell words"),
+        ("''", "names no flags"),
+    ],
+)
+def test_unusable_flags_are_not_installed(fresh: None, choice: str, reason: str) -> None:
     before = os.environ["PATH"]
-    info = _cpu_jit.configure_cpu_jit("-fno-such-option-kv-serve")
-    assert info.flags == "" and "refuses" in info.reason
+    info = _cpu_jit.configure_cpu_jit(choice)
+    assert info.flags == "" and reason in info.reason
     assert os.environ["PATH"] == before
 
 
@@ -117,7 +126,7 @@ def test_mlx_builds_its_kernels_with_the_flags(tmp_path: Path) -> None:
 def test_a_shared_directory_others_can_write_to_is_not_used(
     fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_cpu_jit.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     compiler = _cpu_jit._real_compiler()
     assert compiler is not None
     shared = _cpu_jit._shared_dir(_cpu_jit._wrapper_script(compiler, ["-O1"]))

@@ -127,8 +127,9 @@ def configure_cpu_jit(choice: str | None = None) -> CpuJitInfo:
     """Give MLX's CPU kernel compiler ``choice``'s flags (default ``$KV_SERVE_JIT_FLAGS``).
 
     Idempotent: the first call decides, later calls return what it did. Flags the compiler
-    refuses, or no ``g++`` on ``PATH``, leave MLX as it is (logged, never raised): a
-    kernel that cannot be built would fail every forward that needs it.
+    refuses or that are not shell words, or no ``g++`` on ``PATH``, leave MLX as it is
+    (logged, never raised: an entry point never fails on it, and a kernel that cannot be
+    built would fail every forward that needs it).
     """
     global _active
     if _active is not None:
@@ -142,7 +143,16 @@ def configure_cpu_jit(choice: str | None = None) -> CpuJitInfo:
     if choice.lower() == "off":
         _active = CpuJitInfo(flags="", reason=f"{JIT_FLAGS_ENV}=off")
         return _active
-    flags = shlex.split(_AUTO_FLAGS if choice.lower() == "auto" else choice)
+    try:
+        words = shlex.split(_AUTO_FLAGS if choice.lower() == "auto" else choice)
+    except ValueError as err:
+        _log.warning("%s=%r cannot be read as flags (%s); none added", JIT_FLAGS_ENV, choice, err)
+        _active = CpuJitInfo(flags="", reason=f"{JIT_FLAGS_ENV}={choice!r} is not shell words")
+        return _active
+    flags = [word for word in words if word]
+    if not flags:
+        _active = CpuJitInfo(flags="", reason=f"{JIT_FLAGS_ENV} names no flags")
+        return _active
     compiler = _real_compiler()
     if compiler is None:
         _active = CpuJitInfo(flags="", reason="no g++ on PATH (MLX cannot compile kernels)")
