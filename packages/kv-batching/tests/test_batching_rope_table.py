@@ -21,6 +21,41 @@ from kv_protocol import RopeConfig
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
+def _case(
+    shape: tuple[int, int, int],
+    head_dim: int,
+    share: float,
+    rope_args: tuple[bool, float, float],
+    dtype: str,
+    seed: int,
+) -> tuple[RopeConfig, mx.array]:
+    """A RoPE rotating ``share`` of ``head_dim`` and a random ``(*shape, head_dim)`` input."""
+    traditional, base, scale = rope_args
+    dims = max(2, int(head_dim * share) // 2 * 2)
+    rope = RopeConfig(dims=dims, traditional=traditional, base=base, scale=scale)
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.normal(size=(*shape, head_dim)).astype(np.float32))
+    return rope, x.astype(DTYPES[dtype])
+
+
+def _assert_is_fast_rope(
+    got: mx.array, x: mx.array, rope: RopeConfig, offset: int | mx.array
+) -> None:
+    """``got`` is ``mx.fast.rope(x, ...)`` at ``offset`` bit for bit."""
+    want = mx.fast.rope(
+        x,
+        rope.dims,
+        traditional=rope.traditional,
+        base=rope.base,
+        scale=rope.scale,
+        offset=offset,
+    )
+    assert got.shape == x.shape and got.dtype == x.dtype
+    np.testing.assert_array_equal(
+        np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    )
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     heads=st.integers(1, 4),
@@ -46,17 +81,8 @@ def test_the_table_rotation_is_mx_fast_rope(
     dtype: str,
     seed: int,
 ) -> None:
-    dims = max(2, int(head_dim * share) // 2 * 2)
-    rope = RopeConfig(dims=dims, traditional=traditional, base=base, scale=scale)
-    rng = np.random.default_rng(seed)
-    x = mx.array(rng.normal(size=(2, heads, length, head_dim)).astype(np.float32))
-    x = x.astype(DTYPES[dtype])
-    want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
-    got = rope_chunk(x, offset, rope)
-    assert got.shape == x.shape and got.dtype == x.dtype
-    np.testing.assert_array_equal(
-        np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    )
+    rope, x = _case((2, heads, length), head_dim, share, (traditional, base, scale), dtype, seed)
+    _assert_is_fast_rope(rope_chunk(x, offset, rope), x, rope, offset)
 
 
 def test_a_chunk_s_table_is_computed_once_and_few_are_kept() -> None:
@@ -92,18 +118,11 @@ def test_a_decode_step_s_rotation_is_mx_fast_rope(
     dtype: str,
     seed: int,
 ) -> None:
-    dims = max(2, int(head_dim * share) // 2 * 2)
-    rope = RopeConfig(dims=dims, traditional=traditional, base=base, scale=scale)
-    rng = np.random.default_rng(seed)
-    x = mx.array(rng.normal(size=(len(offsets), heads, 1, head_dim)).astype(np.float32))
-    x = x.astype(DTYPES[dtype])
-    positions = mx.array(offsets, dtype=mx.int32)
-    want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=positions)
-    got = rope_rows(x, positions, rope)
-    assert got.shape == x.shape and got.dtype == x.dtype
-    np.testing.assert_array_equal(
-        np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    rope, x = _case(
+        (len(offsets), heads, 1), head_dim, share, (traditional, base, scale), dtype, seed
     )
+    positions = mx.array(offsets, dtype=mx.int32)
+    _assert_is_fast_rope(rope_rows(x, positions, rope), x, rope, positions)
 
 
 def test_a_decode_step_s_table_is_shared_by_its_layers_only() -> None:

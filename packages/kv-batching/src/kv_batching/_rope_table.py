@@ -22,24 +22,23 @@ _KEPT = 4
 _tables: dict[tuple[RopeConfig, int, int, mx.Dtype], tuple[mx.array, mx.array]] = {}
 
 
-def _table(
-    rope: RopeConfig, offset: int, length: int, dtype: mx.Dtype
+_row_tables: dict[tuple[RopeConfig, mx.Dtype], tuple[mx.array, tuple[mx.array, mx.array]]] = {}
+
+
+def _angles(
+    rope: RopeConfig, lead: tuple[int, int, int], offset: int | mx.array, dtype: mx.Dtype
 ) -> tuple[mx.array, mx.array]:
-    """``(cos, sin)``, each ``(length, dims // 2)`` in ``dtype``, for positions from ``offset``.
+    """``(cos, sin)``, each ``(*lead, dims // 2)``, as ``mx.fast.rope`` computes them.
 
     A probe whose rotated halves are 1 and 0 comes out of ``mx.fast.rope`` as ``cos`` and
     ``sin`` exactly (``1 * c - 0 * s`` and ``1 * s + 0 * c``).
     """
-    key = (rope, offset, length, dtype)
-    held = _tables.get(key)
-    if held is not None:
-        return held
     half = rope.dims // 2
-    ones, zeros = mx.ones((length, half), dtype=dtype), mx.zeros((length, half), dtype=dtype)
+    ones, zeros = mx.ones((*lead, half), dtype=dtype), mx.zeros((*lead, half), dtype=dtype)
     if rope.traditional:
-        probe = mx.stack([ones, zeros], axis=-1).reshape(1, 1, length, rope.dims)
+        probe = mx.stack([ones, zeros], axis=-1).reshape(*lead, rope.dims)
     else:
-        probe = mx.concatenate([ones, zeros], axis=-1).reshape(1, 1, length, rope.dims)
+        probe = mx.concatenate([ones, zeros], axis=-1)
     rotated = mx.fast.rope(
         probe,
         rope.dims,
@@ -47,12 +46,23 @@ def _table(
         base=rope.base,
         scale=rope.scale,
         offset=offset,
-    )[0, 0]
+    )
     if rope.traditional:
-        pairs = rotated.reshape(length, half, 2)
-        table = (pairs[..., 0], pairs[..., 1])
-    else:
-        table = (rotated[:, :half], rotated[:, half:])
+        pairs = rotated.reshape(*lead, half, 2)
+        return pairs[..., 0], pairs[..., 1]
+    return rotated[..., :half], rotated[..., half:]
+
+
+def _table(
+    rope: RopeConfig, offset: int, length: int, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """``(cos, sin)``, each ``(length, dims // 2)`` in ``dtype``, for positions from ``offset``."""
+    key = (rope, offset, length, dtype)
+    held = _tables.get(key)
+    if held is not None:
+        return held
+    cos, sin = _angles(rope, (1, 1, length), offset, dtype)
+    table = (cos[0, 0], sin[0, 0])
     mx.eval(table)
     if len(_tables) >= _KEPT:
         del _tables[next(iter(_tables))]
@@ -64,41 +74,17 @@ def _rows_table(rope: RopeConfig, offsets: mx.array, dtype: mx.Dtype) -> tuple[m
     """``(cos, sin)``, each ``(B, 1, 1, dims // 2)``, at row ``b``'s position ``offsets[b]``.
 
     Kept for the step's ``offsets`` object (every layer of a decode step passes the same
-    one), by the probe of :func:`_table` rotated by ``mx.fast.rope`` with array offsets.
+    one).
     """
     key = (rope, dtype)
     held = _row_tables.get(key)
     if held is not None and held[0] is offsets:
         return held[1]
-    rows, half = offsets.shape[0], rope.dims // 2
-    ones, zeros = (
-        mx.ones((rows, 1, 1, half), dtype=dtype),
-        mx.zeros((rows, 1, 1, half), dtype=dtype),
-    )
-    if rope.traditional:
-        probe = mx.stack([ones, zeros], axis=-1).reshape(rows, 1, 1, rope.dims)
-    else:
-        probe = mx.concatenate([ones, zeros], axis=-1)
-    rotated = mx.fast.rope(
-        probe,
-        rope.dims,
-        traditional=rope.traditional,
-        base=rope.base,
-        scale=rope.scale,
-        offset=offsets,
-    )
-    if rope.traditional:
-        pairs = rotated.reshape(rows, 1, 1, half, 2)
-        table = (pairs[..., 0], pairs[..., 1])
-    else:
-        table = (rotated[..., :half], rotated[..., half:])
+    table = _angles(rope, (offsets.shape[0], 1, 1), offsets, dtype)
     if len(_row_tables) >= _KEPT:
         del _row_tables[next(iter(_row_tables))]
     _row_tables[key] = (offsets, table)
     return table
-
-
-_row_tables: dict[tuple[RopeConfig, mx.Dtype], tuple[mx.array, tuple[mx.array, mx.array]]] = {}
 
 
 def rope_rows(x: mx.array, offsets: mx.array, rope: RopeConfig) -> mx.array:
