@@ -75,6 +75,8 @@ FACES: dict[str, set[str]] = {
     },
     "kv_metal_kernels": {
         "ATTENTION_ENV",
+        "CPU_KERNELS_ENV",
+        "CpuQuantizedHead",
         "DensePrefillAttention",
         "FUSED_ROPE_ENV",
         "KernelSet",
@@ -134,6 +136,7 @@ PROTOCOL_FACE = {
     "PrefillAttention",
     "PrefixCacheStats",
     "PrefixHit",
+    "QuantizedHeadKernel",
     "QuantizedKV",
     "RequestStateError",
     "Reservation",

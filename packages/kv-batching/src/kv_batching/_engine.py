@@ -264,8 +264,12 @@ class DecodeEngine:
                 f"vocab_size={vocab_size} is larger than the model's embedding table "
                 f"({table_rows} rows)"
             )
+        #: A large quantized head projected natively on the CPU (``kernels.quantized_head``).
+        quantized_head = getattr(kernels, "quantized_head", None)
         self._prefill_forward = (
-            last_position_forward(model, vocab_size) if prefill_last_logits else None
+            last_position_forward(model, vocab_size, quantized_head)
+            if prefill_last_logits
+            else None
         )
         self._decode_plan = choose_decode_paths(
             model,
@@ -294,7 +298,7 @@ class DecodeEngine:
             state_layer_ids=self._state_layer_ids,
             nesting=nesting,
             prefill_forward=self._prefill_forward,
-            decode_forward=decode_forward(model, vocab_size),
+            decode_forward=decode_forward(model, vocab_size, quantized_head),
             # Outside the runner's forwards a swapped MLP is the model's own call.
             fast_mlps=fast_activations and patch_model_mlps(model) > 0,
         )

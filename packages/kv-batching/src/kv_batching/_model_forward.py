@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kv_protocol import (
+    QuantizedHeadKernel,
     UnsupportedModelError,
     as_int,
     language_model_container,
@@ -58,7 +59,9 @@ def vocabulary_size(model: object) -> int | None:
 LastPositionForward = Callable[[mx.array, list[Any]], mx.array]
 
 
-def last_position_forward(model: nn.Module, vocab_size: int) -> LastPositionForward | None:
+def last_position_forward(
+    model: nn.Module, vocab_size: int, quantized_head: QuantizedHeadKernel | None = None
+) -> LastPositionForward | None:
     """A forward that projects only the last position onto the vocabulary, if it is exact.
 
     mlx-lm models are ``head(backbone(tokens, cache))`` with ``head`` an ``lm_head`` or the
@@ -69,8 +72,9 @@ def last_position_forward(model: nn.Module, vocab_size: int) -> LastPositionForw
     (soft-capping, scaling) keeps the full path. Where decode projects a large head in the
     other operand order (:func:`decode_forward`: on the CPU, a plain head of at least
     :data:`HEAD_REORDER_MIN_WEIGHTS` weights) the last position is projected that way too
-    (Gemma 3 270M: 28 against 45 ms a prompt), checked as decode's is: the same logits to
-    float rounding and the same greedy token.
+    (Gemma 3 270M: 28 against 45 ms a prompt), and a large quantized head through
+    ``quantized_head`` where decode's is, checked as decode's is: the same logits to float
+    rounding and the same greedy token.
     """
     backbone = getattr(model, "model", None)
     if not isinstance(backbone, nn.Module):
@@ -81,9 +85,9 @@ def last_position_forward(model: nn.Module, vocab_size: int) -> LastPositionForw
     if not callable(head):
         return None
     project: Callable[[mx.array], mx.array] = head
-    reordered = _reorderable_head(model)
-    if reordered is not None:
-        project = partial(_project_reordered, *reordered)
+    faster = _cpu_head(model, quantized_head)
+    if faster is not None:
+        project = faster
 
     def forward(tokens: mx.array, caches: list[Any]) -> mx.array:
         hidden = backbone(tokens, cache=caches)
@@ -93,7 +97,7 @@ def last_position_forward(model: nn.Module, vocab_size: int) -> LastPositionForw
     try:
         full = model(probe)[:, -1:, :]
         fast = forward(probe, cast(list[Any], None))
-        tol = 1e-5 if reordered is None else 1e-4
+        tol = 1e-5 if faster is None else 1e-4
         same = (
             full.shape == fast.shape
             and bool(mx.allclose(full, fast, rtol=tol, atol=tol))
@@ -155,12 +159,15 @@ def project_rows(weight: mx.array, rows: mx.array) -> mx.array:
     return (weight @ rows.T).T
 
 
-def _reorderable_head(model: nn.Module) -> tuple[mx.array, mx.array | None] | None:
-    """The head's ``(weight, bias)`` where it is projected as ``(W @ h.T).T``, else ``None``.
+def _cpu_head(
+    model: nn.Module, quantized_head: QuantizedHeadKernel | None
+) -> Callable[[mx.array], mx.array] | None:
+    """The head as ``hidden (..., D) -> logits (..., vocab)`` in the CPU's faster form, if any.
 
-    On the CPU only, for a plain ``nn.Linear`` ``lm_head`` or a plain tied ``nn.Embedding``
-    (a quantized or custom head keeps its own kernel) of at least
-    :data:`HEAD_REORDER_MIN_WEIGHTS` weights.
+    On the CPU only, for a head of at least :data:`HEAD_REORDER_MIN_WEIGHTS` weights: a
+    plain ``nn.Linear`` ``lm_head`` or tied ``nn.Embedding`` as ``(W @ h.T).T``
+    (:func:`project_rows`); an affine ``nn.QuantizedLinear`` / tied ``nn.QuantizedEmbedding``
+    through ``quantized_head`` where it serves that head. Any other head keeps its own call.
     """
     if mx.default_device().type != mx.cpu:
         return None
@@ -168,16 +175,36 @@ def _reorderable_head(model: nn.Module) -> tuple[mx.array, mx.array | None] | No
     if not isinstance(backbone, nn.Module):
         return None
     head = getattr(model, "lm_head", None)
-    if type(head) is nn.Linear:
-        weight, bias = head.weight, getattr(head, "bias", None)
-    else:
-        embedding = getattr(backbone, "embed_tokens", None)
-        if head is not None or type(embedding) is not nn.Embedding:
-            return None
-        weight, bias = embedding.weight, None
-    if weight.ndim != 2 or weight.size < HEAD_REORDER_MIN_WEIGHTS:
+    embedding = getattr(backbone, "embed_tokens", None)
+    module = head if head is not None else embedding
+    if head is not None and type(head) not in (nn.Linear, nn.QuantizedLinear):
         return None
-    return weight, bias
+    if head is None and type(embedding) not in (nn.Embedding, nn.QuantizedEmbedding):
+        return None
+    assert isinstance(module, nn.Module)
+    weight = module.weight
+    bias = getattr(module, "bias", None) if head is not None else None
+    if type(module) in (nn.Linear, nn.Embedding):
+        if weight.ndim != 2 or weight.size < HEAD_REORDER_MIN_WEIGHTS:
+            return None
+        return partial(_project_reordered, weight, bias)
+    bits, group_size = int(module.bits), int(module.group_size)
+    biases = getattr(module, "biases", None)
+    hidden = int(weight.shape[-1]) * 32 // bits
+    if (
+        quantized_head is None
+        or getattr(module, "mode", "affine") != "affine"
+        or biases is None
+        or weight.ndim != 2
+        or int(weight.shape[0]) * hidden < HEAD_REORDER_MIN_WEIGHTS
+    ):
+        return None
+    projection = quantized_head.prepare(
+        weight, module.scales, biases, group_size=group_size, bits=bits
+    )
+    if projection is None:
+        return None
+    return partial(_project_quantized, projection, bias)
 
 
 def _project_reordered(weight: mx.array, bias: mx.array | None, hidden: mx.array) -> mx.array:
@@ -188,7 +215,22 @@ def _project_reordered(weight: mx.array, bias: mx.array | None, hidden: mx.array
     return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
 
-def decode_forward(model: nn.Module, vocab_size: int) -> DecodeForward | None:
+def _project_quantized(
+    projection: Callable[[mx.array], mx.array], bias: mx.array | None, hidden: mx.array
+) -> mx.array:
+    """``hidden (..., D)`` onto the vocabulary through a quantized head's kernel, plus ``bias``.
+
+    The kernel evaluates ``hidden`` (the forward up to the head) and returns evaluated logits.
+    """
+    logits = projection(hidden.reshape(-1, hidden.shape[-1]))
+    if bias is not None:
+        logits = logits + bias
+    return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+
+
+def decode_forward(
+    model: nn.Module, vocab_size: int, quantized_head: QuantizedHeadKernel | None = None
+) -> DecodeForward | None:
     """The model's forward with its vocabulary head as ``(W @ h.T).T``, where that pays.
 
     mlx-lm computes the head as ``h @ W.T``. On MLX's CPU backend that operand order is much
@@ -196,18 +238,21 @@ def decode_forward(model: nn.Module, vocab_size: int) -> DecodeForward | None:
     against 45 ms for 4 rows and 125 against 86 ms for 16 (the same for one), about half of a
     decode step (``tools/profile_decode.py``). So on the CPU, for a plain (unquantized)
     ``lm_head`` or tied embedding of at least :data:`HEAD_REORDER_MIN_WEIGHTS` weights, a
-    batched decode runs the backbone and projects in that order. It is used only when a
-    probe's logits equal the model's own (to float rounding) with the same greedy token in
-    every row; otherwise, and on other devices, ``None``.
+    batched decode runs the backbone and projects in that order. A quantized head of that
+    size goes through ``quantized_head`` (``kv_protocol.QuantizedHeadKernel``) where it
+    serves it: MLX's CPU quantized product is several times slower than float32, the
+    native kernel faster (Gemma 3 270M's 8-bit head: 17 against 40 ms for one row in
+    float32). Either is used only when a probe's logits equal the model's own (to float
+    rounding) with the same greedy token in every row; otherwise, and on other devices,
+    ``None``.
     """
-    reordered = _reorderable_head(model)
+    project = _cpu_head(model, quantized_head)
     backbone = getattr(model, "model", None)
-    if reordered is None or not isinstance(backbone, nn.Module):
+    if project is None or not isinstance(backbone, nn.Module):
         return None
-    weight, bias = reordered
 
     def forward(tokens: mx.array, cache: Any = None) -> mx.array:
-        return _project_reordered(weight, bias, backbone(tokens, cache=cache))
+        return project(backbone(tokens, cache=cache))
 
     probe = mx.array([[(7 * i + 3 * j + 1) % vocab_size for i in range(3)] for j in range(4)])
     try:

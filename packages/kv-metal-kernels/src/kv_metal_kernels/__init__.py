@@ -1,10 +1,14 @@
 """Fused RoPE + pool scatter and paged decode attention for MLX (reference, Metal, CUDA).
 
+On the CPU, :class:`CpuQuantizedHead` projects a large quantized vocabulary head through a
+C kernel built on first use.
+
 Pools are slot-addressed and head-major, ``(n_kv_heads, num_slots, head_dim)`` with
 ``slot = page * page_size + offset_in_page`` (page 0 is the null page). ``select_kernels``
 returns the :class:`KernelSet` batched decode uses.
 """
 
+from ._cpu_library import CPU_KERNELS_ENV
 from ._native import (
     NATIVE_BACKENDS,
     NativePagedAttention,
@@ -14,6 +18,7 @@ from ._native import (
 )
 from ._paged_reference import ReferencePagedAttention
 from ._prefill_attention import DensePrefillAttention
+from ._quantized_head import CpuQuantizedHead
 from ._rope_reference import ReferenceRopeScatter
 from ._select import (
     ATTENTION_ENV,
@@ -26,6 +31,8 @@ from ._select import (
 
 __all__ = [
     "ATTENTION_ENV",
+    "CPU_KERNELS_ENV",
+    "CpuQuantizedHead",
     "DensePrefillAttention",
     "FUSED_ROPE_ENV",
     "KernelSet",

@@ -11,6 +11,7 @@ import mlx.core as mx
 from kv_protocol import (
     PagedDecodeAttention,
     PrefillAttention,
+    QuantizedHeadKernel,
     RopeConfig,
     RopeScatterKernel,
     UnknownBackendError,
@@ -20,6 +21,7 @@ from kv_protocol import (
 from ._native import NativePagedAttention, NativeRopeScatter, native_backend, require_backend
 from ._paged_reference import ReferencePagedAttention
 from ._prefill_attention import DensePrefillAttention
+from ._quantized_head import CpuQuantizedHead
 from ._rope_reference import ReferenceRopeScatter
 
 __all__ = [
@@ -54,12 +56,14 @@ class KernelSet:
     """The kernels of batched decode (``kv_protocol.KernelSet``); ``rope is None`` = unfused.
 
     ``prefill_attention`` (``None``: each module's own attention) serves the prefill chunks
-    of the layers the engine wraps.
+    of the layers the engine wraps; ``quantized_head`` (``None``: MLX's own product) projects
+    a large quantized vocabulary head.
     """
 
     attention: PagedDecodeAttention
     rope: RopeScatterKernel | None = None
     prefill_attention: PrefillAttention | None = None
+    quantized_head: QuantizedHeadKernel | None = None
 
 
 def _choice(
@@ -97,6 +101,7 @@ def select_kernels(
     rope_unsupported_reason: str = "",
     validate: bool = False,
     prefill_attention: bool = True,
+    quantized_head: bool = True,
 ) -> KernelSet:
     """Choose the kernels for this machine and configuration.
 
@@ -114,12 +119,16 @@ def select_kernels(
     kernel does not support ``rope``, RoPE stays unfused
     and one log line says why. ``prefill_attention`` (default on) adds a
     :class:`DensePrefillAttention` for the prefill chunks of the layers the engine wraps
-    (off: each module's own attention).
+    (off: each module's own attention). ``quantized_head`` (default on) adds a
+    :class:`CpuQuantizedHead` when MLX computes on the CPU, where its own quantized product
+    is slow (the C kernel is built on first use; ``KV_CPU_KERNELS=off`` or no compiler
+    leaves MLX's product).
     """
     fused = _choice(fused_rope, FUSED_ROPE_ENV, "off", _FUSED_CHOICES, argument="fused_rope")
     attn = _choice(attention, ATTENTION_ENV, "reference", _ATTENTION_CHOICES, argument="attention")
     native = native_backend()
     prefill = DensePrefillAttention() if prefill_attention else None
+    head = CpuQuantizedHead() if quantized_head and mx.default_device().type == mx.cpu else None
     if attn == "auto":
         attn = native or "reference"
     attention_kernel: PagedDecodeAttention
@@ -130,7 +139,9 @@ def select_kernels(
         attention_kernel = NativePagedAttention(attn, validate=validate)
 
     if fused == "off":
-        return KernelSet(attention=attention_kernel, rope=None, prefill_attention=prefill)
+        return KernelSet(
+            attention=attention_kernel, rope=None, prefill_attention=prefill, quantized_head=head
+        )
     if fused == "auto":
         fused = native or "reference"
     rope_kernel: RopeScatterKernel
@@ -142,14 +153,20 @@ def select_kernels(
     if rope is None:
         why = rope_unsupported_reason or "no RoPE configuration was given"
         _log_once(f"fused RoPE + pool scatter ({fused}) disabled, using unfused RoPE: {why}")
-        return KernelSet(attention=attention_kernel, rope=None, prefill_attention=prefill)
+        return KernelSet(
+            attention=attention_kernel, rope=None, prefill_attention=prefill, quantized_head=head
+        )
     if not rope_kernel.supports(rope):
         _log_once(
             f"fused RoPE + pool scatter ({fused}) disabled, using unfused RoPE: the kernel "
             f"does not support {rope}"
         )
-        return KernelSet(attention=attention_kernel, rope=None, prefill_attention=prefill)
-    return KernelSet(attention=attention_kernel, rope=rope_kernel, prefill_attention=prefill)
+        return KernelSet(
+            attention=attention_kernel, rope=None, prefill_attention=prefill, quantized_head=head
+        )
+    return KernelSet(
+        attention=attention_kernel, rope=rope_kernel, prefill_attention=prefill, quantized_head=head
+    )
 
 
 def paged_decode_attention(

@@ -58,6 +58,7 @@ from ._protocols import (
     PagedDecodeAttention,
     PagedQueryAttention,
     PrefillAttention,
+    QuantizedHeadKernel,
     RopeScatterKernel,
     TokenHashes,
 )
@@ -115,6 +116,7 @@ __all__ = [
     "PagedDecodeAttention",
     "PagedQueryAttention",
     "PrefillAttention",
+    "QuantizedHeadKernel",
     "PoolExhaustedError",
     "PoolMemoryReport",
     "PrefixCacheStats",

@@ -37,6 +37,7 @@ __all__ = [
     "PageAllocator",
     "PagedDecodeAttention",
     "PrefillAttention",
+    "QuantizedHeadKernel",
     "RopeScatterKernel",
     "TokenHashes",
 ]
@@ -568,13 +569,48 @@ class PrefillAttention(Protocol):
 
 
 @runtime_checkable
+class QuantizedHeadKernel(Protocol):
+    """A faster product of a few rows with a large affine-quantized ``(vocab, hidden)`` head.
+
+    The head is what ``mx.quantize`` returns (``mode="affine"``): packed codes ``weight``,
+    ``scales`` and ``biases`` per group of ``group_size`` inputs.
+    """
+
+    @property
+    def name(self) -> str:
+        """Backend name."""
+        ...
+
+    def prepare(
+        self,
+        weight: mx.array,
+        scales: mx.array,
+        biases: mx.array,
+        *,
+        group_size: int,
+        bits: int,
+    ) -> Callable[[mx.array], mx.array] | None:
+        """A projection ``rows (M, hidden) float32 -> (M, vocab) float32`` of this head.
+
+        It equals ``mx.quantized_matmul(rows, weight, scales, biases, transpose=True,
+        group_size=group_size, bits=bits)`` to float rounding (the sums run in another
+        order). ``None`` where the kernel does not serve this head (its bits, group size or
+        shape, or no kernel on this machine): the caller keeps MLX's own product. The
+        projection evaluates ``rows`` and returns an evaluated array.
+        """
+        ...
+
+
+@runtime_checkable
 class KernelSet(Protocol):
     """The kernels batched decode uses: ``rope is None`` means RoPE is not fused.
 
     A kernel set may also carry ``prefill_attention`` (a :class:`PrefillAttention`, or
     ``None``): the engine then runs the prefill chunks of the layers it wraps through it
-    instead of the module's own attention call. It is read with ``getattr``, so a kernel set
-    without it keeps every module's own prefill.
+    instead of the module's own attention call; and ``quantized_head`` (a
+    :class:`QuantizedHeadKernel`, or ``None``): the engine then projects a large quantized
+    vocabulary head through it on the CPU. Both are read with ``getattr``, so a kernel set
+    without them keeps every module's own prefill and head.
     """
 
     @property

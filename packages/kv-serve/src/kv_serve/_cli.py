@@ -600,11 +600,12 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gguf-weights",
-        choices=("auto", "keep", "dequantize"),
+        choices=("auto", "keep", "embedding", "dequantize"),
         default="auto",
         help="a GGUF's quantized blocks: keep those that are exactly MLX affine groups "
-        "(Q8_0, Q4_0/1, Q5_0/1, Q4_K), dequantize them, or auto (the default: keep on a GPU, "
-        "dequantize on the CPU)",
+        "(Q8_0, Q4_0/1, Q5_0/1, Q4_K), keep only the token embedding (the tied head, 8 or 4 "
+        "bits), dequantize them, or auto (the default: keep on a GPU; on the CPU keep the "
+        "embedding where the native quantized head kernel builds, dequantize the rest)",
     )
 
 
@@ -636,10 +637,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--num-speculative-tokens needs --speculative or --draft-model (it sizes their "
             "proposals)"
         )
-    if getattr(args, "gguf_weights", "auto") == "keep" and getattr(args, "weights_bits", None):
+    kept = getattr(args, "gguf_weights", "auto")
+    if kept in ("keep", "embedding") and getattr(args, "weights_bits", None):
         commands.error(
-            "--gguf-weights keep keeps the GGUF's quantization; --weights-bits quantizes float "
-            "weights: give one"
+            f"--gguf-weights {kept} keeps the GGUF's quantization; --weights-bits quantizes "
+            "float weights: give one"
         )
     if getattr(args, "weights_group_size", None) is not None and not args.weights_bits:
         commands.error("--weights-group-size needs --weights-bits (it sizes its groups)")

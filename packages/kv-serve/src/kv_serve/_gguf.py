@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import numpy as np
@@ -205,7 +205,7 @@ def convert_gguf(
     dtype: mx.Dtype = mx.float32,
     sha256: str | None = None,
     progress: Progress | None = None,
-    keep_quantized: bool = False,
+    keep_quantized: bool | Literal["embedding"] = False,
 ) -> Path:
     """Convert a Gemma 3 GGUF into an mlx-lm model directory under ``cache_dir`` (once).
 
@@ -217,7 +217,10 @@ def convert_gguf(
     :mod:`kv_serve._gguf_quants`) stay quantized, with float32 scales, and ``config.json``
     names each one's bits, so mlx-lm loads them as ``QuantizedLinear`` /
     ``QuantizedEmbedding``; other tensors (``Q6_K``, the norms) are dequantized. It needs
-    ``dtype`` float32 (the exact scales are float32).
+    ``dtype`` float32 (the exact scales are float32). ``keep_quantized="embedding"`` keeps
+    only the token embedding (Gemma's tied vocabulary head) so, where it is exactly 8- or
+    4-bit groups (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q4_K``: what
+    ``kv_metal_kernels.CpuQuantizedHead`` reads).
     """
     if keep_quantized and dtype != mx.float32:
         raise UnsupportedModelError(
@@ -227,7 +230,9 @@ def convert_gguf(
     say = progress or (lambda _message: None)
     digest = sha256 or gguf_sha256(path)
     name = str(dtype).rsplit(".", 1)[-1]
-    if keep_quantized:
+    if keep_quantized == "embedding":
+        name += "-gguf-embedding-quantized"
+    elif keep_quantized:
         name += "-gguf-quantized"
     out = cache_dir / f"{digest[:16]}-{name}-v{_FORMAT}"
     marker = out / "kv-serve.json"
@@ -245,9 +250,14 @@ def convert_gguf(
     for index, tensor in enumerate(reader.tensors):
         target, is_norm = _mlx_name(str(tensor.name))
         affine = None
-        if keep_quantized and not is_norm:
+        kept_here = keep_quantized is True or (
+            keep_quantized == "embedding" and target == "model.embed_tokens.weight"
+        )
+        if kept_here and not is_norm:
             shape = tuple(int(d) for d in reversed(list(tensor.shape)))
             affine = affine_blocks(tensor.tensor_type.name, np.asarray(tensor.data), shape)
+            if keep_quantized == "embedding" and affine is not None and affine[3] not in (4, 8):
+                affine = None  # only the bits the CPU's quantized head kernel reads
         if affine is not None:
             codes, scales, biases, bits = affine
             module = target.removesuffix(".weight")

