@@ -9,7 +9,8 @@ nothing from the repository root (their test support is the ``kv-testing`` membe
 ``uv run --package X pytest packages/X`` needs nothing outside that member's own dependencies.
 
 The session fixtures ``gemma_files`` and ``gemma`` give every test of the real Gemma 3 270M
-one conversion and one loaded instance.
+one conversion and one loaded instance; ``gemma_dense`` is the same model with every tensor
+float32 (the form mlx-lm's oracle runs fastest on the CPU).
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ def gemma(gemma_files: tuple[Path, Path]) -> tuple[Any, Any]:
     from kv_serve import GEMMA3_270M, default_cache_dir, load_model
 
     return load_model(GEMMA3_270M, cache_dir=default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def gemma_dense(gemma_files: tuple[Path, Path]) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of Gemma 3 270M with every tensor float32 (``"dequantize"``).
+
+    ``gemma`` keeps its 8-bit embedding quantized on the CPU (the engine's native head reads
+    it); mlx-lm's own calls run MLX's quantized product there, several times slower than
+    float32 on the same values, so oracles that call the model run on this one.
+    """
+    from kv_serve import GEMMA3_270M, default_cache_dir, load_model
+
+    return load_model(GEMMA3_270M, cache_dir=default_cache_dir(), gguf_weights="dequantize")
 
 
 settings.register_profile(

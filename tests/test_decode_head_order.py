@@ -20,8 +20,14 @@ from kv_batching._model_forward import (
     decode_forward,
     last_position_forward,
 )
+from kv_metal_kernels import CpuQuantizedHead
 from kv_serve import build_engine
 from kv_testing import build_tiny_model, mlx_lm_greedy
+
+needs_kernel = pytest.mark.skipif(
+    CpuQuantizedHead().library.handle is None,
+    reason=f"no native CPU kernel: {CpuQuantizedHead().library.reason}",
+)
 
 VOCAB = 65536
 HIDDEN = 256  # VOCAB x HIDDEN = HEAD_REORDER_MIN_WEIGHTS: the smallest head that is reordered
@@ -58,12 +64,61 @@ def test_the_reordered_head_matches_the_model_row_for_row() -> None:
     assert bool(mx.array_equal(mine.argmax(-1), theirs.argmax(-1)))
 
 
-def test_small_quantized_and_untied_heads_keep_the_model_call() -> None:
+def test_small_heads_and_quantized_heads_without_a_kernel_keep_the_model_call() -> None:
     small = build_tiny_model("gemma3_text", window=8, num_layers=6, vocab_size=256)
     assert decode_forward(small, 256) is None
     quantized = big_head_model()
     nn.quantize(quantized, group_size=64, bits=8)
     assert decode_forward(quantized, VOCAB) is None
+    assert last_position_forward(quantized, VOCAB) is not None  # the model's own head
+    small_quantized = build_tiny_model("gemma3_text", window=8, num_layers=6, vocab_size=256)
+    nn.quantize(small_quantized, group_size=64, bits=8)
+    assert decode_forward(small_quantized, 256, CpuQuantizedHead()) is None
+    odd = big_head_model()
+    nn.quantize(odd, group_size=64, bits=6)  # bits the kernel does not read
+    assert decode_forward(odd, VOCAB, CpuQuantizedHead()) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_large_quantized_head_decodes_natively_with_mlx_lms_tokens(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx-lm's own quantized model is the oracle: the engine's tokens are its tokens."""
+    calls: list[int] = []
+    prepare = CpuQuantizedHead.prepare
+
+    def counted(self: CpuQuantizedHead, *args: Any, **kwargs: Any) -> Any:
+        project = prepare(self, *args, **kwargs)
+        assert project is not None
+
+        def run(rows: mx.array) -> mx.array:
+            calls.append(int(rows.shape[0]))
+            return project(rows)
+
+        return run
+
+    monkeypatch.setattr(CpuQuantizedHead, "prepare", counted)
+    model = big_head_model()
+    nn.quantize(model, group_size=64, bits=bits)
+    prompts = [
+        [(97 * i + 31 * j + 5) % VOCAB for j in range(n)] for i, n in enumerate((3, 9, 14, 20, 6))
+    ]
+    want = [mlx_lm_greedy(model, p, 8) for p in prompts]
+    with build_engine(model, max_running=8, max_context=64, page_size=4) as engine:
+        assert engine._runner.decode_forward is not None
+        calls.clear()
+        ids = [engine.submit(p, 8) for p in prompts]
+        out = engine.run()
+    assert [out[i] for i in ids] == want
+    assert 1 in calls and max(calls) > 1  # prompts' last positions and batched decode rows
+    monkeypatch.setattr(CpuQuantizedHead, "prepare", prepare)
+    forward = decode_forward(model, VOCAB, CpuQuantizedHead())
+    assert forward is not None
+    tokens = mx.array([[5], [77], [60001], [1234]], dtype=mx.int32)
+    mine, theirs = forward(tokens), model(tokens)
+    assert bool(mx.allclose(mine, theirs, rtol=1e-4, atol=1e-4))
+    assert bool(mx.array_equal(mine.argmax(-1), theirs.argmax(-1)))
 
 
 def test_prefill_projects_its_last_position_in_the_same_order(

@@ -32,6 +32,7 @@ from typing import Any
 
 from kv_protocol import CacheLayout, KVCacheError, layout_from_model
 from kv_serve import active_blas, encode_prompt, load_model
+from tools.anchor import anchor_model
 from tools.cli_args import (
     MAX_WORKLOAD_TOKENS,
     ArgumentParser,
@@ -242,6 +243,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
         from tools.real_prompts import real_prompts
 
         model, tokenizer = load_model(args.model, dtype=args.dtype)
+        anchor = anchor_model(model, args.model, dtype=args.dtype)
         rng = random.Random(args.seed)
         requests = [
             (encode_prompt(tokenizer, text), rng.randint(min_out, max_out))
@@ -259,6 +261,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
             hidden=args.hidden,
             experts=args.experts,
         )
+        anchor = model
         requests = workload(
             n,
             max_prompt=max_prompt,
@@ -282,8 +285,8 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     print(f"workload: {shape}; model {described}")
     print(f"BLAS: {active_blas().describe()}")
     # Warm both paths (JIT / compile) on a throwaway request.
-    run_mlx_lm(model, requests[:1], args.running)
-    first, first_peak = measured(lambda: run_mlx_lm(model, requests, args.running))
+    run_mlx_lm(anchor, requests[:1], args.running)
+    first, first_peak = measured(lambda: run_mlx_lm(anchor, requests, args.running))
     bases = [replace(first, peak_memory_bytes=first_peak)]
     budget = int(bases[0].peak_kv_bytes * args.kv_fraction)
     _engine_run(model, requests[:1], args, budget)
@@ -296,7 +299,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
             if system == "mlx-lm":
                 if round_index == 0:
                     continue  # the measured first run above
-                base, peak = measured(lambda: run_mlx_lm(model, requests, args.running))
+                base, peak = measured(lambda: run_mlx_lm(anchor, requests, args.running))
                 bases.append(replace(base, peak_memory_bytes=peak))
             else:
                 (mine, report), peak = measured(lambda: _engine_run(model, requests, args, budget))

@@ -359,7 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model == "gemma3-270m":
         from kv_serve import load_model
 
-        models = {"gemma3-270m": load_model("gemma3-270m")[0]}
+        # Float32 throughout: mlx-lm's side runs the same model (see tools/anchor.py).
+        models = {"gemma3-270m": load_model("gemma3-270m", gguf_weights="dequantize")[0]}
     elif args.model == "state" or args.model in STATE_MODELS:
         models = build_state_models()
     else:

@@ -136,7 +136,8 @@ def free_running_agreement(mine: list[int], reference: list[int]) -> int:
 def run_accuracy(args: argparse.Namespace) -> int:
     """The accuracy table on a trained model."""
     print(f"BLAS: {active_blas().describe()}", flush=True)
-    model, tokenizer = load_model(args.model, dtype="float32")
+    # Float32 weights throughout: mlx-lm's side runs the same model (see tools/anchor.py).
+    model, tokenizer = load_model(args.model, dtype="float32", gguf_weights="dequantize")
     passage_name = max(REAL_PROMPTS, key=lambda n: len(REAL_PROMPTS[n]))
     passage = encode_prompt(tokenizer, REAL_PROMPTS[passage_name])
     prompts = [encode_prompt(tokenizer, text) for _, text in real_prompts()][: args.prompts]

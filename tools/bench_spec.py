@@ -38,6 +38,7 @@ from kv_serve import (
     load_model,
     stop_token_ids,
 )
+from tools.anchor import anchor_model
 from tools.cli_args import ArgumentParser, add_run_options
 from tools.harness import Report, quantile
 from tools.real_prompts import PASSAGES
@@ -178,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     model, tokenizer = load_model(args.model)
+    anchor = anchor_model(model, args.model)
     stops = stop_token_ids(tokenizer)
     default = SpeculationConfig(proposer=NgramProposer(), num_tokens=args.tokens)
     print(f"BLAS: {active_blas().describe()}; model {args.model}, greedy, {args.max_out} tokens")
@@ -208,7 +210,7 @@ def _run(args: argparse.Namespace) -> None:
                 for mode in order:
                     config = modes[mode]
                     if config == "mlx-lm":
-                        runs[mode].append(run_mlx_lm(model, prompts, args.max_out, stops))
+                        runs[mode].append(run_mlx_lm(anchor, prompts, args.max_out, stops))
                     else:
                         runs[mode].append(run_engine(model, prompts, args.max_out, stops, config))
             plain_rate = quantile([run.rate for run in runs["plain"]], 0.5)

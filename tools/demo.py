@@ -226,6 +226,7 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
     from mlx_lm.models.cache import make_prompt_cache
 
     from kv_testing import build_tiny_model, mlx_lm_greedy
+    from tools.anchor import anchor_model
     from tools.reference import first_divergence
 
     tokenizer: Any = None
@@ -331,8 +332,11 @@ def run_demo(config: DemoConfig, *, stream: TextIO = sys.stderr) -> DemoResult:
     outputs = [list(engine.output(rid).tokens) for rid in ids]
     stats = engine.stats
 
-    # The oracle runs on the model exactly as mlx-lm built it: no wrapper in the way.
+    # The oracle runs on the model exactly as mlx-lm built it: no wrapper in the way, and
+    # float32 values where the engine's model kept its embedding quantized (the same values).
     unpatch_model_attention(model)
+    if tokenizer is not None and config.model_path is not None:
+        model = anchor_model(model, config.model_path, dtype=config.dtype)
     verified: bool | None = None
     mismatches: list[int] = []
     ties: list[int] = []

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
+from kv_metal_kernels import CpuQuantizedHead
 from kv_protocol import UnsupportedModelError
 from kv_serve import cli_main, load_model
 from kv_serve._gguf_quants import KEPT_TYPES, affine_blocks
@@ -123,17 +124,49 @@ def test_gemma_kept_quantized_decodes_the_same_tokens(both_gemmas: tuple[Any, An
         assert mlx_lm_greedy(kept, prompt, 8) == mlx_lm_greedy(dequantized, prompt, 8)
 
 
+def test_gemma_keeps_only_its_embedding_for_the_native_head(
+    both_gemmas: tuple[Any, Any, Any], gemma: tuple[Any, Any]
+) -> None:
+    """``"embedding"``: the Q8_0 table as 8-bit groups (same values), every other layer float.
+
+    ``"auto"`` (the session's ``gemma``) chooses it on the CPU where the kernel builds.
+    """
+    dequantized, _, tokenizer = both_gemmas
+    model, _ = load_model("gemma3-270m", gguf_weights="embedding")
+    table = model.model.embed_tokens
+    assert isinstance(table, nn.QuantizedEmbedding) and table.bits == 8
+    values = mx.dequantize(
+        table.weight, table.scales, table.biases, group_size=table.group_size, bits=8
+    )
+    assert mx.array_equal(values, dequantized.model.embed_tokens.weight)
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.q_proj) is nn.Linear and type(layer.mlp.gate_proj) is nn.Linear
+    saved = _bytes(dequantized) - _bytes(model)
+    assert saved > 400 * 2**20  # 640 MiB of float32 table against 170 MiB of groups
+    if CpuQuantizedHead().library.handle is not None:
+        assert isinstance(gemma[0].model.embed_tokens, nn.QuantizedEmbedding)
+    prompt = [int(t) for t in tokenizer.encode("The capital of France is")]
+    assert mlx_lm_greedy(model, prompt, 6) == mlx_lm_greedy(dequantized, prompt, 6)
+
+
 def test_bad_gguf_weight_choices_are_refused(tmp_path: Any) -> None:
     with pytest.raises(UnsupportedModelError, match="gguf_weights must be one of"):
         load_model("gemma3-270m", gguf_weights="yes")
     with pytest.raises(UnsupportedModelError, match="give one of them"):
         load_model("gemma3-270m", gguf_weights="keep", weights_bits=8)
+    with pytest.raises(UnsupportedModelError, match="'embedding' keeps the GGUF's own"):
+        load_model("gemma3-270m", gguf_weights="embedding", weights_bits=4)
+    with pytest.raises(UnsupportedModelError, match="exact scales in float32"):
+        load_model("gemma3-270m", gguf_weights="embedding", dtype="bfloat16")
     with pytest.raises(UnsupportedModelError, match="exact scales in float32"):
         load_model("gemma3-270m", gguf_weights="keep", dtype="bfloat16")
     model_dir = save_tiny_model_dir(tmp_path / "tiny")
     with pytest.raises(UnsupportedModelError, match="is for GGUF files"):
         load_model(model_dir, gguf_weights="keep")
+    with pytest.raises(UnsupportedModelError, match="'embedding' is for GGUF files"):
+        load_model(model_dir, gguf_weights="embedding")
     argv = ["generate", "--model", str(model_dir), "--prompt", "x"]
-    with pytest.raises(SystemExit) as stopped:
-        cli_main([*argv, "--gguf-weights", "keep", "--weights-bits", "8"])
-    assert stopped.value.code == 2
+    for kept in ("keep", "embedding"):
+        with pytest.raises(SystemExit) as stopped:
+            cli_main([*argv, "--gguf-weights", kept, "--weights-bits", "8"])
+        assert stopped.value.code == 2

@@ -1,0 +1,122 @@
+"""The CPU quantized head kernel against MLX's own quantized product and a float64 reference.
+
+The oracles are ``mx.quantized_matmul`` (MLX's product of the same codes) and numpy's float64
+product with ``mx.dequantize``'s values; the kernel must agree with both to float rounding
+for every shape it serves (vocabulary rows not a multiple of its tile, 1 to 9 input rows,
+4 and 8 bits, groups of 32, 64 and 128), refuse what it does not serve, and keep MLX's
+product where it is not built.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_metal_kernels import CPU_KERNELS_ENV, CpuQuantizedHead, _cpu_library, select_kernels
+from kv_metal_kernels._quantized_head_source import QUANTIZED_HEAD_SOURCE
+
+KERNEL = CpuQuantizedHead()
+needs_kernel = pytest.mark.skipif(
+    KERNEL.library.handle is None, reason=f"kernel not built: {KERNEL.library.reason}"
+)
+
+
+def quantized(vocab: int, hidden: int, group: int, bits: int, seed: int) -> tuple[mx.array, ...]:
+    key = mx.random.key(seed)
+    weight = mx.random.normal((vocab, hidden), key=key) * 0.05
+    return mx.quantize(weight, group_size=group, bits=bits)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(
+    vocab=st.integers(1, 70),
+    groups=st.integers(1, 4),
+    group=st.sampled_from([32, 64, 128]),
+    bits=st.sampled_from([4, 8]),
+    rows=st.integers(1, 9),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_kernel_equals_mlx_and_a_float64_product(
+    vocab: int, groups: int, group: int, bits: int, rows: int, seed: int
+) -> None:
+    hidden = groups * group
+    codes, scales, biases = quantized(vocab, hidden, group, bits, seed)
+    project = KERNEL.prepare(codes, scales, biases, group_size=group, bits=bits)
+    assert project is not None
+    x = mx.random.normal((rows, hidden), key=mx.random.key(seed + 1))
+    got = project(x)
+    assert got.shape == (rows, vocab) and got.dtype == mx.float32
+    mlx = mx.quantized_matmul(x, codes, scales, biases, transpose=True, group_size=group, bits=bits)
+    dense = np.array(mx.dequantize(codes, scales, biases, group_size=group, bits=bits))
+    exact = np.array(x).astype(np.float64) @ dense.astype(np.float64).T
+    bound = 1e-5 * (np.abs(np.array(x)) @ np.abs(dense).T + 1e-3)
+    assert np.all(np.abs(np.array(got) - exact) <= bound)
+    assert bool(mx.allclose(got, mlx, rtol=1e-4, atol=1e-5))
+
+
+@needs_kernel
+def test_a_large_head_keeps_its_argmax() -> None:
+    """Gemma 3 270M's head shape at 8 bits: the greedy rows are MLX's."""
+    codes, scales, biases = quantized(262144, 640, 32, 8, seed=3)
+    project = KERNEL.prepare(codes, scales, biases, group_size=32, bits=8)
+    assert project is not None
+    x = mx.random.normal((5, 640), key=mx.random.key(4))
+    mlx = mx.quantized_matmul(x, codes, scales, biases, transpose=True, group_size=32, bits=8)
+    got = project(x)
+    assert bool(mx.array_equal(got.argmax(-1), mlx.argmax(-1)))
+    assert bool(mx.allclose(got, mlx, rtol=1e-4, atol=1e-4))
+
+
+@needs_kernel
+def test_heads_it_does_not_serve_are_refused() -> None:
+    codes, scales, biases = quantized(8, 64, 32, 8, seed=1)
+    for bits in (2, 3, 5, 6):
+        c, s, b = quantized(8, 64, 32, bits, seed=1)
+        assert KERNEL.prepare(c, s, b, group_size=32, bits=bits) is None
+    assert KERNEL.prepare(codes, scales[:, :1], biases, group_size=32, bits=8) is None
+    assert KERNEL.prepare(codes.astype(mx.int32), scales, biases, group_size=32, bits=8) is None
+    assert KERNEL.prepare(codes, scales, biases, group_size=24, bits=8) is None
+    assert KERNEL.prepare(codes, scales, biases, group_size=0, bits=8) is None
+
+
+@needs_kernel
+def test_rows_it_cannot_read_are_refused_by_name() -> None:
+    codes, scales, biases = quantized(8, 64, 32, 8, seed=1)
+    project = KERNEL.prepare(codes, scales, biases, group_size=32, bits=8)
+    assert project is not None
+    for bad in (mx.zeros((2, 64), dtype=mx.bfloat16), mx.zeros((2, 32)), mx.zeros((64,))):
+        with pytest.raises(ValueError, match="float32 rows of 64 values"):
+            project(bad)
+    assert project(mx.zeros((0, 64))).shape == (0, 8)
+
+
+def test_turned_off_or_misnamed_it_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CPU_KERNELS_ENV, "off")
+    off = _cpu_library._build("kv_test_off", QUANTIZED_HEAD_SOURCE)
+    assert off.handle is None and off.reason == f"{CPU_KERNELS_ENV}=off"
+    monkeypatch.setenv(CPU_KERNELS_ENV, "fast")
+    wrong = _cpu_library._build("kv_test_wrong", QUANTIZED_HEAD_SOURCE)
+    assert wrong.handle is None and "neither 'auto' nor 'off'" in wrong.reason
+    monkeypatch.setenv(CPU_KERNELS_ENV, "auto")
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    missing = _cpu_library._build("kv_test_missing", QUANTIZED_HEAD_SOURCE)
+    assert missing.handle is None and missing.reason == "no C compiler on PATH"
+
+
+@needs_kernel
+def test_source_that_does_not_compile_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    broken = _cpu_library._build("kv_test_broken", "this is not C;")
+    assert broken.handle is None and "could not build it" in broken.reason
+
+
+def test_the_kernel_set_carries_it_on_the_cpu_only() -> None:
+    assert mx.default_device().type == mx.cpu
+    assert isinstance(select_kernels().quantized_head, CpuQuantizedHead)
+    assert select_kernels(quantized_head=False).quantized_head is None
