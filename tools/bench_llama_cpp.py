@@ -4,14 +4,14 @@ llama.cpp runs its own batched benchmark on the packaged GGUF (``llama-batched-b
 THREADS -npp 128 -ntg 64 -npl 1,4,16``: ``B`` separate prompts of 128 tokens, 64 generated
 tokens each); the engine runs the same shapes: ``B`` prompts of 128 random tokens submitted at
 once, 64 greedy tokens each (no stop tokens), ``build_engine`` defaults with prefix caching
-off, the weights as ``load_model`` gives them (fp32 dequantized from the same GGUF, the
-tied ``Q8_0`` embedding kept as 8-bit groups for the native head kernel), MLX's BLAS with
-its own threads (all cores: ``--threads`` is the core count by default, the same on both).
-For both: the prompt phase (``T_PP``: until every sequence has its first token; llama.cpp's
-prefill logits give that token, as the engine's do), the generation phase (``T_TG``: the rest) and the speeds ``S_PP =
-B*128/T_PP``, ``S_TG = B*TG/T_TG`` (llama.cpp's ``TG = 64`` tokens a sequence after the prompt;
-the engine's 63 after the first) and overall ``S = B*(128+64)/(T_PP+T_TG)``. Systems alternate
-across rounds; the medians are reported.
+off, the weights as ``load_model`` gives them (fp32 dequantized from the same GGUF, the tied
+``Q8_0`` embedding kept as 8-bit groups for the native head kernel), MLX's BLAS with its own
+threads (all cores: ``--threads`` is the core count by default, the same on both). For both:
+the prompt phase (``T_PP``: until every sequence has its first token; llama.cpp's prefill
+logits give that token, as the engine's do), the generation phase (``T_TG``: the rest) and the
+speeds ``S_PP = B*128/T_PP``, ``S_TG = B*TG/T_TG`` (llama.cpp's ``TG = 64`` tokens a sequence
+after the prompt; the engine's 63 after the first) and overall ``S = B*(128+64)/(T_PP+T_TG)``.
+Systems alternate across rounds; the medians are reported.
 
 llama.cpp is found with ``--llama-cpp DIR`` (a directory holding ``llama-batched-bench``),
 on ``PATH``, or under ``default_cache_dir()/llama.cpp``; ``--build SOURCE`` builds it there
