@@ -114,6 +114,7 @@ def test_tools_generate_streams_a_completion(run_tools: Run) -> None:
     assert "100 degrees" in result.stdout
     assert "generated 6" in result.stderr and "BLAS:" in result.stderr
     assert "compiled kernels: " in result.stderr
+    assert "native CPU kernels: " in result.stderr
 
 
 def test_chat_on_a_model_without_a_template_is_one_error_line(run_tools: Run) -> None:

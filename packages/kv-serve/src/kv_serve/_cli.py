@@ -372,6 +372,7 @@ def _generate(args: argparse.Namespace) -> int:
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
     progress(f"compiled kernels: {active_cpu_jit().describe()}")
+    progress(f"native CPU kernels: {_native_kernels()}")
     sampling = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -455,6 +456,7 @@ def _serve(args: argparse.Namespace) -> int:
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
     progress(f"compiled kernels: {active_cpu_jit().describe()}")
+    progress(f"native CPU kernels: {_native_kernels()}")
     if ranks is not None:
         from ._sharding import shard_model
 
@@ -526,6 +528,17 @@ def _ranks(args: argparse.Namespace) -> Any:
             "(drop --speculative / --draft-model, or serve on one rank)"
         )
     return ranks
+
+
+def _native_kernels() -> str:
+    """What the CPU's native quantized head kernel is (built, or why not), for the log."""
+    import mlx.core as mx
+
+    from kv_metal_kernels import CpuQuantizedHead
+
+    if mx.default_device().type != mx.cpu:
+        return "none on this device (MLX's own kernels)"
+    return CpuQuantizedHead().library.describe()
 
 
 def _load_model(
