@@ -112,6 +112,13 @@ def test_a_large_quantized_head_decodes_natively_with_mlx_lms_tokens(
         out = engine.run()
     assert [out[i] for i in ids] == want
     assert 1 in calls and max(calls) > 1  # prompts' last positions and batched decode rows
+    # A prompt in 5 chunks projects its last position once: the chunks before it leave
+    # their logits lazy (the native head would evaluate them).
+    with build_engine(model, max_running=2, max_context=64, page_size=4, prefill_chunk=4) as e:
+        calls.clear()
+        e.submit(prompts[3], 1)
+        e.run()
+    assert calls == [1]
     monkeypatch.setattr(CpuQuantizedHead, "prepare", prepare)
     forward = decode_forward(model, VOCAB, CpuQuantizedHead())
     assert forward is not None

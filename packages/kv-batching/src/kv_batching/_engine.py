@@ -42,7 +42,12 @@ from ._decode_paths import DecodePlan, choose_decode_paths
 from ._decode_step import PoolAddressing
 from ._engine_stats import DEFAULT_STATS_WINDOW, EngineMemoryReport, EngineStats
 from ._fast_mlp import patch_model_mlps, unpatch_model_mlps
-from ._model_forward import decode_forward, last_position_forward, vocabulary_size
+from ._model_forward import (
+    EvaluationClock,
+    decode_forward,
+    last_position_forward,
+    vocabulary_size,
+)
 from ._model_runner import DecodeOutput, ModelRunner
 from ._patching import unpatch_model_attention
 from ._prefill_budget import PrefillBudget
@@ -266,8 +271,10 @@ class DecodeEngine:
             )
         #: A large quantized head projected natively on the CPU (``kernels.quantized_head``).
         quantized_head = getattr(kernels, "quantized_head", None)
+        #: Evaluation inside the forward (a native head's), counted as device time.
+        self._head_clock = EvaluationClock()
         self._prefill_forward = (
-            last_position_forward(model, vocab_size, quantized_head)
+            last_position_forward(model, vocab_size, quantized_head, self._head_clock)
             if prefill_last_logits
             else None
         )
@@ -298,10 +305,11 @@ class DecodeEngine:
             state_layer_ids=self._state_layer_ids,
             nesting=nesting,
             prefill_forward=self._prefill_forward,
-            decode_forward=decode_forward(model, vocab_size, quantized_head),
+            decode_forward=decode_forward(model, vocab_size, quantized_head, self._head_clock),
             # Outside the runner's forwards a swapped MLP is the model's own call.
             fast_mlps=fast_activations and patch_model_mlps(model) > 0,
         )
+        self._head_clock.take()  # the construction probes' evaluations
         if speculation is not None and self._state_layer_ids and make_state_caches is not None:
             # Proposals verify inside the shared step when every recurrent mixer runs a
             # request's rows in order (else each verification is a forward of its own).
@@ -899,7 +907,7 @@ class DecodeEngine:
             # One evaluation for the tokens, their logprobs and the new states together.
             mx.eval(sampled.arrays(), out.state_arrays())
             chosen = list(zip(sampled.token_list(), sampled.logprobs(), strict=True))
-            self._stats.decode_device_seconds += time.perf_counter() - tic
+            self._stats.decode_device_seconds += time.perf_counter() - tic + self._head_clock.take()
             out.split_states()
             return chosen
         except BaseException:
@@ -1051,7 +1059,7 @@ class DecodeEngine:
             argmax = logits.argmax(axis=-1)
             tic = time.perf_counter()
             mx.eval(pending, argmax, out.state_arrays())
-            self._stats.decode_device_seconds += time.perf_counter() - tic
+            self._stats.decode_device_seconds += time.perf_counter() - tic + self._head_clock.take()
             if sampled is not None:
                 picks = zip(sampled.token_list(), sampled.logprobs(), strict=True)
                 chosen = dict(zip(plain, picks, strict=True))
@@ -1197,7 +1205,7 @@ class DecodeEngine:
             logits = self._runner.verify(inputs, caches)[0]
             tic = time.perf_counter()
             mx.eval(logits, [getattr(c, "cache", []) for c in request.states or []])
-            self._stats.decode_device_seconds += time.perf_counter() - tic
+            self._stats.decode_device_seconds += time.perf_counter() - tic + self._head_clock.take()
             greedy = (
                 [int(t) for t in cast(list[int], logits.argmax(axis=-1).tolist())]
                 if request.params.greedy
@@ -1546,7 +1554,12 @@ class DecodeEngine:
             # token from (position j predicts token j + 1).
             targets = tokens[begin + 1 : min(begin + n + 1, len(request.prompt))]
             every = bool(targets) and request.prompt_logprobs_missing
-            logits = self._runner.prefill(tokens[begin : begin + n], caches, every_position=every)
+            # No token is sampled from a chunk before the prompt's end (or of a request
+            # that already generated: a resumed one).
+            sampled = not (begin + n < len(tokens) or request.generated)
+            logits = self._runner.prefill(
+                tokens[begin : begin + n], caches, every_position=every, sampled=sampled
+            )
             tic = time.perf_counter()
             pending: list[mx.array] = []
             if every:
@@ -1564,7 +1577,7 @@ class DecodeEngine:
                 )
                 prompt_part = (begin + 1, part)
                 pending.extend(part.arrays())
-            if begin + n < len(tokens) or request.generated:
+            if not sampled:
                 # No token is sampled from this chunk: evaluate what it wrote (the caches'
                 # state), not its logits, so the last layer's attention and MLP, which only
                 # the logits need, are never computed (mlx-lm's prefill does the same).
@@ -1579,7 +1592,9 @@ class DecodeEngine:
                 mx.eval(first.arrays(), pending)
             if request.states:
                 mx.eval([getattr(c, "cache", []) for c in request.states])
-            self._stats.prefill_device_seconds += time.perf_counter() - tic
+            self._stats.prefill_device_seconds += (
+                time.perf_counter() - tic + self._head_clock.take()
+            )
         except BaseException:
             self._sampler.restore(saved)
             # The recurrent states go back to what they were before the chunk, the pool to

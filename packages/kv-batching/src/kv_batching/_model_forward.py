@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -21,6 +22,7 @@ from kv_protocol import (
 __all__ = [
     "HEAD_REORDER_MIN_WEIGHTS",
     "DecodeForward",
+    "EvaluationClock",
     "LastPositionForward",
     "decode_forward",
     "last_position_forward",
@@ -55,12 +57,30 @@ def vocabulary_size(model: object) -> int | None:
     return declared if declared is not None and declared > 0 else None
 
 
+class EvaluationClock:
+    """Seconds a forward spent evaluating inside itself (a native head evaluates its input).
+
+    The engine counts them as device time, not as graph building.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def take(self) -> float:
+        """The seconds counted since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 #: ``forward(tokens (1, T), caches) -> logits (1, 1, vocab)`` of the last position only.
 LastPositionForward = Callable[[mx.array, list[Any]], mx.array]
 
 
 def last_position_forward(
-    model: nn.Module, vocab_size: int, quantized_head: QuantizedHeadKernel | None = None
+    model: nn.Module,
+    vocab_size: int,
+    quantized_head: QuantizedHeadKernel | None = None,
+    clock: EvaluationClock | None = None,
 ) -> LastPositionForward | None:
     """A forward that projects only the last position onto the vocabulary, if it is exact.
 
@@ -85,7 +105,7 @@ def last_position_forward(
     if not callable(head):
         return None
     project: Callable[[mx.array], mx.array] = head
-    faster = _cpu_head(model, quantized_head)
+    faster = _cpu_head(model, quantized_head, clock)
     if faster is not None:
         project = faster
 
@@ -160,7 +180,9 @@ def project_rows(weight: mx.array, rows: mx.array) -> mx.array:
 
 
 def _cpu_head(
-    model: nn.Module, quantized_head: QuantizedHeadKernel | None
+    model: nn.Module,
+    quantized_head: QuantizedHeadKernel | None,
+    clock: EvaluationClock | None = None,
 ) -> Callable[[mx.array], mx.array] | None:
     """The head as ``hidden (..., D) -> logits (..., vocab)`` in the CPU's faster form, if any.
 
@@ -204,7 +226,7 @@ def _cpu_head(
     )
     if projection is None:
         return None
-    return partial(_project_quantized, projection, bias)
+    return partial(_project_quantized, projection, bias, clock)
 
 
 def _project_reordered(weight: mx.array, bias: mx.array | None, hidden: mx.array) -> mx.array:
@@ -216,20 +238,30 @@ def _project_reordered(weight: mx.array, bias: mx.array | None, hidden: mx.array
 
 
 def _project_quantized(
-    projection: Callable[[mx.array], mx.array], bias: mx.array | None, hidden: mx.array
+    projection: Callable[[mx.array], mx.array],
+    bias: mx.array | None,
+    clock: EvaluationClock | None,
+    hidden: mx.array,
 ) -> mx.array:
     """``hidden (..., D)`` onto the vocabulary through a quantized head's kernel, plus ``bias``.
 
-    The kernel evaluates ``hidden`` (the forward up to the head) and returns evaluated logits.
+    The kernel evaluates ``hidden`` (the forward up to the head) and returns evaluated logits;
+    ``clock`` counts the seconds that takes.
     """
+    tic = time.perf_counter()
     logits = projection(hidden.reshape(-1, hidden.shape[-1]))
+    if clock is not None:
+        clock.seconds += time.perf_counter() - tic
     if bias is not None:
         logits = logits + bias
     return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
 
 def decode_forward(
-    model: nn.Module, vocab_size: int, quantized_head: QuantizedHeadKernel | None = None
+    model: nn.Module,
+    vocab_size: int,
+    quantized_head: QuantizedHeadKernel | None = None,
+    clock: EvaluationClock | None = None,
 ) -> DecodeForward | None:
     """The model's forward with its vocabulary head as ``(W @ h.T).T``, where that pays.
 
@@ -246,7 +278,7 @@ def decode_forward(
     rounding) with the same greedy token in every row; otherwise, and on other devices,
     ``None``.
     """
-    project = _cpu_head(model, quantized_head)
+    project = _cpu_head(model, quantized_head, clock)
     backbone = getattr(model, "model", None)
     if project is None or not isinstance(backbone, nn.Module):
         return None

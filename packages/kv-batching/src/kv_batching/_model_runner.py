@@ -105,12 +105,19 @@ class ModelRunner:
         return not self.state_layer_ids or self.ragged_state_mixers is not None
 
     def prefill(
-        self, tokens: Sequence[int], caches: list[Any], *, every_position: bool = False
+        self,
+        tokens: Sequence[int],
+        caches: list[Any],
+        *,
+        every_position: bool = False,
+        sampled: bool = True,
     ) -> mx.array:
         """Logits (lazy) of one request's ``tokens`` run through its per-layer ``caches``.
 
         ``(1, T, vocab)``, or ``(1, 1, vocab)`` of the last position with ``prefill_forward``
-        unless ``every_position`` asks for all of them.
+        unless ``every_position`` asks for all of them. A chunk nothing is ``sampled`` from
+        runs the model's own call, whose logits stay lazy and unevaluated
+        (``prefill_forward`` may evaluate its input: a native head does).
         """
         chunk = mx.array(list(tokens), dtype=mx.int32)[None]
         model_caches = self.nesting.nest(caches)
@@ -118,7 +125,7 @@ class ModelRunner:
             wrapper.prefill_attention = self.prefill_attention
         try:
             with fast_mlps(self.fast_mlps):
-                if self.prefill_forward is not None and not every_position:
+                if self.prefill_forward is not None and not every_position and sampled:
                     return self.prefill_forward(chunk, model_caches)
                 logits: mx.array = self.model(chunk, cache=model_caches)
                 return logits
