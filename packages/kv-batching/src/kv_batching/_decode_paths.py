@@ -32,6 +32,7 @@ from kv_protocol import (
 
 from ._cache_nesting import CacheNesting
 from ._decode_step import DecodeRoute, PoolAddressing
+from ._model_forward import DecodeForward, LastPositionForward
 from ._model_runner import ModelRunner
 from ._patching import (
     patch_model_attention,
@@ -215,6 +216,8 @@ def check_batched_decode(
     state_caches: StateCacheFactory | None = None,
     state_layer_ids: tuple[int, ...] = (),
     nesting: CacheNesting | None = None,
+    prefill_forward: LastPositionForward | None = None,
+    decode_forward: DecodeForward | None = None,
 ) -> str | None:
     """Why one ragged batched decode step differs from prefill, or ``None`` if it agrees.
 
@@ -223,7 +226,10 @@ def check_batched_decode(
     prefilling the prompt and that token alone. Every probe request is freed afterwards,
     whatever happens. Returns ``None`` (and logs a warning) when the pool cannot hold the
     probe, which is tiny. STATE layers (``state_layer_ids``) get fresh caches from
-    ``state_caches`` per prefill and the rows' states stacked for the batched step.
+    ``state_caches`` per prefill and the rows' states stacked for the batched step. Both
+    sides project through the engine's ``prefill_forward`` / ``decode_forward`` heads when
+    given (each checked against the model's own head by its own probe): a quantized head's
+    own CPU product would make this check take seconds.
     """
     runner = ModelRunner(
         model,
@@ -232,6 +238,8 @@ def check_batched_decode(
         addressing=PoolAddressing.from_pool(pool, plan.routes),
         state_layer_ids=state_layer_ids,
         nesting=nesting,
+        prefill_forward=prefill_forward,
+        decode_forward=decode_forward,
     )
     prompts = [[(11 * i + 5 * n + 1) % vocab_size for i in range(n)] for n in _PROBE_LENGTHS]
     nexts = [(7 * n + 2) % vocab_size for n in _PROBE_LENGTHS]
@@ -309,6 +317,8 @@ def choose_decode_paths(
     state_caches: StateCacheFactory | None = None,
     state_layer_ids: tuple[int, ...] = (),
     nesting: CacheNesting | None = None,
+    prefill_forward: LastPositionForward | None = None,
+    decode_forward: DecodeForward | None = None,
 ) -> DecodePlan:
     """Choose the layers' decode paths, wrap the fast ones and check one batched step.
 
@@ -333,6 +343,8 @@ def choose_decode_paths(
         state_caches=state_caches,
         state_layer_ids=state_layer_ids,
         nesting=nesting,
+        prefill_forward=prefill_forward,
+        decode_forward=decode_forward,
     )
     if problem is not None and decode_path == "auto" and plan.fast_layers:
         unpatch_model_attention(model)
@@ -348,6 +360,8 @@ def choose_decode_paths(
             state_caches=state_caches,
             state_layer_ids=state_layer_ids,
             nesting=nesting,
+            prefill_forward=prefill_forward,
+            decode_forward=decode_forward,
         )
         if retry is None:
             logger.warning(

@@ -278,6 +278,7 @@ class DecodeEngine:
             if prefill_last_logits
             else None
         )
+        head_decode_forward = decode_forward(model, vocab_size, quantized_head, self._head_clock)
         self._decode_plan = choose_decode_paths(
             model,
             pool,
@@ -289,6 +290,8 @@ class DecodeEngine:
             state_caches=make_state_caches,
             state_layer_ids=self._state_layer_ids,
             nesting=nesting,
+            prefill_forward=self._prefill_forward,
+            decode_forward=head_decode_forward,
         )
         self._make_state_caches = make_state_caches
         self._pool = pool
@@ -305,7 +308,7 @@ class DecodeEngine:
             state_layer_ids=self._state_layer_ids,
             nesting=nesting,
             prefill_forward=self._prefill_forward,
-            decode_forward=decode_forward(model, vocab_size, quantized_head, self._head_clock),
+            decode_forward=head_decode_forward,
             # Outside the runner's forwards a swapped MLP is the model's own call.
             fast_mlps=fast_activations and patch_model_mlps(model) > 0,
         )
