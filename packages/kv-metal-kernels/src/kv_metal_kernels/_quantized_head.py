@@ -2,14 +2,15 @@
 
 MLX's CPU backend computes ``mx.quantized_matmul`` several times slower than a float32
 product of the same shape (Gemma 3 270M's 262144 x 640 head, 2-core x86_64 with MKL: 8-bit
-150 ms for one row against 40 ms in float32, 2.4 s for 16 rows against 70 ms), so on the CPU
+150 ms for one row against 51-54 ms in float32, 2.4 s for 16 rows against 82-98 ms), so on the CPU
 quantized weights cost time instead of saving it. A vocabulary head is the one product that
 reads a large matrix for a few rows; it is bandwidth-bound, so reading its 8-bit codes
 instead of float32 values could make it four times cheaper. :class:`CpuQuantizedHead`
 (``kv_protocol.QuantizedHeadKernel``) projects rows through a C kernel
 (:mod:`~kv_metal_kernels._quantized_head_source`, built by
-:func:`~kv_metal_kernels._cpu_library.build_cpu_library`): on the same machine 17 ms for one
-row, 22 for four and 53 for sixteen, for both 4 and 8 bits.
+:func:`~kv_metal_kernels._cpu_library.build_cpu_library`): on the same machine 18-19 ms
+for one row and 23-24 for four at 8 bits, about even with float32 at sixteen
+(``tools/bench_head.py``).
 """
 
 from __future__ import annotations
