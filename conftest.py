@@ -70,7 +70,8 @@ def gemma_dense(gemma_files: tuple[Path, Path]) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of Gemma 3 270M with every tensor float32 (``"dequantize"``).
 
     ``gemma`` keeps its 8-bit embedding quantized on the CPU (the engine's native head reads
-    it); mlx-lm's own calls run MLX's quantized product there, several times slower than
+    it; its linear layers also read the GGUF's codes for a few rows: ``"dual"``); mlx-lm's
+    own calls run MLX's quantized product for the head there, several times slower than
     float32 on the same values, so oracles that call the model run on this one.
     """
     from kv_serve import GEMMA3_270M, default_cache_dir, load_model

@@ -146,6 +146,47 @@ def test_swapped_mlp_equals_mlx_lm_module(module: str, activation: str, variant:
     assert unpatch_model_mlps(model) == 1 and model.layers[0].mlp is mlp
 
 
+class _OwnWayLinear(nn.Linear):
+    """An ``nn.Linear`` that computes up to ``max_rows`` rows its own way (counted here).
+
+    Its own way adds a recognisable offset, so a test sees which product a row got.
+    """
+
+    def __init__(self, inner: nn.Linear, max_rows: int, calls: list[int]) -> None:
+        nn.Module.__init__(self)
+        self.weight = inner.weight
+        self.max_rows = max_rows
+        self.calls = calls
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if rows <= self.max_rows:
+            self.calls.append(rows)
+            return x @ self.weight.T + 1000.0
+        return super().__call__(x)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 12])
+def test_a_linear_with_its_own_few_row_product_is_called_for_few_rows(rows: int) -> None:
+    """``max_rows`` on an ``nn.Linear`` subclass: its own call up to it, the fused form above."""
+    mlp = _mlp("gemma3_text", FAST_MLP_MIN_WIDTH, seed=5)
+    plain = {name: getattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")}
+    x = mx.random.normal((1, rows, 64), key=mx.random.key(rows))
+    want_plain = mlp(x)
+    calls: list[int] = []
+    for name, layer in plain.items():
+        setattr(mlp, name, _OwnWayLinear(layer, 4, calls))
+    want_own = mlp(x)
+    model = _Model([mlp])
+    assert patch_model_mlps(model) == 1  # probed at 6 rows: the generic gated form
+    calls.clear()
+    with fast_mlps():
+        got = model.layers[0].mlp(x)
+    want = want_own if rows <= 4 else want_plain
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-3)
+    assert calls == ([rows] * 3 if rows <= 4 else [])
+
+
 def _flat(tree: Any) -> list[tuple[str, Any]]:
     return cast(list[tuple[str, Any]], tree_flatten(tree))
 

@@ -129,7 +129,8 @@ class FastGatedMLP(nn.Module):
         if not _ACTIVE.get():
             return cast(mx.array, inner(x))
         projections = (inner.gate_proj, inner.up_proj, inner.down_proj)
-        if x.dtype == mx.float32 and all(type(p) is nn.Linear for p in projections):
+        rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+        if x.dtype == mx.float32 and all(_plain_product(p, rows) for p in projections):
             return self._transposed(x, *projections)
         gate = inner.gate_proj(x)
         if gate.dtype != mx.float32:
@@ -156,8 +157,20 @@ class FastGatedMLP(nn.Module):
         return cast(mx.array, out.reshape(*x.shape[:-1], out.shape[-1]))
 
 
+def _plain_product(module: object, rows: int) -> bool:
+    """Whether ``module`` computes ``rows`` rows as ``nn.Linear`` does (its weight's product).
+
+    An ``nn.Linear`` subclass with an integer ``max_rows`` (kv-serve's ``KernelLinear``)
+    computes up to that many rows its own way and more rows as ``nn.Linear``.
+    """
+    if type(module) is nn.Linear:
+        return True
+    limit = getattr(module, "max_rows", None)
+    return isinstance(module, nn.Linear) and isinstance(limit, int) and rows > limit
+
+
 def _linear(module: object) -> bool:
-    return type(module) in (nn.Linear, nn.QuantizedLinear)
+    return type(module) in (nn.Linear, nn.QuantizedLinear) or _plain_product(module, 1 << 62)
 
 
 def _gate_width(module: Any) -> int:

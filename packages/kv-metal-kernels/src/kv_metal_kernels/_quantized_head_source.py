@@ -11,7 +11,7 @@ __all__ = ["QUANTIZED_HEAD_SOURCE"]
 #: rows against 1, 2 or 4 input rows, 16 inputs at a time (dequantized in registers, one
 #: fused multiply-add per input and row), summed pairwise at the end. The sums' order
 #: depends on nothing but the shapes (not the thread count). Under Intel's OpenMP runtime
-#: the calling thread's team is set not to spin after the product. Returns 0, or -1 when its
+#: the calling thread's team spins for at most 2 ms after a product. Returns 0, or -1 when its
 #: scratch cannot be allocated. Needs D and G multiples of 16 and G dividing D.
 QUANTIZED_HEAD_SOURCE = r"""
 #include <stdint.h>
@@ -85,15 +85,17 @@ static inline vf codes4(const uint8_t *q, int c) {
   }
 TILE(4, 8) TILE(2, 8) TILE(1, 8) TILE(4, 4) TILE(2, 4) TILE(1, 4)
 
-/* Intel's OpenMP runtime (MKL's): the calling thread's team sleeps as soon as the product
-   is done instead of spinning for 200 ms on the cores MKL's own team needs next. */
+/* Intel's OpenMP runtime (MKL's): the calling thread's team sleeps 2 ms after a product
+   instead of spinning for 200 ms on the cores MKL's own team needs next. Not at once: a
+   decode step's linear layers call the kernel every few hundred microseconds, and waking
+   sleeping workers for each call cost a 270M model's one-row step 6-8 ms. */
 extern void kmp_set_blocktime(int) __attribute__((weak));
 static __thread int blocktime_set;
 
 int kv_qhead(const float *x, int B, int D, const uint32_t *codes, const float *scales,
              const float *biases, int V, int G, int bits, float *out) {
   if (!blocktime_set) {
-    if (kmp_set_blocktime) kmp_set_blocktime(0);
+    if (kmp_set_blocktime) kmp_set_blocktime(2);
     blocktime_set = 1;
   }
   int ng = D / G, nc = D / L;

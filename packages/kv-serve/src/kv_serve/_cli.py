@@ -372,7 +372,7 @@ def _generate(args: argparse.Namespace) -> int:
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
     progress(f"compiled kernels: {active_cpu_jit().describe()}")
-    progress(f"native CPU kernels: {_native_kernels()}")
+    progress(f"native CPU kernels: {_native_kernels(model)}")
     sampling = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -456,7 +456,7 @@ def _serve(args: argparse.Namespace) -> int:
     progress(f"loaded {args.model} in {time.perf_counter() - start:.1f} s")
     progress(f"BLAS: {active_blas().describe()}")
     progress(f"compiled kernels: {active_cpu_jit().describe()}")
-    progress(f"native CPU kernels: {_native_kernels()}")
+    progress(f"native CPU kernels: {_native_kernels(model)}")
     if ranks is not None:
         from ._sharding import shard_model
 
@@ -530,15 +530,18 @@ def _ranks(args: argparse.Namespace) -> Any:
     return ranks
 
 
-def _native_kernels() -> str:
-    """What the CPU's native quantized head kernel is (built, or why not), for the log."""
+def _native_kernels(model: Any) -> str:
+    """What the CPU's native quantized kernel is (built, or why not) and the layers using it."""
     import mlx.core as mx
 
     from kv_metal_kernels import CpuQuantizedHead
 
+    from ._kernel_linears import KernelLinear
+
     if mx.default_device().type != mx.cpu:
         return "none on this device (MLX's own kernels)"
-    return CpuQuantizedHead().library.describe()
+    layers = sum(isinstance(m, KernelLinear) for _, m in model.named_modules())
+    return f"{CpuQuantizedHead().library.describe()}; {layers} linear layers read its codes"
 
 
 def _load_model(
@@ -613,12 +616,14 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gguf-weights",
-        choices=("auto", "keep", "embedding", "dequantize"),
+        choices=("auto", "keep", "dual", "embedding", "dequantize"),
         default="auto",
         help="a GGUF's quantized blocks: keep those that are exactly MLX affine groups "
-        "(Q8_0, Q4_0/1, Q5_0/1, Q4_K), keep only the token embedding (the tied head, 8 or 4 "
-        "bits), dequantize them, or auto (the default: keep on a GPU; on the CPU keep the "
-        "embedding where the native quantized head kernel builds, dequantize the rest)",
+        "(Q8_0, Q4_0/1, Q5_0/1, Q4_K); dual: keep the token embedding so (the tied head, 8 "
+        "or 4 bits) and the other layers both in float32 (for prompts) and as the native CPU "
+        "kernel's codes (for decode steps of up to 8 rows); keep only the embedding; "
+        "dequantize them; or auto (the default: keep on a GPU, dual on the CPU where the "
+        "native kernel builds, else dequantize)",
     )
 
 
@@ -651,7 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "proposals)"
         )
     kept = getattr(args, "gguf_weights", "auto")
-    if kept in ("keep", "embedding") and getattr(args, "weights_bits", None):
+    if kept in ("keep", "dual", "embedding") and getattr(args, "weights_bits", None):
         commands.error(
             f"--gguf-weights {kept} keeps the GGUF's quantization; --weights-bits quantizes "
             "float weights: give one"

@@ -27,7 +27,7 @@ import numpy as np
 from kv_protocol import UnsupportedModelError
 
 from ._extras import require_extra
-from ._gguf_quants import GROUP_SIZE, affine_blocks
+from ._gguf_quants import GROUP_SIZE, affine_blocks, kernel_codes
 
 __all__ = [
     "GEMMA3_HARD_CODED",
@@ -65,6 +65,8 @@ _LINEARS = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 #: Bump when the converted layout changes, so old caches are not reused.
 _FORMAT = 2
+#: The file of a ``keep_quantized="dual"`` conversion that holds the kernel's codes.
+KERNEL_CODES_FILE = "kv-kernel-codes.safetensors"
 
 Progress = Callable[[str], None]
 
@@ -205,7 +207,7 @@ def convert_gguf(
     dtype: mx.Dtype = mx.float32,
     sha256: str | None = None,
     progress: Progress | None = None,
-    keep_quantized: bool | Literal["embedding"] = False,
+    keep_quantized: bool | Literal["embedding", "dual"] = False,
 ) -> Path:
     """Convert a Gemma 3 GGUF into an mlx-lm model directory under ``cache_dir`` (once).
 
@@ -220,7 +222,12 @@ def convert_gguf(
     ``dtype`` float32 (the exact scales are float32). ``keep_quantized="embedding"`` keeps
     only the token embedding (Gemma's tied vocabulary head) so, where it is exactly 8- or
     4-bit groups (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q4_K``: what
-    ``kv_metal_kernels.CpuQuantizedHead`` reads).
+    ``kv_metal_kernels.CpuQuantizedHead`` reads). ``keep_quantized="dual"`` keeps the
+    embedding so too, writes every other linear layer in float32 as ``False`` does, and
+    beside them (:data:`KERNEL_CODES_FILE`, ``{module}.codes`` / ``.scales`` / ``.biases``;
+    each module's bits and group size in ``kv-serve.json``'s ``kernel_codes``) the same
+    layers' blocks in the form the native CPU kernel reads
+    (:func:`kv_serve._gguf_quants.kernel_codes`), for products over a few rows.
     """
     if keep_quantized and dtype != mx.float32:
         raise UnsupportedModelError(
@@ -232,6 +239,8 @@ def convert_gguf(
     name = str(dtype).rsplit(".", 1)[-1]
     if keep_quantized == "embedding":
         name += "-gguf-embedding-quantized"
+    elif keep_quantized == "dual":
+        name += "-gguf-dual"
     elif keep_quantized:
         name += "-gguf-quantized"
     out = cache_dir / f"{digest[:16]}-{name}-v{_FORMAT}"
@@ -247,16 +256,27 @@ def convert_gguf(
     config = _config(reader)
     weights: dict[str, mx.array] = {}
     kept: dict[str, dict[str, int]] = {}
+    codes_out: dict[str, mx.array] = {}
+    coded: dict[str, dict[str, int]] = {}
     for index, tensor in enumerate(reader.tensors):
         target, is_norm = _mlx_name(str(tensor.name))
         affine = None
+        embedding = target == "model.embed_tokens.weight"
         kept_here = keep_quantized is True or (
-            keep_quantized == "embedding" and target == "model.embed_tokens.weight"
+            keep_quantized in ("embedding", "dual") and embedding
         )
         if kept_here and not is_norm:
             shape = tuple(int(d) for d in reversed(list(tensor.shape)))
             affine = affine_blocks(tensor.tensor_type.name, np.asarray(tensor.data), shape)
-            if keep_quantized == "embedding" and affine is not None and affine[3] not in (4, 8):
+            if (
+                keep_quantized in ("embedding", "dual")
+                and affine is not None
+                and affine[3]
+                not in (
+                    4,
+                    8,
+                )
+            ):
                 affine = None  # only the bits the CPU's quantized head kernel reads
         if affine is not None:
             codes, scales, biases, bits = affine
@@ -270,12 +290,24 @@ def convert_gguf(
             if is_norm:
                 values = values - np.float32(1.0)
             weights[target] = mx.array(values).astype(dtype)
+        if keep_quantized == "dual" and not is_norm and not embedding and affine is None:
+            shape = tuple(int(d) for d in reversed(list(tensor.shape)))
+            form = kernel_codes(tensor.tensor_type.name, np.asarray(tensor.data), shape)
+            if form is not None:
+                module = target.removesuffix(".weight")
+                codes, scales, biases, bits, group = form
+                codes_out[f"{module}.codes"] = mx.array(codes)
+                codes_out[f"{module}.scales"] = mx.array(scales)
+                codes_out[f"{module}.biases"] = mx.array(biases)
+                coded[module] = {"bits": bits, "group_size": group}
         if index % 40 == 0:
             say(f"  converted {index + 1}/{len(reader.tensors)} tensors")
     if kept:
         # Every kept module named with its bits (they differ: Q8_0 is 8, Q5_0 5, Q4_K 4).
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 8, "mode": "affine", **kept}
     mx.save_safetensors(str(work / "model.safetensors"), weights, metadata={"format": "mlx"})
+    if codes_out:
+        mx.save_safetensors(str(work / KERNEL_CODES_FILE), codes_out)
     (work / "config.json").write_text(json.dumps(config, indent=2))
     say("  building the tokenizer from the GGUF metadata")
     _save_tokenizer(reader, work)
@@ -287,6 +319,7 @@ def convert_gguf(
                 "dtype": name,
                 "format": _FORMAT,
                 "kept_quantized": sorted(kept),
+                "kernel_codes": coded,
             }
         )
     )

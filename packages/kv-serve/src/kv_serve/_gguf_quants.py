@@ -13,6 +13,12 @@ llama.cpp block types are exactly that with groups of 32:
 Scales and biases are float32 (products of a float16 and a small integer: exact). ``Q6_K``
 (groups of 16) and ``Q2_K`` / ``Q3_K`` / ``Q5_K`` have no such exact form here and are
 dequantized as before.
+
+:func:`kernel_codes` gives the same blocks in the form the native CPU kernel
+(``kv_metal_kernels.CpuQuantizedHead``) reads: 4-bit codes stay 4-bit, 5-bit codes are
+widened to 8 bits (the same values), and ``Q6_K`` becomes 8-bit codes in groups of 16
+(``d * sc * (q - 32)``: scale ``d * sc``, bias ``-32 d sc``), a group size MLX's own
+quantized ops do not take.
 """
 
 from __future__ import annotations
@@ -21,13 +27,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GROUP_SIZE", "KEPT_TYPES", "affine_blocks"]
+__all__ = ["GROUP_SIZE", "KEPT_TYPES", "KERNEL_TYPES", "affine_blocks", "kernel_codes"]
 
 #: Every kept type's group size (llama.cpp's blocks and K sub-blocks hold 32 values).
 GROUP_SIZE = 32
 
 #: The GGML type names kept quantized, with their bits per code.
 KEPT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4}
+
+#: The GGML type names :func:`kernel_codes` serves: ``(bits of the kernel's codes, group size)``.
+KERNEL_TYPES = {
+    "Q8_0": (8, 32),
+    "Q4_0": (4, 32),
+    "Q4_1": (4, 32),
+    "Q5_0": (8, 32),
+    "Q5_1": (8, 32),
+    "Q4_K": (4, 32),
+    "Q6_K": (8, 16),
+}
 
 _F16 = np.dtype("<f2")
 
@@ -58,6 +75,41 @@ def affine_blocks(
         scales.reshape(rows, groups).astype(np.float32),
         biases.reshape(rows, groups).astype(np.float32),
         bits,
+    )
+
+
+def kernel_codes(
+    type_name: str, raw: np.ndarray[Any, Any], shape: tuple[int, ...]
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], int, int] | None:
+    """``(packed codes uint32, scales, biases, bits, group_size)`` for the native CPU kernel.
+
+    The same values as the block type's dequantization (``scale * code + bias`` per group
+    of ``group_size`` along the last axis; codes of 4 or 8 bits in MLX's packing), or
+    ``None`` for a type, rank or width it does not serve. ``raw`` and ``shape`` as in
+    :func:`affine_blocks`.
+    """
+    form = KERNEL_TYPES.get(type_name)
+    if form is None or len(shape) != 2:
+        return None
+    bits, group = form
+    rows, cols = shape
+    block = 256 if type_name.endswith("_K") else GROUP_SIZE
+    if cols % block:
+        return None
+    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if type_name == "Q6_K":
+        codes, scales, biases = _q6_k(data)
+    elif type_name == "Q4_K":
+        codes, scales, biases = _q4_k(data)
+    else:
+        codes, scales, biases = _small_block(type_name, data)
+    groups = cols // group
+    return (
+        _pack(codes.reshape(rows, cols), bits),
+        scales.reshape(rows, groups).astype(np.float32),
+        biases.reshape(rows, groups).astype(np.float32),
+        bits,
+        group,
     )
 
 
@@ -114,6 +166,33 @@ def _q4_k(
     # Each 32 bytes hold two groups: the low nibbles, then the high nibbles.
     codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256).astype(np.uint32)
     return codes, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def _q6_k(
+    data: np.ndarray[Any, Any],
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Codes (n, 256) and per-16 scales and biases (n, 16) of Q6_K super-blocks.
+
+    A super-block is 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 signed
+    8-bit scales and the float16 ``d``. Each half of 128 values takes 64 low-nibble bytes
+    and 32 high-part bytes: value ``l + 32 j`` (``l`` < 32, ``j`` < 4) has the low (``j``
+    even) or high (``j`` odd) nibble of byte ``l`` (``j`` < 2) or ``l + 32``, and bits
+    ``2 j, 2 j + 1`` of high-part byte ``l``; value ``p`` of the super-block uses scale
+    ``p // 16``.
+    """
+    blocks = data.reshape(-1, 210)
+    n = blocks.shape[0]
+    d = _f16(blocks, 208)
+    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    codes = np.empty((n, 2, 4, 32), dtype=np.uint32)
+    for half in range(2):
+        ql = blocks[:, 64 * half : 64 * half + 64].astype(np.uint32)
+        qh = blocks[:, 128 + 32 * half : 160 + 32 * half].astype(np.uint32)
+        low = (ql[:, :32] & 0x0F, ql[:, 32:] & 0x0F, ql[:, :32] >> 4, ql[:, 32:] >> 4)
+        for j in range(4):
+            codes[:, half, j] = low[j] | (((qh >> (2 * j)) & 3) << 4)
+    scales = d * sc
+    return codes.reshape(n, 256), scales, -32.0 * scales
 
 
 def _pack(codes: np.ndarray[Any, Any], bits: int) -> np.ndarray[Any, Any]:

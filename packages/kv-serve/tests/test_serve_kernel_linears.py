@@ -1,0 +1,235 @@
+"""Linear layers that read a GGUF's codes through the native CPU kernel for few rows.
+
+Oracles: the ``gguf`` package's own dequantization (the codes of every served block type
+decode to exactly its values), ``nn.Linear`` over the same float32 weights (a
+``KernelLinear``'s product at every row count, to float rounding), and mlx-lm's greedy
+tokens on the float32 model (the ``"dual"`` model decodes the same tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_metal_kernels import CpuQuantizedHead
+from kv_protocol import UnsupportedModelError
+from kv_serve import load_model
+from kv_serve._gguf import KERNEL_CODES_FILE
+from kv_serve._gguf_quants import KERNEL_TYPES, kernel_codes
+from kv_serve._kernel_linears import KERNEL_MAX_ROWS, KernelLinear, attach_kernel_codes
+from kv_testing import mlx_lm_greedy, save_tiny_model_dir
+
+#: Bytes and values of one block of each type, and where its float16 fields sit.
+BLOCKS = {
+    "Q8_0": (34, 32, (0,)),
+    "Q4_0": (18, 32, (0,)),
+    "Q4_1": (20, 32, (0, 2)),
+    "Q5_0": (22, 32, (0,)),
+    "Q5_1": (24, 32, (0, 2)),
+    "Q4_K": (144, 256, (0, 2)),
+    "Q6_K": (210, 256, (208,)),
+}
+
+needs_kernel = pytest.mark.skipif(
+    CpuQuantizedHead().library.handle is None or mx.default_device().type != mx.cpu,
+    reason="the native CPU kernel does not build here",
+)
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int) -> np.ndarray[Any, Any]:
+    size, values, halves = BLOCKS[name]
+    rng = np.random.default_rng(seed)
+    count = rows * cols // values
+    raw = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+    for at in halves:  # finite float16 scales and minimums
+        half = rng.normal(0.0, 0.05, size=count).astype(np.float16)
+        raw[:, at : at + 2] = half.view(np.uint8).reshape(count, 2)
+    return raw.reshape(rows, -1)
+
+
+def unpacked(codes: np.ndarray[Any, Any], bits: int, rows: int) -> np.ndarray[Any, Any]:
+    """The codes as floats, one per value (MLX's little-endian packing, read by numpy)."""
+    stream = codes.view(np.uint8).reshape(rows, -1)
+    if bits == 8:
+        return stream.astype(np.float32)
+    return np.stack([stream & 15, stream >> 4], axis=-1).reshape(rows, -1).astype(np.float32)
+
+
+def test_every_block_type_has_a_kernel_form() -> None:
+    assert set(KERNEL_TYPES) == set(BLOCKS)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(BLOCKS)),
+    rows=st.integers(1, 4),
+    blocks=st.integers(1, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_kernel_codes_are_the_gguf_packages_values(
+    name: str, rows: int, blocks: int, seed: int
+) -> None:
+    cols = blocks * BLOCKS[name][1]
+    raw = random_blocks(name, rows, cols, seed)
+    expected = np.asarray(
+        quants.dequantize(raw, getattr(GGMLQuantizationType, name)), dtype=np.float32
+    ).reshape(rows, cols)
+    form = kernel_codes(name, raw, (rows, cols))
+    assert form is not None
+    codes, scales, biases, bits, group = form
+    assert (bits, group) == KERNEL_TYPES[name] and codes.dtype == np.uint32
+    values = unpacked(codes, bits, rows).reshape(rows, cols // group, group)
+    got = (values * scales[..., None] + biases[..., None]).reshape(rows, cols)
+    assert np.array_equal(got, expected)
+
+
+def test_shapes_the_kernel_form_does_not_serve() -> None:
+    assert kernel_codes("F32", np.zeros((2, 128), np.uint8), (2, 32)) is None
+    assert kernel_codes("Q2_K", np.zeros((1, 84), np.uint8), (1, 256)) is None
+    assert kernel_codes("Q6_K", np.zeros((1, 210), np.uint8), (2, 128)) is None  # width
+    assert kernel_codes("Q8_0", np.zeros((1, 34), np.uint8), (1, 32, 1)) is None  # rank
+
+
+class CountingProjection:
+    """A kernel projection that counts its calls and the rows it was given."""
+
+    def __init__(self, projection: Any) -> None:
+        self.projection = projection
+        self.rows: list[int] = []
+
+    def __call__(self, rows: mx.array) -> mx.array:
+        self.rows.append(int(rows.shape[0]))
+        out: mx.array = self.projection(rows)
+        return out
+
+
+def _quantized_layer(
+    out_dims: int, in_dims: int, bits: int, with_bias: bool, seed: int
+) -> tuple[nn.Linear, CountingProjection]:
+    """A float ``nn.Linear`` holding exactly the values of ``bits``-bit groups, and its codes."""
+    key = mx.random.key(seed)
+    weight = mx.random.normal((out_dims, in_dims), key=key) * 0.1
+    codes, scales, biases = mx.quantize(weight, group_size=32, bits=bits)
+    layer = nn.Linear(in_dims, out_dims, bias=with_bias)
+    layer.weight = mx.dequantize(codes, scales, biases, group_size=32, bits=bits)
+    if with_bias:
+        layer.bias = mx.random.normal((out_dims,), key=mx.random.split(key)[0])
+    projection = CpuQuantizedHead().prepare(codes, scales, biases, group_size=32, bits=bits)
+    assert projection is not None
+    return layer, CountingProjection(projection)
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    out_dims=st.integers(1, 40),
+    groups=st.integers(1, 4),
+    bits=st.sampled_from([4, 8]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_linear_is_nn_linear_of_the_same_values(
+    lead: list[int], out_dims: int, groups: int, bits: int, with_bias: bool, seed: int
+) -> None:
+    layer, projection = _quantized_layer(out_dims, 32 * groups, bits, with_bias, seed)
+    mine = KernelLinear(layer.weight, layer.get("bias"), projection, max_rows=6)
+    x = mx.random.normal((*lead, 32 * groups), key=mx.random.key(seed + 1))
+    expected = layer(x)
+    got = mine(x)
+    assert got.shape == expected.shape and got.dtype == mx.float32
+    scale = float(cast(float, mx.abs(expected).max().item())) + 1e-6
+    assert mx.allclose(got, expected, rtol=1e-5, atol=1e-5 * scale)
+    rows = int(np.prod(lead))
+    assert projection.rows == ([rows] if rows <= 6 else [])
+    half = x.astype(mx.float16)  # another dtype: nn.Linear's own product
+    assert mx.array_equal(mine(half), layer(half))
+    assert projection.rows == ([rows] if rows <= 6 else [])
+
+
+@needs_kernel
+def test_kernel_linear_is_an_nn_linear_to_whoever_inspects_it() -> None:
+    layer, projection = _quantized_layer(8, 64, 8, True, 3)
+    mine = KernelLinear(layer.weight, layer["bias"], projection)
+    assert isinstance(mine, nn.Linear) and mine.max_rows == KERNEL_MAX_ROWS
+    assert sorted(mine.keys()) == ["bias", "weight"]  # no codes among the parameters
+    assert mx.array_equal(mine.weight, layer.weight)
+
+
+def test_a_directory_without_codes_replaces_nothing(tmp_path: Path) -> None:
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    model, _ = load_model(model_dir)
+    assert attach_kernel_codes(model, model_dir, CpuQuantizedHead()) == 0
+    assert not any(isinstance(m, KernelLinear) for _, m in model.named_modules())
+
+
+@pytest.fixture(scope="module")
+def dual_gemma() -> tuple[Any, Path]:
+    from kv_serve import default_cache_dir
+
+    model, _ = load_model("gemma3-270m", gguf_weights="dual")
+    [directory] = [
+        p
+        for p in default_cache_dir().iterdir()
+        if p.name.endswith("-gguf-dual-v2") and (p / KERNEL_CODES_FILE).exists()
+    ]
+    return model, directory
+
+
+@needs_kernel
+def test_dual_gemma_reads_codes_for_every_decoder_linear(
+    dual_gemma: tuple[Any, Path], gemma_dense: tuple[Any, Any]
+) -> None:
+    model, directory = dual_gemma
+    dense = gemma_dense[0]
+    described = json.loads((directory / "kv-serve.json").read_text())["kernel_codes"]
+    layers = model.model.layers
+    assert len(described) == 7 * len(layers)
+    # Q5_0 widened to 8 bits, Q4_K 4 bits, Q6_K 8 bits in groups of 16.
+    assert described["model.layers.0.self_attn.q_proj"] == {"bits": 8, "group_size": 32}
+    assert described["model.layers.0.self_attn.o_proj"] == {"bits": 4, "group_size": 32}
+    assert described["model.layers.0.mlp.down_proj"] == {"bits": 8, "group_size": 16}
+    linears = [m for _, m in model.named_modules() if isinstance(m, KernelLinear)]
+    assert len(linears) == 7 * len(layers)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    for mine, theirs in (
+        (layers[0].self_attn.q_proj, dense.model.layers[0].self_attn.q_proj),
+        (layers[5].mlp.down_proj, dense.model.layers[5].mlp.down_proj),  # Q6_K
+        (layers[2].mlp.down_proj, dense.model.layers[2].mlp.down_proj),  # Q4_K
+    ):
+        assert mx.array_equal(mine.weight, theirs.weight)
+        for rows in (1, 5, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 3):
+            x = mx.random.normal((rows, theirs.weight.shape[1]), key=mx.random.key(rows))
+            expected = theirs(x)
+            scale = float(cast(float, mx.abs(expected).max().item()))
+            assert mx.allclose(mine(x), expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@needs_kernel
+def test_dual_gemma_decodes_the_float_models_tokens(
+    dual_gemma: tuple[Any, Path], gemma_dense: tuple[Any, Any]
+) -> None:
+    model, _ = dual_gemma
+    dense, tokenizer = gemma_dense
+    for text in ("The capital of France is", "def fibonacci(n):"):
+        prompt = [int(t) for t in tokenizer.encode(text)]
+        assert mlx_lm_greedy(model, prompt, 12) == mlx_lm_greedy(dense, prompt, 12)
+
+
+def test_dual_is_refused_where_keep_is(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedModelError, match="'dual' keeps the GGUF's own"):
+        load_model("gemma3-270m", gguf_weights="dual", weights_bits=8)
+    with pytest.raises(UnsupportedModelError, match="exact scales in float32"):
+        load_model("gemma3-270m", gguf_weights="dual", dtype="bfloat16")
+    model_dir = save_tiny_model_dir(tmp_path / "tiny")
+    with pytest.raises(UnsupportedModelError, match="'dual' is for GGUF files"):
+        load_model(model_dir, gguf_weights="dual")
