@@ -24,6 +24,7 @@ import pytest
 from kv_serve import _cli as kv_serve_cli
 from tools import (
     bench_engine,
+    bench_gguf_weights,
     bench_kernels,
     bench_latency,
     bench_pool,
@@ -43,6 +44,7 @@ MAINS: dict[str, Callable[[Sequence[str]], Any]] = {
     "tools.bench_pool": bench_pool.main,
     "tools.bench_kernels": lambda argv: bench_kernels.main(list(argv)),
     "tools.bench_latency": bench_latency.main,
+    "tools.bench_gguf_weights": bench_gguf_weights.main,
     "tools.profile_decode": profile_decode.main,
     "kv_serve._cli": kv_serve_cli.main,
 }
@@ -195,6 +197,8 @@ OTHER_BENCH_CASES = [
     ("tools.bench_kernels", ["--attn-batch", "0"], "--attn-batch"),
     ("tools.bench_kernels", ["--min-time", "nan"], "--min-time"),
     ("tools.bench_latency", ["--streams", "0"], "--streams"),
+    ("tools.bench_gguf_weights", ["--batch", "0"], "--batch"),
+    ("tools.bench_gguf_weights", ["--choices", "keep"], "--choices"),
     ("tools.profile_decode", ["--lengths", "0"], "--lengths"),
     ("tools.profile_decode", ["--lengths", "128,x"], "--lengths"),
     ("tools.profile_decode", ["--repeats", "0"], "--repeats"),

@@ -81,6 +81,11 @@ class QuantizedHeadProjection:
         mx.eval(self._weight, self._scales, self._biases)
         self._pointers = [_address(a) for a in (self._weight, self._scales, self._biases)]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the codes, scales and biases it holds."""
+        return sum(a.nbytes for a in (self._weight, self._scales, self._biases))
+
     def __call__(self, rows: mx.array) -> mx.array:
         """The logits of ``rows`` (evaluated here), ``(M, vocab)`` float32."""
         if rows.ndim != 2 or rows.shape[1] != self.hidden or rows.dtype != mx.float32:

@@ -64,6 +64,11 @@ class KernelLinear(nn.Linear):
         """The most rows the kernel projects; more rows are ``nn.Linear``'s product."""
         return self._max_rows
 
+    @property
+    def codes_nbytes(self) -> int:
+        """The bytes the kernel's codes take beside the float32 weight (0 if unknown)."""
+        return int(getattr(self._projection, "nbytes", 0))
+
     def __call__(self, x: mx.array) -> mx.array:
         """``x @ weight.T + bias``; up to ``max_rows`` float32 rows through the kernel."""
         width = x.shape[-1] if x.ndim else 0
