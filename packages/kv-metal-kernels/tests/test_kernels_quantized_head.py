@@ -37,7 +37,7 @@ def quantized(vocab: int, hidden: int, group: int, bits: int, seed: int) -> tupl
     groups=st.integers(1, 4),
     group=st.sampled_from([32, 64, 128]),
     bits=st.sampled_from([4, 8]),
-    rows=st.integers(1, 9),
+    rows=st.integers(1, 19),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_the_kernel_equals_mlx_and_a_float64_product(
@@ -56,6 +56,9 @@ def test_the_kernel_equals_mlx_and_a_float64_product(
     bound = 1e-5 * (np.abs(np.array(x)) @ np.abs(dense).T + 1e-3)
     assert np.all(np.abs(np.array(got) - exact) <= bound)
     assert bool(mx.allclose(got, mlx, rtol=1e-4, atol=1e-5))
+    # Each row's outputs are the same bits whatever rows share the call (and its tiling).
+    alone = mx.concatenate([project(x[i : i + 1]) for i in range(rows)])
+    assert mx.array_equal(got, alone)
 
 
 @needs_kernel
