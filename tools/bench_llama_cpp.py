@@ -4,8 +4,10 @@ llama.cpp runs its own batched benchmark on the packaged GGUF (``llama-batched-b
 THREADS -npp 128 -ntg 64 -npl 1,4,16``: ``B`` separate prompts of 128 tokens, 64 generated
 tokens each); the engine runs the same shapes: ``B`` prompts of 128 random tokens submitted at
 once, 64 greedy tokens each (no stop tokens), ``build_engine`` defaults with prefix caching
-off, the weights as ``load_model`` gives them (fp32 dequantized from the same GGUF, the tied
-``Q8_0`` embedding kept as 8-bit groups for the native head kernel), MLX's BLAS with its own
+off, the weights as ``load_model`` gives them (on the CPU ``gguf_weights="dual"``: fp32
+dequantized from the same GGUF for prompts, the GGUF's own codes read by the native kernel
+for decode steps of up to 8 rows, the tied ``Q8_0`` embedding kept as 8-bit groups for the
+native head kernel), MLX's BLAS with its own
 threads (all cores: ``--threads`` is the core count by default, the same on both). For both:
 the prompt phase (``T_PP``: until every sequence has its first token; llama.cpp's prefill
 logits give that token, as the engine's do), the generation phase (``T_TG``: the rest) and the
@@ -193,6 +195,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _weights(model: Any) -> str:
+    """How the engine's model holds its weights (``load_model``'s default for this device)."""
+    from kv_serve._kernel_linears import KERNEL_MAX_ROWS, KernelLinear
+
+    coded = sum(isinstance(m, KernelLinear) for _, m in model.named_modules())
+    quantized = sum(type(m).__name__.startswith("Quantized") for _, m in model.named_modules())
+    return (
+        f"fp32 with {quantized} quantized and {coded} kernel-coded layers, codes read for up "
+        f"to {KERNEL_MAX_ROWS} rows"
+    )
+
+
 def _run(args: argparse.Namespace, folder: Path) -> None:
     from kv_serve import active_blas, load_model
 
@@ -208,7 +222,7 @@ def _run(args: argparse.Namespace, folder: Path) -> None:
                 runs[name].append(run_engine(model, args, vocab))
     print(
         f"{active_blas().describe()}; llama.cpp {_version(folder)}, {args.threads} threads; "
-        f"Gemma 3 270M Q4_K_M GGUF (the engine: fp32, its 8-bit embedding kept); "
+        f"Gemma 3 270M Q4_K_M GGUF (the engine: {_weights(model)}); "
         f"{args.prompt}-token prompts, {args.generate} tokens each; median of {args.rounds} rounds"
     )
     print()

@@ -11,9 +11,10 @@ __all__ = ["QUANTIZED_HEAD_SOURCE"]
 #: rows against 1, 2 or 4 input rows, or each half of it against 8 input rows, 16 inputs at
 #: a time (dequantized in registers, one fused multiply-add per input and row), summed
 #: pairwise at the end. Every tiling adds an output's products in the same order, so the
-#: result depends on nothing but the shapes (not the thread count, nor the other rows). Under Intel's OpenMP runtime
-#: the calling thread's team spins for at most 2 ms after a product. Returns 0, or -1 when its
-#: scratch cannot be allocated. Needs D and G multiples of 16 and G dividing D.
+#: result depends on nothing but the shapes (not the thread count, nor the other rows).
+#: Under Intel's OpenMP runtime the calling thread's team spins for at most 2 ms after a
+#: product. Returns 0, or -1 when its scratch cannot be allocated. Needs D and G multiples
+#: of 16 and G dividing D.
 QUANTIZED_HEAD_SOURCE = r"""
 #include <stdint.h>
 #include <stddef.h>
