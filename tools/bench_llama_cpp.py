@@ -6,9 +6,9 @@ tokens each); the engine runs the same shapes: ``B`` prompts of 128 random token
 once, 64 greedy tokens each (no stop tokens), ``build_engine`` defaults with prefix caching
 off, the weights as ``load_model`` gives them (on the CPU ``gguf_weights="dual"``: fp32
 dequantized from the same GGUF for prompts, the GGUF's own codes read by the native kernel
-for decode steps of up to 8 rows, the tied ``Q8_0`` embedding kept as 8-bit groups for the
-native head kernel), MLX's BLAS with its own
-threads (all cores: ``--threads`` is the core count by default, the same on both). For both:
+for decode steps of up to ``KERNEL_MAX_ROWS`` rows, the tied ``Q8_0`` embedding kept as
+8-bit groups for the native head kernel), MLX's BLAS with its own threads (all cores:
+``--threads`` is the core count by default, the same on both). For both:
 the prompt phase (``T_PP``: until every sequence has its first token; llama.cpp's prefill
 logits give that token, as the engine's do), the generation phase (``T_TG``: the rest) and the
 speeds ``S_PP = B*128/T_PP``, ``S_TG = B*TG/T_TG`` (llama.cpp's ``TG = 64`` tokens a sequence

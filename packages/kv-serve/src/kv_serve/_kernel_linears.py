@@ -28,10 +28,10 @@ from ._gguf import KERNEL_CODES_FILE
 __all__ = ["KERNEL_MAX_ROWS", "KernelLinear", "attach_kernel_codes"]
 
 #: The most rows a :class:`KernelLinear` sends to the kernel by default. Gemma 3 270M's
-#: decode step on a 2-core x86_64 with MKL, the two limits against float32 layers in one
-#: process: 8 and 16 rows alike at 1-8 rows (56-58 against 67 ms at one row, 113-114
-#: against 143 at eight), at 16 rows 16 was slower (191 against 174 ms) and 8 even.
-KERNEL_MAX_ROWS = 8
+#: decode step on a 2-core x86_64 with MKL, engines with each limit in one process, steps
+#: alternating (the kernel's 8-row tiles): 10 rows 116 ms with 12 against 144 with 8, 12
+#: rows 132 against 150; at 16 rows the kernel was slower than float32 (186 against 175).
+KERNEL_MAX_ROWS = 12
 
 
 class KernelLinear(nn.Linear):
