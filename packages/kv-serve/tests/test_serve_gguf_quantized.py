@@ -1,9 +1,11 @@
-"""GGUF blocks kept quantized as MLX affine groups: the same values as the ``gguf`` package's.
+"""GGUF blocks kept quantized: the same values as the ``gguf`` package's.
 
 The oracle is the ``gguf`` package's own dequantization (independent of the mapping): random
-blocks of every kept type decode, through ``mx.dequantize``, to exactly its values; on the
-packaged Gemma 3 270M every kept layer holds the dequantized model's weights, the whole model
-a third of the bytes, and greedy decoding gives the dequantized model's tokens.
+blocks of every kept type decode, through ``mx.dequantize``, to exactly its values, and so
+do the native CPU kernel's codes of every type it serves (``kernel_codes``, ``Q6_K``
+included); on the packaged Gemma 3 270M every kept layer holds the dequantized model's
+weights, the whole model a third of the bytes, and greedy decoding gives the dequantized
+model's tokens.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from mlx.utils import tree_flatten
 from kv_metal_kernels import CpuQuantizedHead
 from kv_protocol import UnsupportedModelError
 from kv_serve import cli_main, load_model
-from kv_serve._gguf_quants import KEPT_TYPES, affine_blocks
+from kv_serve._gguf_quants import KEPT_TYPES, KERNEL_TYPES, affine_blocks, kernel_codes
 from kv_testing import mlx_lm_greedy, save_tiny_model_dir
 
-#: Bytes and values of one block of each kept type, and where its float16 fields sit.
+#: Bytes and values of one block of each type, and where its float16 fields sit.
 BLOCKS = {
     "Q8_0": (34, 32, (0,)),
     "Q4_0": (18, 32, (0,)),
@@ -33,6 +35,7 @@ BLOCKS = {
     "Q5_0": (22, 32, (0,)),
     "Q5_1": (24, 32, (0, 2)),
     "Q4_K": (144, 256, (0, 2)),
+    "Q6_K": (210, 256, (208,)),
 }
 
 
@@ -49,7 +52,7 @@ def random_blocks(name: str, rows: int, cols: int, seed: int) -> np.ndarray[Any,
 
 @settings(max_examples=30, deadline=None)
 @given(
-    name=st.sampled_from(sorted(BLOCKS)),
+    name=st.sampled_from(sorted(KEPT_TYPES)),
     rows=st.integers(1, 5),
     groups=st.integers(1, 3),
     seed=st.integers(0, 2**32 - 1),
@@ -77,6 +80,49 @@ def test_types_without_an_exact_form_are_not_kept() -> None:
     assert affine_blocks("Q6_K", raw, (2, 256)) is None  # groups of 16
     assert affine_blocks("F32", raw, (2, 256)) is None
     assert affine_blocks("Q8_0", np.zeros((1, 34), np.uint8), (1, 32, 1)) is None
+
+
+def unpacked(codes: np.ndarray[Any, Any], bits: int, rows: int) -> np.ndarray[Any, Any]:
+    """The codes as floats, one per value (MLX's little-endian packing, read by numpy)."""
+    stream = codes.view(np.uint8).reshape(rows, -1)
+    if bits == 8:
+        return stream.astype(np.float32)
+    return np.stack([stream & 15, stream >> 4], axis=-1).reshape(rows, -1).astype(np.float32)
+
+
+def test_every_block_type_has_a_kernel_form() -> None:
+    assert set(KERNEL_TYPES) == set(BLOCKS)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(BLOCKS)),
+    rows=st.integers(1, 4),
+    blocks=st.integers(1, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_kernel_codes_are_the_gguf_packages_values(
+    name: str, rows: int, blocks: int, seed: int
+) -> None:
+    cols = blocks * BLOCKS[name][1]
+    raw = random_blocks(name, rows, cols, seed)
+    expected = np.asarray(
+        quants.dequantize(raw, getattr(GGMLQuantizationType, name)), dtype=np.float32
+    ).reshape(rows, cols)
+    form = kernel_codes(name, raw, (rows, cols))
+    assert form is not None
+    codes, scales, biases, bits, group = form
+    assert (bits, group) == KERNEL_TYPES[name] and codes.dtype == np.uint32
+    values = unpacked(codes, bits, rows).reshape(rows, cols // group, group)
+    got = (values * scales[..., None] + biases[..., None]).reshape(rows, cols)
+    assert np.array_equal(got, expected)
+
+
+def test_shapes_the_kernel_form_does_not_serve() -> None:
+    assert kernel_codes("F32", np.zeros((2, 128), np.uint8), (2, 32)) is None
+    assert kernel_codes("Q2_K", np.zeros((1, 84), np.uint8), (1, 256)) is None
+    assert kernel_codes("Q6_K", np.zeros((1, 210), np.uint8), (2, 128)) is None  # width
+    assert kernel_codes("Q8_0", np.zeros((1, 34), np.uint8), (1, 32, 1)) is None  # rank
 
 
 @pytest.fixture(scope="module")

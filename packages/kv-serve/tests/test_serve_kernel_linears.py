@@ -1,9 +1,9 @@
 """Linear layers that read a GGUF's codes through the native CPU kernel for few rows.
 
-Oracles: the ``gguf`` package's own dequantization (the codes of every served block type
-decode to exactly its values), ``nn.Linear`` over the same float32 weights (a
-``KernelLinear``'s product at every row count, to float rounding), and mlx-lm's greedy
-tokens on the float32 model (the ``"dual"`` model decodes the same tokens).
+Oracles: ``nn.Linear`` over the same float32 weights (a ``KernelLinear``'s product at every
+row count, to float rounding) and mlx-lm's greedy tokens on the float32 model (the
+``"dual"`` model decodes the same tokens). The codes themselves are checked against the
+``gguf`` package in ``test_serve_gguf_quantized.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,79 +23,13 @@ from kv_metal_kernels import CpuQuantizedHead
 from kv_protocol import UnsupportedModelError
 from kv_serve import load_model
 from kv_serve._gguf import KERNEL_CODES_FILE
-from kv_serve._gguf_quants import KERNEL_TYPES, kernel_codes
 from kv_serve._kernel_linears import KERNEL_MAX_ROWS, KernelLinear, attach_kernel_codes
 from kv_testing import mlx_lm_greedy, save_tiny_model_dir
-
-#: Bytes and values of one block of each type, and where its float16 fields sit.
-BLOCKS = {
-    "Q8_0": (34, 32, (0,)),
-    "Q4_0": (18, 32, (0,)),
-    "Q4_1": (20, 32, (0, 2)),
-    "Q5_0": (22, 32, (0,)),
-    "Q5_1": (24, 32, (0, 2)),
-    "Q4_K": (144, 256, (0, 2)),
-    "Q6_K": (210, 256, (208,)),
-}
 
 needs_kernel = pytest.mark.skipif(
     CpuQuantizedHead().library.handle is None or mx.default_device().type != mx.cpu,
     reason="the native CPU kernel does not build here",
 )
-
-
-def random_blocks(name: str, rows: int, cols: int, seed: int) -> np.ndarray[Any, Any]:
-    size, values, halves = BLOCKS[name]
-    rng = np.random.default_rng(seed)
-    count = rows * cols // values
-    raw = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
-    for at in halves:  # finite float16 scales and minimums
-        half = rng.normal(0.0, 0.05, size=count).astype(np.float16)
-        raw[:, at : at + 2] = half.view(np.uint8).reshape(count, 2)
-    return raw.reshape(rows, -1)
-
-
-def unpacked(codes: np.ndarray[Any, Any], bits: int, rows: int) -> np.ndarray[Any, Any]:
-    """The codes as floats, one per value (MLX's little-endian packing, read by numpy)."""
-    stream = codes.view(np.uint8).reshape(rows, -1)
-    if bits == 8:
-        return stream.astype(np.float32)
-    return np.stack([stream & 15, stream >> 4], axis=-1).reshape(rows, -1).astype(np.float32)
-
-
-def test_every_block_type_has_a_kernel_form() -> None:
-    assert set(KERNEL_TYPES) == set(BLOCKS)
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    name=st.sampled_from(sorted(BLOCKS)),
-    rows=st.integers(1, 4),
-    blocks=st.integers(1, 3),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_kernel_codes_are_the_gguf_packages_values(
-    name: str, rows: int, blocks: int, seed: int
-) -> None:
-    cols = blocks * BLOCKS[name][1]
-    raw = random_blocks(name, rows, cols, seed)
-    expected = np.asarray(
-        quants.dequantize(raw, getattr(GGMLQuantizationType, name)), dtype=np.float32
-    ).reshape(rows, cols)
-    form = kernel_codes(name, raw, (rows, cols))
-    assert form is not None
-    codes, scales, biases, bits, group = form
-    assert (bits, group) == KERNEL_TYPES[name] and codes.dtype == np.uint32
-    values = unpacked(codes, bits, rows).reshape(rows, cols // group, group)
-    got = (values * scales[..., None] + biases[..., None]).reshape(rows, cols)
-    assert np.array_equal(got, expected)
-
-
-def test_shapes_the_kernel_form_does_not_serve() -> None:
-    assert kernel_codes("F32", np.zeros((2, 128), np.uint8), (2, 32)) is None
-    assert kernel_codes("Q2_K", np.zeros((1, 84), np.uint8), (1, 256)) is None
-    assert kernel_codes("Q6_K", np.zeros((1, 210), np.uint8), (2, 128)) is None  # width
-    assert kernel_codes("Q8_0", np.zeros((1, 34), np.uint8), (1, 32, 1)) is None  # rank
 
 
 class CountingProjection:
