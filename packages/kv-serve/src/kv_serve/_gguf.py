@@ -260,24 +260,17 @@ def convert_gguf(
     coded: dict[str, dict[str, int]] = {}
     for index, tensor in enumerate(reader.tensors):
         target, is_norm = _mlx_name(str(tensor.name))
+        shape = tuple(int(d) for d in reversed(list(tensor.shape)))
         affine = None
         embedding = target == "model.embed_tokens.weight"
         kept_here = keep_quantized is True or (
             keep_quantized in ("embedding", "dual") and embedding
         )
         if kept_here and not is_norm:
-            shape = tuple(int(d) for d in reversed(list(tensor.shape)))
             affine = affine_blocks(tensor.tensor_type.name, np.asarray(tensor.data), shape)
-            if (
-                keep_quantized in ("embedding", "dual")
-                and affine is not None
-                and affine[3]
-                not in (
-                    4,
-                    8,
-                )
-            ):
-                affine = None  # only the bits the CPU's quantized head kernel reads
+            # Only the embedding's bits the CPU's quantized head kernel reads.
+            if keep_quantized in ("embedding", "dual") and affine and affine[3] not in (4, 8):
+                affine = None
         if affine is not None:
             codes, scales, biases, bits = affine
             module = target.removesuffix(".weight")
@@ -291,7 +284,6 @@ def convert_gguf(
                 values = values - np.float32(1.0)
             weights[target] = mx.array(values).astype(dtype)
         if keep_quantized == "dual" and not is_norm and not embedding and affine is None:
-            shape = tuple(int(d) for d in reversed(list(tensor.shape)))
             form = kernel_codes(tensor.tensor_type.name, np.asarray(tensor.data), shape)
             if form is not None:
                 module = target.removesuffix(".weight")

@@ -62,20 +62,8 @@ def affine_blocks(
     bits = KEPT_TYPES.get(type_name)
     if bits is None or len(shape) != 2 or shape[-1] % GROUP_SIZE:
         return None
-    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
-    if type_name == "Q4_K":
-        codes, scales, biases = _q4_k(data)
-    else:
-        codes, scales, biases = _small_block(type_name, data)
-    rows, cols = shape
-    codes = codes.reshape(rows, cols)
-    groups = cols // GROUP_SIZE
-    return (
-        _pack(codes, bits),
-        scales.reshape(rows, groups).astype(np.float32),
-        biases.reshape(rows, groups).astype(np.float32),
-        bits,
-    )
+    codes, scales, biases = _laid_out(type_name, raw, shape, bits, GROUP_SIZE)
+    return codes, scales, biases, bits
 
 
 def kernel_codes(
@@ -92,10 +80,17 @@ def kernel_codes(
     if form is None or len(shape) != 2:
         return None
     bits, group = form
-    rows, cols = shape
     block = 256 if type_name.endswith("_K") else GROUP_SIZE
-    if cols % block:
+    if shape[-1] % block:
         return None
+    codes, scales, biases = _laid_out(type_name, raw, shape, bits, group)
+    return codes, scales, biases, bits, group
+
+
+def _laid_out(
+    type_name: str, raw: np.ndarray[Any, Any], shape: tuple[int, ...], bits: int, group: int
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """A 2-D tensor's blocks decoded: codes packed at ``bits``, float32 scales and biases."""
     data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
     if type_name == "Q6_K":
         codes, scales, biases = _q6_k(data)
@@ -103,13 +98,12 @@ def kernel_codes(
         codes, scales, biases = _q4_k(data)
     else:
         codes, scales, biases = _small_block(type_name, data)
+    rows, cols = shape
     groups = cols // group
     return (
         _pack(codes.reshape(rows, cols), bits),
         scales.reshape(rows, groups).astype(np.float32),
         biases.reshape(rows, groups).astype(np.float32),
-        bits,
-        group,
     )
 
 
