@@ -62,6 +62,20 @@ def test_the_kernel_equals_mlx_and_a_float64_product(
 
 
 @needs_kernel
+def test_rows_of_any_leading_shape_and_layout_project_as_their_contiguous_copy() -> None:
+    codes, scales, biases = quantized(24, 64, 32, 8, seed=5)
+    project = KERNEL.prepare(codes, scales, biases, group_size=32, bits=8)
+    assert project is not None
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(6))
+    flat = project(x.reshape(6, 64))
+    assert mx.array_equal(project(x), flat.reshape(2, 3, 24))
+    strided = mx.random.normal((64, 5), key=mx.random.key(7)).T  # a transposed view
+    assert mx.array_equal(project(strided), project(mx.contiguous(strided)))
+    assert mx.array_equal(project(x[:, 1:]), flat.reshape(2, 3, 24)[:, 1:])
+    assert project(mx.zeros((2, 0, 64))).shape == (2, 0, 24)
+
+
+@needs_kernel
 def test_a_large_head_keeps_its_argmax() -> None:
     """Gemma 3 270M's head shape at 8 bits: the greedy rows are MLX's."""
     codes, scales, biases = quantized(262144, 640, 32, 8, seed=3)

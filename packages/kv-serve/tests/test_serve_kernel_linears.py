@@ -40,7 +40,7 @@ class CountingProjection:
         self.rows: list[int] = []
 
     def __call__(self, rows: mx.array) -> mx.array:
-        self.rows.append(int(rows.shape[0]))
+        self.rows.append(rows.size // rows.shape[-1])
         out: mx.array = self.projection(rows)
         return out
 

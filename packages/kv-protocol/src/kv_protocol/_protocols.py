@@ -590,7 +590,7 @@ class QuantizedHeadKernel(Protocol):
         group_size: int,
         bits: int,
     ) -> Callable[[mx.array], mx.array] | None:
-        """A projection ``rows (M, hidden) float32 -> (M, vocab) float32`` of this head.
+        """A projection ``rows (..., hidden) float32 -> (..., vocab) float32`` of this head.
 
         It equals ``mx.quantized_matmul(rows, weight, scales, biases, transpose=True,
         group_size=group_size, bits=bits)`` to float rounding (the sums run in another

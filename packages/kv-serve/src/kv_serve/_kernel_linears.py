@@ -71,11 +71,10 @@ class KernelLinear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         """``x @ weight.T + bias``; up to ``max_rows`` float32 rows through the kernel."""
-        width = x.shape[-1] if x.ndim else 0
+        width = x.shape[-1] if x.ndim >= 2 else 0
         rows = x.size // width if width else 0
         if 0 < rows <= self._max_rows and x.dtype == mx.float32:
-            out = self._projection(x.reshape(rows, width))
-            out = out.reshape(*x.shape[:-1], out.shape[-1])
+            out = self._projection(x)
             return out + self["bias"] if "bias" in self else out
         return super().__call__(x)
 
