@@ -76,6 +76,7 @@ FACES: dict[str, set[str]] = {
     "kv_metal_kernels": {
         "ATTENTION_ENV",
         "CPU_KERNELS_ENV",
+        "CpuPagedAttention",
         "CpuQuantizedHead",
         "DensePrefillAttention",
         "FUSED_ROPE_ENV",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, cast
 
+import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from hypothesis import given
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 
 from kv_batching import EngineStats, NgramProposer, SpeculationConfig
 from kv_batching._speculative import SpeculationState, StepRates
-from kv_metal_kernels import ReferencePagedAttention
+from kv_metal_kernels import ATTENTION_ENV, CpuPagedAttention, ReferencePagedAttention
 from kv_protocol import KVCacheError
 from kv_serve import DraftModelProposer, EngineDraftProposer, build_engine, draft_speculation
 from kv_testing import build_tiny_model, build_zoo_model, mlx_lm_greedy
@@ -118,22 +119,29 @@ def test_ngram_speculation_gives_mlx_lm_s_tokens(arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss", "llama"])
 @pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_verifying_rows_attend_per_request_or_one_row_each(
-    arch: str, grouped: bool, monkeypatch: pytest.MonkeyPatch
+    arch: str, grouped: bool, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A kernel with ``attend_queries`` reads a verifying request's pages once for its rows;
     one without it gets one row per query. Both keep mlx-lm's tokens."""
+    kernel: type[Any] = ReferencePagedAttention
+    if backend == "cpu":
+        if CpuPagedAttention().library.handle is None or mx.default_device().type != mx.cpu:
+            pytest.skip("the CPU paged attention kernel does not build here")
+        kernel = CpuPagedAttention
+    monkeypatch.setenv(ATTENTION_ENV, backend)
     queries: list[int] = []
     if grouped:
-        original = ReferencePagedAttention.attend_queries
+        original = kernel.attend_queries
 
-        def spy(self: ReferencePagedAttention, q: Any, *args: Any, **kwargs: Any) -> Any:
+        def spy(self: Any, q: Any, *args: Any, **kwargs: Any) -> Any:
             queries.append(q.shape[2])
             return original(self, q, *args, **kwargs)
 
-        monkeypatch.setattr(ReferencePagedAttention, "attend_queries", spy)
+        monkeypatch.setattr(kernel, "attend_queries", spy)
     else:
-        monkeypatch.delattr(ReferencePagedAttention, "attend_queries")
+        monkeypatch.delattr(kernel, "attend_queries")
     config = SpeculationConfig(
         shadow=False, compare_rates=False, proposer=RaggedProposer(arch, right=3), num_tokens=5
     )

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kv_metal_kernels import (
     NATIVE_BACKENDS,
+    CpuPagedAttention,
     NativePagedAttention,
     ReferencePagedAttention,
     backend_available,
@@ -171,6 +172,45 @@ def test_reference_matches_dense_softmax(batch: Batch) -> None:
         np.testing.assert_allclose(f32(out), dense_oracle(batch), atol=tol, rtol=tol)
 
 
+needs_cpu_kernel = pytest.mark.skipif(
+    CpuPagedAttention().library.handle is None or mx.default_device().type != mx.cpu,
+    reason="the CPU paged attention kernel does not build here",
+)
+
+
+@needs_cpu_kernel
+@settings(max_examples=60, deadline=None)
+@given(batches(max_len=90))
+def test_cpu_kernel_matches_dense_softmax_and_the_reference(batch: Batch) -> None:
+    """float32 through the C kernel; float16 / bfloat16 handed to the reference."""
+    out = run(CpuPagedAttention(), batch)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    tol = TOL[batch.dtype_name]
+    np.testing.assert_allclose(f32(out), dense_oracle(batch), atol=tol, rtol=tol)
+    reference = run(ReferencePagedAttention(), batch)
+    if batch.dtype_name == "float32":
+        np.testing.assert_allclose(f32(out), f32(reference), atol=2e-6, rtol=2e-6)
+    else:
+        assert mx.array_equal(out, reference)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_checks_index_values_before_reading() -> None:
+    args = _args()
+    kernel = CpuPagedAttention()
+    args["page_table"] = mx.array([[4, 0, 0], [1, 0, 0]], dtype=mx.int32)  # page 4 of 0 .. 3
+    with pytest.raises(RequestStateError, match=r"entries must lie in 0 \.\. 3"):
+        kernel(**args)  # type: ignore[arg-type]
+    args["page_table"] = mx.array([[1, 0, 0], [2, 0, 0]], dtype=mx.int32)
+    args["seq_lens"] = mx.array([1, 25], dtype=mx.int32)
+    with pytest.raises(RequestStateError, match="needs more pages"):
+        kernel(**args)  # type: ignore[arg-type]
+    args["seq_lens"] = mx.array([0, 2], dtype=mx.int32)
+    with pytest.raises(RequestStateError, match="seq_lens must be >= 1"):
+        CpuPagedAttention(validate=True)(**args)  # type: ignore[arg-type]
+    assert isinstance(kernel, PagedDecodeAttention) and kernel.name == "cpu"
+
+
 def test_bucketed_calls_equal_one_call_on_a_ragged_batch() -> None:
     rng = np.random.default_rng(3)
     lens = [5, 300, 17, 290, 33, 250, 9, 260, 120, 8, 270, 40]
@@ -306,8 +346,9 @@ def test_bad_inputs_raise(name: str, value: object, message: str) -> None:
     args[name] = value
     if name == "k_pool":
         args["v_pool"] = value
-    with pytest.raises(ShapeMismatchError, match=message):
-        ReferencePagedAttention()(**args)  # type: ignore[arg-type]
+    for kernel in (ReferencePagedAttention(), CpuPagedAttention()):
+        with pytest.raises(ShapeMismatchError, match=message):
+            kernel(**args)  # type: ignore[arg-type]
 
 
 def test_validate_mode_checks_index_values() -> None:

@@ -19,18 +19,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_metal_kernels import NativePagedAttention, ReferencePagedAttention
+from kv_metal_kernels import CpuPagedAttention, NativePagedAttention, ReferencePagedAttention
 from kv_metal_kernels import _paged_reference as paged_reference
 from kv_protocol import KVQuantization, PagedQueryAttention, ShapeMismatchError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_kernels_paged_attention import DTYPES, TOL, Batch, f32, make_batch, run
 
-KERNELS = (
+KERNELS: tuple[ReferencePagedAttention | CpuPagedAttention, ...] = (
     ReferencePagedAttention(),
     ReferencePagedAttention(buckets=0),
     ReferencePagedAttention(unfused_softmax=True),
     ReferencePagedAttention(unfused_softmax=False),
+    CpuPagedAttention(),  # the reference's call where its C kernel does not build
 )
 
 
@@ -102,7 +103,7 @@ def dense_queries_oracle(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     return out, real
 
 
-def attend(kernel: ReferencePagedAttention, batch: Batch) -> mx.array:
+def attend(kernel: ReferencePagedAttention | CpuPagedAttention, batch: Batch) -> mx.array:
     return kernel.attend_queries(
         batch.q,
         batch.k_pool,
@@ -196,8 +197,9 @@ def test_quantized_pages_read_as_their_dequantized_values(bits: int) -> None:
     stored = replace(batch, k_pool=cast(mx.array, k), v_pool=cast(mx.array, v))
     dense = replace(batch, k_pool=k.dequantize(), v_pool=v.dequantize())
     expected, real = dense_queries_oracle(dense)
-    out = attend(ReferencePagedAttention(), stored)
-    np.testing.assert_allclose(f32(out)[real], expected[real], atol=2e-5, rtol=2e-5)
+    for kernel in (ReferencePagedAttention(), CpuPagedAttention()):
+        out = attend(kernel, stored)
+        np.testing.assert_allclose(f32(out)[real], expected[real], atol=2e-5, rtol=2e-5)
 
 
 def test_query_shapes_are_checked() -> None:
@@ -224,6 +226,7 @@ def test_query_shapes_are_checked() -> None:
 
 def test_which_kernels_take_several_queries() -> None:
     assert isinstance(ReferencePagedAttention(), PagedQueryAttention)
+    assert isinstance(CpuPagedAttention(), PagedQueryAttention)
     # The native kernels read pages in place: one row per query costs them no extra gather.
     assert not hasattr(NativePagedAttention, "attend_queries")
 

@@ -12,7 +12,9 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from kv_metal_kernels import (
     ATTENTION_ENV,
+    CPU_KERNELS_ENV,
     FUSED_ROPE_ENV,
+    CpuPagedAttention,
     KernelSet,
     ReferencePagedAttention,
     ReferenceRopeScatter,
@@ -21,6 +23,7 @@ from kv_metal_kernels import (
     rope_config_from_module,
     select_kernels,
 )
+from kv_metal_kernels import _cpu_library as cpu_library
 from kv_metal_kernels import _select as select_module
 from kv_protocol import KernelSet as KernelSetProtocol
 from kv_protocol import (
@@ -42,10 +45,15 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     select_module._logged.clear()
 
 
-def test_default_is_unfused_reference_attention() -> None:
+def _cpu_kernel_builds() -> bool:
+    return mx.default_device().type == mx.cpu and CpuPagedAttention().library.handle is not None
+
+
+def test_default_is_unfused_rope_and_the_cpu_kernel_or_reference_attention() -> None:
     kernels = select_kernels(ROPE)
     assert kernels.rope is None
-    assert isinstance(kernels.attention, ReferencePagedAttention)
+    expected = CpuPagedAttention if _cpu_kernel_builds() else ReferencePagedAttention
+    assert type(kernels.attention) is expected
     assert isinstance(kernels, KernelSetProtocol)
     with pytest.raises(AttributeError):
         kernels.rope = ReferenceRopeScatter()  # type: ignore[misc]
@@ -66,9 +74,21 @@ def test_env_reference_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_attention_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ATTENTION_ENV, "auto")
-    assert select_kernels().attention.name == (native_backend() or "reference")
+    cpu_or_reference = "cpu" if _cpu_kernel_builds() else "reference"
+    assert select_kernels().attention.name == (native_backend() or cpu_or_reference)
     monkeypatch.setenv(ATTENTION_ENV, "reference")
     assert select_kernels().attention.name == "reference"
+    monkeypatch.setenv(ATTENTION_ENV, "cpu")
+    if CpuPagedAttention().library.handle is not None:
+        assert select_kernels().attention.name == "cpu"
+
+
+def test_cpu_kernels_off_leaves_the_reference_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CPU_KERNELS_ENV, "off")
+    monkeypatch.setattr(cpu_library, "_built", {})  # built again, under the setting
+    assert select_kernels().attention.name == "reference"
+    with pytest.raises(KernelUnavailableError, match="cpu paged attention kernel is not available"):
+        select_kernels(attention="cpu")
 
 
 @pytest.mark.parametrize("backend", ["metal", "cuda"])

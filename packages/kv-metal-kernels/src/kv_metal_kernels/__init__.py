@@ -1,13 +1,15 @@
 """Fused RoPE + pool scatter and paged decode attention for MLX (reference, Metal, CUDA).
 
-On the CPU, :class:`CpuQuantizedHead` projects a large quantized vocabulary head through a
-C kernel built on first use.
+On the CPU, :class:`CpuQuantizedHead` projects a large quantized vocabulary head and
+:class:`CpuPagedAttention` attends the pages in place, each through a C kernel built on
+first use.
 
 Pools are slot-addressed and head-major, ``(n_kv_heads, num_slots, head_dim)`` with
 ``slot = page * page_size + offset_in_page`` (page 0 is the null page). ``select_kernels``
 returns the :class:`KernelSet` batched decode uses.
 """
 
+from ._cpu_attention import CpuPagedAttention
 from ._cpu_library import CPU_KERNELS_ENV
 from ._native import (
     NATIVE_BACKENDS,
@@ -32,6 +34,7 @@ from ._select import (
 __all__ = [
     "ATTENTION_ENV",
     "CPU_KERNELS_ENV",
+    "CpuPagedAttention",
     "CpuQuantizedHead",
     "DensePrefillAttention",
     "FUSED_ROPE_ENV",

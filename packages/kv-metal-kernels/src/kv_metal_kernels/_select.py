@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kv_protocol import (
+    KernelUnavailableError,
     PagedDecodeAttention,
     PrefillAttention,
     QuantizedHeadKernel,
@@ -18,6 +19,7 @@ from kv_protocol import (
     rope_config_from_module,  # the one rule for a describable RoPE, re-exported here
 )
 
+from ._cpu_attention import CpuPagedAttention
 from ._native import NativePagedAttention, NativeRopeScatter, native_backend, require_backend
 from ._paged_reference import ReferencePagedAttention
 from ._prefill_attention import DensePrefillAttention
@@ -39,7 +41,7 @@ FUSED_ROPE_ENV = "KV_FUSED_ROPE"
 ATTENTION_ENV = "KV_PAGED_ATTENTION"
 
 _FUSED_CHOICES = ("off", "auto", "reference", "metal", "cuda")
-_ATTENTION_CHOICES = ("auto", "reference", "metal", "cuda")
+_ATTENTION_CHOICES = ("auto", "reference", "cpu", "metal", "cuda")
 
 logger = logging.getLogger("kv_metal_kernels")
 _logged: set[str] = set()
@@ -93,6 +95,29 @@ def _choice(
     return name
 
 
+def _cpu_attention_ready() -> bool:
+    """Whether MLX computes on the CPU and the CPU paged attention kernel builds here."""
+    return mx.default_device().type == mx.cpu and CpuPagedAttention().library.handle is not None
+
+
+def _attention_kernel(name: str, *, validate: bool) -> PagedDecodeAttention:
+    """The paged decode attention named ``name`` (``auto`` resolved here)."""
+    if name == "auto":
+        name = native_backend() or ("cpu" if _cpu_attention_ready() else "reference")
+    if name == "reference":
+        return ReferencePagedAttention(validate=validate)
+    if name == "cpu":
+        kernel = CpuPagedAttention(validate=validate)
+        library = kernel.library
+        if library.handle is None:
+            raise KernelUnavailableError(
+                f"the cpu paged attention kernel is not available here: {library.reason}"
+            )
+        return kernel
+    require_backend(name)
+    return NativePagedAttention(name, validate=validate)
+
+
 def select_kernels(
     rope: RopeConfig | None = None,
     *,
@@ -108,9 +133,12 @@ def select_kernels(
     ``fused_rope`` (default: env ``KV_FUSED_ROPE``, else ``off``): ``off`` leaves RoPE
     unfused (``rope=None``); ``auto`` takes the native backend of this machine (Metal or
     CUDA), else ``reference``; ``reference``, ``metal``, ``cuda`` name one. ``attention``
-    (default: env ``KV_PAGED_ATTENTION``, else ``reference``) chooses the paged decode
-    attention the same way (``auto``, ``reference``, ``metal``, ``cuda``). A name that is
-    none of these (argument or environment variable) raises
+    (default: env ``KV_PAGED_ATTENTION``, else ``cpu`` where MLX computes on the CPU and the
+    C kernel builds, else ``reference``) chooses the paged decode attention: ``reference``
+    (gather + MLX operations), ``cpu`` (:class:`CpuPagedAttention`, a C kernel reading the
+    pages in place; it hands what it does not serve to the reference), ``metal``, ``cuda``,
+    or ``auto`` (the native GPU backend, else ``cpu`` on the CPU, else ``reference``). A
+    name that is none of these (argument or environment variable) raises
     :class:`kv_protocol.UnknownBackendError` (a ``KernelUnavailableError`` and a
     ``ValueError``); naming a backend this machine lacks raises
     :class:`kv_protocol.KernelUnavailableError` saying what is missing. When fusion is
@@ -125,18 +153,17 @@ def select_kernels(
     leaves MLX's product).
     """
     fused = _choice(fused_rope, FUSED_ROPE_ENV, "off", _FUSED_CHOICES, argument="fused_rope")
-    attn = _choice(attention, ATTENTION_ENV, "reference", _ATTENTION_CHOICES, argument="attention")
+    attn = _choice(
+        attention,
+        ATTENTION_ENV,
+        "cpu" if _cpu_attention_ready() else "reference",
+        _ATTENTION_CHOICES,
+        argument="attention",
+    )
     native = native_backend()
     prefill = DensePrefillAttention() if prefill_attention else None
     head = CpuQuantizedHead() if quantized_head and mx.default_device().type == mx.cpu else None
-    if attn == "auto":
-        attn = native or "reference"
-    attention_kernel: PagedDecodeAttention
-    if attn == "reference":
-        attention_kernel = ReferencePagedAttention(validate=validate)
-    else:
-        require_backend(attn)
-        attention_kernel = NativePagedAttention(attn, validate=validate)
+    attention_kernel = _attention_kernel(attn, validate=validate)
 
     if fused == "off":
         return KernelSet(
@@ -184,15 +211,11 @@ def paged_decode_attention(
 ) -> mx.array:
     """Functional form of :class:`kv_protocol.PagedDecodeAttention` for one call.
 
-    ``backend`` is ``reference`` (default), ``auto``, ``metal`` or ``cuda``; see
+    ``backend`` is ``reference`` (default), ``auto``, ``cpu``, ``metal`` or ``cuda``; see
     :class:`ReferencePagedAttention` for the semantics.
     """
     choice = _choice(backend, ATTENTION_ENV, "reference", _ATTENTION_CHOICES, argument="backend")
-    if choice == "auto":
-        choice = native_backend() or "reference"
-    kernel: PagedDecodeAttention = (
-        ReferencePagedAttention() if choice == "reference" else NativePagedAttention(choice)
-    )
+    kernel = _attention_kernel(choice, validate=False)
     return kernel(
         q,
         k_pool,

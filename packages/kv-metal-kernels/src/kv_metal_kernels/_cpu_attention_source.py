@@ -1,0 +1,99 @@
+"""The C source of the CPU paged decode attention (:mod:`kv_metal_kernels._cpu_attention`)."""
+
+from __future__ import annotations
+
+__all__ = ["CPU_ATTENTION_SOURCE"]
+
+#: ``kv_paged_attention(q, B, Hq, T, D, k_pool, v_pool, Hkv, num_slots, table, max_pages,
+#: seq_lens, page_size, scale, window, sinks, out)``: float32 ``q (B, Hq, T, D)`` against
+#: the head-major pools ``(Hkv, num_slots, D)``, query head ``h`` reading kv head ``h /
+#: (Hq / Hkv)``. Query ``t`` of row ``b`` is at position ``p = max(seq_lens[b] - T + t, 0)``
+#: and attends positions ``max(0, p - window + 1) .. p`` (``window`` 0: from 0), position
+#: ``j`` held at slot ``table[b, j / page_size] * page_size + j % page_size``. ``q`` is
+#: scaled first, the scores' maximum subtracted before ``expf`` and the weighted values
+#: divided by the weights' sum (plus ``expf(sinks[h] - max)`` where ``sinks`` is given, the
+#: maximum then taken over the sink too): the reference's order of operations. One
+#: ``(row, query head)`` pair per OpenMP iteration; nothing is gathered. Returns 0, or -1
+#: when its scratch cannot be allocated. The caller has checked every page id and length.
+CPU_ATTENTION_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline float dot(const float *a, const float *b, int n) {
+  v8 s0 = {0}, s1 = {0};
+  int d = 0;
+  for (; d + 16 <= n; d += 16) {
+    v8 a0, b0, a1, b1;
+    memcpy(&a0, a + d, 32); memcpy(&b0, b + d, 32);
+    memcpy(&a1, a + d + 8, 32); memcpy(&b1, b + d + 8, 32);
+    s0 += a0 * b0;
+    s1 += a1 * b1;
+  }
+  s0 += s1;
+  float r = ((s0[0] + s0[4]) + (s0[2] + s0[6])) + ((s0[1] + s0[5]) + (s0[3] + s0[7]));
+  for (; d < n; d++) r += a[d] * b[d];
+  return r;
+}
+
+int kv_paged_attention(const float *q, int B, int Hq, int T, int D, const float *k_pool,
+                       const float *v_pool, int Hkv, long long num_slots,
+                       const int32_t *table, int max_pages, const int32_t *seq_lens,
+                       int page_size, float scale, int window, const float *sinks,
+                       float *out) {
+  int group = Hq / Hkv, failed = 0;
+  long long capacity = (long long)max_pages * page_size;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int item = 0; item < B * Hq; item++) {
+    int b = item / Hq, h = item % Hq, kv = h / group;
+    const float *keys = k_pool + (size_t)kv * (size_t)num_slots * D;
+    const float *vals = v_pool + (size_t)kv * (size_t)num_slots * D;
+    const int32_t *pages = table + (size_t)b * max_pages;
+    long long len = seq_lens[b];
+    long long most = len < capacity ? len : capacity;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(most > 0 ? most : 1));
+    float *qs = (float *)malloc(sizeof(float) * (size_t)D);
+    float *acc = (float *)malloc(sizeof(float) * (size_t)D);
+    if (scores == NULL || qs == NULL || acc == NULL) {
+#pragma omp atomic write
+      failed = 1;
+      free(scores); free(qs); free(acc);
+      continue;
+    }
+    for (int t = 0; t < T; t++) {
+      const float *qt = q + (((size_t)b * Hq + h) * T + t) * D;
+      float *ot = out + (((size_t)b * Hq + h) * T + t) * D;
+      long long p = len - T + t;
+      if (p < 0) p = 0;
+      if (p > capacity - 1) p = capacity - 1;
+      long long lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+      for (int d = 0; d < D; d++) qs[d] = qt[d] * scale;
+      float peak = -INFINITY;
+      for (long long j = lo; j <= p; j++) {
+        size_t slot = (size_t)pages[j / page_size] * page_size + (size_t)(j % page_size);
+        float s = dot(qs, keys + slot * D, D);
+        scores[j - lo] = s;
+        if (s > peak) peak = s;
+      }
+      if (sinks != NULL && sinks[h] > peak) peak = sinks[h];
+      for (int d = 0; d < D; d++) acc[d] = 0.0f;
+      float total = 0.0f;
+      for (long long j = lo; j <= p; j++) {
+        size_t slot = (size_t)pages[j / page_size] * page_size + (size_t)(j % page_size);
+        float w = expf(scores[j - lo] - peak);
+        const float *v = vals + slot * D;
+        total += w;
+        for (int d = 0; d < D; d++) acc[d] += w * v[d];
+      }
+      if (sinks != NULL) total += expf(sinks[h] - peak);
+      for (int d = 0; d < D; d++) ot[d] = acc[d] / total;
+    }
+    free(scores); free(qs); free(acc);
+  }
+  return failed ? -1 : 0;
+}
+"""
