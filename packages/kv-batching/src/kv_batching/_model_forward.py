@@ -251,12 +251,10 @@ def _project_quantized(
     ``clock`` counts the seconds that takes.
     """
     tic = time.perf_counter()
-    logits = projection(hidden.reshape(-1, hidden.shape[-1]))
+    logits = projection(hidden)
     if clock is not None:
         clock.seconds += time.perf_counter() - tic
-    if bias is not None:
-        logits = logits + bias
-    return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
+    return logits if bias is None else logits + bias
 
 
 def decode_forward(

@@ -621,7 +621,7 @@ def _add_weights_arguments(parser: argparse.ArgumentParser) -> None:
         help="a GGUF's quantized blocks: keep those that are exactly MLX affine groups "
         "(Q8_0, Q4_0/1, Q5_0/1, Q4_K); dual: keep the token embedding so (the tied head, 8 "
         "or 4 bits) and the other layers both in float32 (for prompts) and as the native CPU "
-        "kernel's codes (for decode steps of up to 12 rows); keep only the embedding; "
+        "kernel's codes (for decode steps of up to 32 rows); keep only the embedding; "
         "dequantize them; or auto (the default: keep on a GPU, dual on the CPU where the "
         "native kernel builds, else dequantize)",
     )

@@ -29,9 +29,11 @@ __all__ = ["KERNEL_MAX_ROWS", "KernelLinear", "attach_kernel_codes"]
 
 #: The most rows a :class:`KernelLinear` sends to the kernel by default. Gemma 3 270M's
 #: decode step on a 2-core x86_64 with MKL, engines with each limit in one process, steps
-#: alternating (the kernel's 8-row tiles): 10 rows 116 ms with 12 against 144 with 8, 12
-#: rows 132 against 150; at 16 rows the kernel was slower than float32 (186 against 175).
-KERNEL_MAX_ROWS = 12
+#: alternating, the kernel prefetching its next tiles: 14 rows 152 ms with 16 against 187
+#: with 12 (float32 from 13 rows), 16 rows 139 against 150, 20 rows 198 with 32 against
+#: 212, 24 rows 189 against 198, 32 rows 264 against 269. (Before the prefetch the kernel
+#: lost from 16 rows: 186 against 175 ms.)
+KERNEL_MAX_ROWS = 32
 
 
 class KernelLinear(nn.Linear):
