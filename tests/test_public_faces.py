@@ -98,6 +98,8 @@ FACES: dict[str, set[str]] = {
 #: its face is larger: protocols, values, errors and the one copy of each shared rule).
 PROTOCOL_FACE = {
     "ATTENTION_CHILD_NAMES",
+    "EVALUATION_CLOCK",
+    "EvaluationClock",
     "CacheLayout",
     "CacheStateError",
     "DecodeKVCache",

@@ -137,3 +137,30 @@ def test_the_kernel_set_carries_it_on_the_cpu_only() -> None:
     assert mx.default_device().type == mx.cpu
     assert isinstance(select_kernels().quantized_head, CpuQuantizedHead)
     assert select_kernels(quantized_head=False).quantized_head is None
+
+
+@needs_kernel
+def test_the_native_products_count_their_seconds_on_the_evaluation_clock() -> None:
+    from kv_metal_kernels import CpuPagedAttention
+    from kv_protocol import EVALUATION_CLOCK
+
+    codes, scales, biases = quantized(64, 64, 32, 8, seed=2)
+    project = KERNEL.prepare(codes, scales, biases, group_size=32, bits=8)
+    assert project is not None
+    EVALUATION_CLOCK.take()
+    x = mx.random.normal((3, 64)) * 2.0  # unevaluated: its evaluation is counted too
+    project(x)
+    assert EVALUATION_CLOCK.take() > 0.0 and EVALUATION_CLOCK.take() == 0.0
+    attention = CpuPagedAttention()
+    if attention.library.handle is None:
+        return
+    attention(
+        mx.random.normal((1, 2, 1, 64)),
+        mx.random.normal((1, 48, 64)),  # 3 pages of 16, page 0 the null page
+        mx.random.normal((1, 48, 64)),
+        mx.array([[1, 2]], dtype=mx.int32),
+        mx.array([20], dtype=mx.int32),
+        page_size=16,
+        scale=0.125,
+    )
+    assert EVALUATION_CLOCK.take() > 0.0

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kv_protocol import (
+    EVALUATION_CLOCK,
     CacheLayout,
     KernelSet,
     KVCache,
@@ -43,7 +44,6 @@ from ._decode_step import PoolAddressing
 from ._engine_stats import DEFAULT_STATS_WINDOW, EngineMemoryReport, EngineStats
 from ._fast_mlp import patch_model_mlps, unpatch_model_mlps
 from ._model_forward import (
-    EvaluationClock,
     decode_forward,
     last_position_forward,
     vocabulary_size,
@@ -271,14 +271,14 @@ class DecodeEngine:
             )
         #: A large quantized head projected natively on the CPU (``kernels.quantized_head``).
         quantized_head = getattr(kernels, "quantized_head", None)
-        #: Evaluation inside the forward (a native head's), counted as device time.
-        self._head_clock = EvaluationClock()
+        #: Evaluation inside the forward (native CPU kernels'), counted as device time.
+        self._head_clock = EVALUATION_CLOCK
         self._prefill_forward = (
-            last_position_forward(model, vocab_size, quantized_head, self._head_clock)
+            last_position_forward(model, vocab_size, quantized_head)
             if prefill_last_logits
             else None
         )
-        head_decode_forward = decode_forward(model, vocab_size, quantized_head, self._head_clock)
+        head_decode_forward = decode_forward(model, vocab_size, quantized_head)
         self._decode_plan = choose_decode_paths(
             model,
             pool,

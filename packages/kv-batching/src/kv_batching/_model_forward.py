@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
@@ -22,7 +21,6 @@ from kv_protocol import (
 __all__ = [
     "HEAD_REORDER_MIN_WEIGHTS",
     "DecodeForward",
-    "EvaluationClock",
     "LastPositionForward",
     "decode_forward",
     "last_position_forward",
@@ -57,21 +55,6 @@ def vocabulary_size(model: object) -> int | None:
     return declared if declared is not None and declared > 0 else None
 
 
-class EvaluationClock:
-    """Seconds a forward spent evaluating inside itself (a native head evaluates its input).
-
-    The engine counts them as device time, not as graph building.
-    """
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def take(self) -> float:
-        """The seconds counted since the last call."""
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
-
-
 #: ``forward(tokens (1, T), caches) -> logits (1, 1, vocab)`` of the last position only.
 LastPositionForward = Callable[[mx.array, list[Any]], mx.array]
 
@@ -80,7 +63,6 @@ def last_position_forward(
     model: nn.Module,
     vocab_size: int,
     quantized_head: QuantizedHeadKernel | None = None,
-    clock: EvaluationClock | None = None,
 ) -> LastPositionForward | None:
     """A forward that projects only the last position onto the vocabulary, if it is exact.
 
@@ -105,7 +87,7 @@ def last_position_forward(
     if not callable(head):
         return None
     project: Callable[[mx.array], mx.array] = head
-    faster = _cpu_head(model, quantized_head, clock)
+    faster = _cpu_head(model, quantized_head)
     if faster is not None:
         project = faster
 
@@ -182,9 +164,7 @@ def project_rows(weight: mx.array, rows: mx.array) -> mx.array:
 
 
 def _cpu_head(
-    model: nn.Module,
-    quantized_head: QuantizedHeadKernel | None,
-    clock: EvaluationClock | None = None,
+    model: nn.Module, quantized_head: QuantizedHeadKernel | None
 ) -> Callable[[mx.array], mx.array] | None:
     """The head as ``hidden (..., D) -> logits (..., vocab)`` in the CPU's faster form, if any.
 
@@ -228,7 +208,7 @@ def _cpu_head(
     )
     if projection is None:
         return None
-    return partial(_project_quantized, projection, bias, clock)
+    return partial(_project_quantized, projection, bias)
 
 
 def _project_reordered(weight: mx.array, bias: mx.array | None, hidden: mx.array) -> mx.array:
@@ -240,20 +220,14 @@ def _project_reordered(weight: mx.array, bias: mx.array | None, hidden: mx.array
 
 
 def _project_quantized(
-    projection: Callable[[mx.array], mx.array],
-    bias: mx.array | None,
-    clock: EvaluationClock | None,
-    hidden: mx.array,
+    projection: Callable[[mx.array], mx.array], bias: mx.array | None, hidden: mx.array
 ) -> mx.array:
     """``hidden (..., D)`` onto the vocabulary through a quantized head's kernel, plus ``bias``.
 
-    The kernel evaluates ``hidden`` (the forward up to the head) and returns evaluated logits;
-    ``clock`` counts the seconds that takes.
+    The kernel evaluates ``hidden`` (the forward up to the head) and returns evaluated logits,
+    adding the seconds that takes to ``kv_protocol.EVALUATION_CLOCK``.
     """
-    tic = time.perf_counter()
     logits = projection(hidden)
-    if clock is not None:
-        clock.seconds += time.perf_counter() - tic
     return logits if bias is None else logits + bias
 
 
@@ -261,7 +235,6 @@ def decode_forward(
     model: nn.Module,
     vocab_size: int,
     quantized_head: QuantizedHeadKernel | None = None,
-    clock: EvaluationClock | None = None,
 ) -> DecodeForward | None:
     """The model's forward with its vocabulary head as ``(W @ h.T).T``, where that pays.
 
@@ -278,7 +251,7 @@ def decode_forward(
     rounding) with the same greedy token in every row; otherwise, and on other devices,
     ``None``.
     """
-    project = _cpu_head(model, quantized_head, clock)
+    project = _cpu_head(model, quantized_head)
     backbone = getattr(model, "model", None)
     if project is None or not isinstance(backbone, nn.Module):
         return None

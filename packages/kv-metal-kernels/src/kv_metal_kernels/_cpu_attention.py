@@ -8,17 +8,19 @@ Gemma 3 270M (2-core x86_64) a decode step spent about 10 ms of 48 at one reques
 inputs and runs one C function (:mod:`~kv_metal_kernels._cpu_attention_source`, built by
 :func:`~kv_metal_kernels._cpu_library.build_cpu_library`) that walks each query's pages
 through the page table: the same contract and checks as the reference, float32 pools.
-Anything else (a quantized pool, another dtype, no compiler) is the reference's call.
+Anything else (a quantized pool, another dtype, no compiler) is the reference's call. The
+seconds it evaluates and computes go to ``kv_protocol.EVALUATION_CLOCK`` (device time).
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Any, cast
 
 import mlx.core as mx
 
-from kv_protocol import KVBuffer
+from kv_protocol import EVALUATION_CLOCK, KVBuffer
 
 from ._cpu_attention_source import CPU_ATTENTION_SOURCE
 from ._cpu_library import CpuLibrary, build_cpu_library
@@ -156,6 +158,7 @@ class CpuPagedAttention:
             page_table, seq_lens, page_size, k_pool.shape[1], every_call=self._validate
         )
         logits = None if sinks is None else sinks.astype(mx.float32)
+        tic = time.perf_counter()
         mx.eval(q, k_pool, v_pool, page_table, seq_lens, *([] if logits is None else [logits]))
         held = [_buffer(a) for a in (q, k_pool, v_pool, page_table, seq_lens)]
         sink_view = None if logits is None else _buffer(logits)
@@ -183,4 +186,6 @@ class CpuPagedAttention:
         )
         if status != 0:
             raise MemoryError(f"the CPU paged attention kernel could not allocate for {b} rows")
-        return mx.array(cast(Any, memoryview(out).cast("f", (b, hq, t, d))))
+        result = mx.array(cast(Any, memoryview(out).cast("f", (b, hq, t, d))))
+        EVALUATION_CLOCK.add(time.perf_counter() - tic)
+        return result

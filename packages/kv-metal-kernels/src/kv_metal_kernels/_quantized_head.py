@@ -16,10 +16,13 @@ for one row and 23-24 for four at 8 bits, about even with float32 at sixteen
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
+
+from kv_protocol import EVALUATION_CLOCK
 
 from ._cpu_library import CpuLibrary, build_cpu_library
 from ._quantized_head_source import QUANTIZED_HEAD_SOURCE
@@ -91,7 +94,8 @@ class QuantizedHeadProjection:
 
         Rows that are already row-contiguous are read where they are: no copy, and no
         operation added to MLX's graph (each evaluation of a new node costs a hand-off to
-        MLX's CPU stream, tens of microseconds against a small layer's 10-100).
+        MLX's CPU stream, tens of microseconds against a small layer's 10-100). The seconds
+        from evaluating ``rows`` to the result go to ``kv_protocol.EVALUATION_CLOCK``.
         """
         if rows.ndim < 2 or rows.shape[-1] != self.hidden or rows.dtype != mx.float32:
             raise ValueError(
@@ -102,6 +106,7 @@ class QuantizedHeadProjection:
         m = rows.size // self.hidden
         if m == 0:
             return mx.zeros(shape, dtype=mx.float32)
+        tic = time.perf_counter()
         mx.eval(rows)
         view = memoryview(cast(Any, rows))
         if not view.c_contiguous or view.nbytes != rows.nbytes:
@@ -125,7 +130,9 @@ class QuantizedHeadProjection:
         )
         if status != 0:
             raise MemoryError(f"the quantized head kernel could not allocate {m} rows")
-        return mx.array(cast(Any, memoryview(out).cast("f", shape)))
+        result = mx.array(cast(Any, memoryview(out).cast("f", shape)))
+        EVALUATION_CLOCK.add(time.perf_counter() - tic)
+        return result
 
 
 class CpuQuantizedHead:

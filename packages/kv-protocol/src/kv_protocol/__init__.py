@@ -1,5 +1,6 @@
 """Typed contracts, layer specs, the layer-id layout and the errors of the kv-* packages."""
 
+from ._clock import EVALUATION_CLOCK, EvaluationClock
 from ._constraint import TokenConstraint, TokenConstraintFactory, mask_words
 from ._errors import (
     CacheStateError,
@@ -81,12 +82,14 @@ from ._validate import as_int, check_int, check_int_sequence, check_number, is_i
 
 __all__ = [
     "ATTENTION_CHILD_NAMES",
+    "EVALUATION_CLOCK",
     "KV_QUANT_BITS",
     "KV_QUANT_GROUP_SIZES",
     "KV_QUANT_LAYERS",
     "CacheLayout",
     "CacheStateError",
     "DecodeKVCache",
+    "EvaluationClock",
     "FusedRopeConfigError",
     "InvalidPageError",
     "KVBuffer",
