@@ -349,7 +349,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     prefill = split(report.prefill_seconds, report.prefill_device_seconds)
     print(
         "engine time, host (Python, scheduling, page tables, graph building) and device "
-        f"(waiting for MLX's evaluation): decode {decode}; prefill {prefill}"
+        f"(MLX's evaluation and the native CPU kernels): decode {decode}; prefill {prefill}"
     )
     print(f"greedy token agreement with mlx-lm: {agree}/{total}")
     kv_read = decode_kv_bytes_read(layout_from_model(model), requests)

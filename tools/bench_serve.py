@@ -21,6 +21,10 @@ that both servers may decode that many requests together.
     uv run python -m tools.bench_serve --workload long --concurrency 4 16 --requests 1
     uv run python -m tools.bench_serve --concurrency 1 2 4 8 16 --max-context 4096 \
         --plot docs/images/rss_curve.png
+
+``--kv-serve-weights packaged`` hands kv-serve the packaged GGUF instead, loaded as ``kv-serve
+serve`` loads it by default (on the CPU: the GGUF's codes for decode beside float32 weights
+for prompts, the 8-bit tied embedding), while ``mlx_lm.server`` keeps the float32 directory.
 """
 
 from __future__ import annotations
@@ -259,6 +263,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--servers", nargs="+", default=["kv-serve", "mlx-lm"])
     parser.add_argument(
+        "--kv-serve-weights",
+        choices=["directory", "packaged"],
+        default="directory",
+        help="what kv-serve loads: the converted float32 directory both servers get "
+        "(default), or the packaged GGUF as `kv-serve serve` loads it by default "
+        "(gemma3-270m only; on the CPU its GGUF codes beside float32 weights)",
+    )
+    parser.add_argument(
         "--idle-seconds",
         type=float,
         default=3.0,
@@ -268,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_run_options(parser, quick=None)
     args = parser.parse_args(argv)
     max_context = args.max_context or (1024 if args.workload == "synthetic" else 2048)
+    if args.kv_serve_weights == "packaged" and args.model != "gemma3-270m":
+        parser.error("--kv-serve-weights packaged serves the packaged gemma3-270m only")
     directory = _model_dir(args.model)
     top = max(args.concurrency)
     servers: list[_Server] = []
@@ -275,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         port = _free_port()
         if name == "kv-serve":
             command = [sys.executable, "-m", "kv_serve._cli", "serve", "--model", str(directory)]
+            if args.kv_serve_weights == "packaged":
+                command[-1] = args.model
+                command += ["--served-model-name", str(directory)]
             command += ["--port", str(port), "--max-running", str(top), "--log-level", "error"]
             command += ["--max-queued", str(top * args.requests + 8)]
             command += ["--max-context", str(max_context)]

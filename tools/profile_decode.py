@@ -13,7 +13,10 @@ vectorised activation, ``FastGatedMLP``), and the greedy pick over the vocabular
 marks the variants the engine does not use. Each part is one evaluation of all
 its layers' work, the best of ``--repeats``. Attention over the pages is the step's device
 time minus that of the same step with the paged kernel's work swapped for an identity after
-the engine is built (:func:`attention_cost`). What nothing covers (norms, RoPE, the pool
+the engine is built (:func:`attention_cost`). The model is loaded as ``kv-serve`` loads
+it: on the CPU its 8-bit tied head is projected by the native kernel and its other linear
+layers read their codes for decode steps (``load_model``'s ``"dual"``), and the native
+kernels' evaluation counts as device time. What nothing covers (norms, RoPE, the pool
 writes, sampling bookkeeping) is the step minus their sum. ``--lengths`` sets the prompts
 (the real prompts' lengths give a ragged batch, whose attention costs more).
 
@@ -68,6 +71,7 @@ def best_seconds(work: Callable[[], Any], repeats: int) -> float:
 MLX_LM_HEAD = "vocabulary head, h @ W.T (mlx-lm)"
 WHOLE_HEAD = "vocabulary head, (W @ h.T).T whole"
 ENGINE_HEAD = "vocabulary head, project_rows (the engine)"
+KERNEL_HEAD = "vocabulary head, 8-bit through the native kernel (the engine)"
 MLX_LM_MLPS = "MLPs (18 layers), mlx-lm's modules"
 FAST_MLPS = "MLPs (18 layers), vectorised activation (the engine)"
 
@@ -75,12 +79,16 @@ FAST_MLPS = "MLPs (18 layers), vectorised activation (the engine)"
 def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
     """Seconds of each part of a decode step of ``batch`` rows, run alone."""
     import mlx.core as mx
+    import mlx.nn as nn
 
     from kv_batching._fast_mlp import fast_mlps, patch_model_mlps, unpatch_model_mlps
     from kv_batching._model_forward import project_rows
+    from kv_metal_kernels import CpuQuantizedHead
 
     layers = model.model.layers
-    width = model.model.embed_tokens.weight.shape[1]
+    embedding = model.model.embed_tokens
+    quantized = isinstance(embedding, nn.QuantizedEmbedding)
+    width = embedding.weight.shape[1] * (32 // embedding.bits if quantized else 1)
     hidden = mx.random.normal((batch, 1, width))
     inner = layers[0].mlp.down_proj.weight.shape[1]
     heads = layers[0].self_attn.o_proj.weight.shape[1]
@@ -105,16 +113,29 @@ def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
         with fast_mlps():
             return [layer.mlp(mlp_in) for layer in layers]
 
-    logits = model.model.embed_tokens.as_linear(hidden)
-    mx.eval(logits)
     del inner
-    measured = {
-        MLX_LM_HEAD: best_seconds(lambda: model.model.embed_tokens.as_linear(hidden), repeats),
-        WHOLE_HEAD: best_seconds(lambda: (weight @ rows.T).T, repeats),
-        ENGINE_HEAD: best_seconds(lambda: project_rows(weight, rows), repeats),
-        "attention projections (q, k, v, o; 18 layers)": best_seconds(projections, repeats),
-        MLX_LM_MLPS: best_seconds(mlps, repeats),
-    }
+    measured: dict[str, float] = {}
+    if quantized:
+        # The 8-bit tied head: MLX's own quantized product is slow on the CPU (bench_head);
+        # the engine projects it through the native kernel.
+        project = CpuQuantizedHead().prepare(
+            embedding.weight,
+            embedding.scales,
+            embedding.biases,
+            group_size=embedding.group_size,
+            bits=embedding.bits,
+        )
+        assert project is not None, "the native CPU kernel does not build here"
+        logits = project(rows)
+        measured[KERNEL_HEAD] = best_seconds(lambda: project(rows), repeats)
+    else:
+        logits = embedding.as_linear(hidden)
+        mx.eval(logits)
+        measured[MLX_LM_HEAD] = best_seconds(lambda: embedding.as_linear(hidden), repeats)
+        measured[WHOLE_HEAD] = best_seconds(lambda: (weight @ rows.T).T, repeats)
+        measured[ENGINE_HEAD] = best_seconds(lambda: project_rows(weight, rows), repeats)
+    measured["attention projections (q, k, v, o; 18 layers)"] = best_seconds(projections, repeats)
+    measured[MLX_LM_MLPS] = best_seconds(mlps, repeats)
     if patch_model_mlps(model):
         try:
             measured[FAST_MLPS] = best_seconds(fast, repeats)
@@ -152,13 +173,15 @@ def engine_step(
     ) as engine:
         if not attention:
             kernel: Any = engine._runner.kernels.attention
-            kernel._attend_rows = _query_only
+            # The reference's rows call, or the CPU kernel's (same arguments).
+            kernel._attend_rows = kernel._attend = _query_only
         for prompt in prompts:
             engine.submit(prompt, DECODE)
         engine.run()
         stats = engine.stats
         steps = max(stats.decode_steps, 1)
-        used = {ENGINE_HEAD if engine._runner.decode_forward is not None else MLX_LM_HEAD}
+        head = ENGINE_HEAD if engine._runner.decode_forward is not None else MLX_LM_HEAD
+        used = {KERNEL_HEAD, head}
         used.add(FAST_MLPS if engine._runner.fast_mlps else MLX_LM_MLPS)
         return stats.decode_seconds / steps, stats.decode_device_seconds / steps, used
 
@@ -181,13 +204,15 @@ def attention_cost(model: Any, batch: int, seed: int, lengths: Sequence[int]) ->
     """Seconds of a decode step's attention over the pages: steps with and without it.
 
     Two runs of each, alternating, the faster of each kept; ``None`` when the engine's
-    attention kernel is not the reference one (whose work can be swapped out).
+    attention kernel is neither the reference nor the CPU one (whose work can be swapped
+    out).
     """
-    from kv_metal_kernels import ReferencePagedAttention
+    from kv_metal_kernels import CpuPagedAttention, ReferencePagedAttention
     from kv_serve import build_engine
 
     with build_engine(model, max_running=1, max_context=64, prefix_caching=False) as probe:
-        if not isinstance(probe._runner.kernels.attention, ReferencePagedAttention):
+        kernel = probe._runner.kernels.attention
+        if not isinstance(kernel, (ReferencePagedAttention, CpuPagedAttention)):
             return None
     with_attention: list[float] = []
     without: list[float] = []

@@ -38,8 +38,9 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     #: Of ``prefill_seconds`` / ``decode_seconds``: time waiting for MLX to evaluate the graph
-    #: (the device's compute and the sync); the rest is host work (Python, scheduling, page
-    #: tables, building the graph).
+    #: (the device's compute and the sync), and the native CPU kernels' time inside the
+    #: forward (``kv_protocol.EVALUATION_CLOCK``); the rest is host work (Python, scheduling,
+    #: page tables, building the graph).
     prefill_device_seconds: float = 0.0
     decode_device_seconds: float = 0.0
     #: Host time spent filling constrained rows' token masks (structured output); in decode
