@@ -28,6 +28,7 @@ from tools import (
     bench_kernels,
     bench_latency,
     bench_pool,
+    bench_serve,
     cli_args,
     kv,
     profile_decode,
@@ -45,6 +46,7 @@ MAINS: dict[str, Callable[[Sequence[str]], Any]] = {
     "tools.bench_kernels": lambda argv: bench_kernels.main(list(argv)),
     "tools.bench_latency": bench_latency.main,
     "tools.bench_gguf_weights": bench_gguf_weights.main,
+    "tools.bench_serve": bench_serve.main,
     "tools.profile_decode": profile_decode.main,
     "kv_serve._cli": kv_serve_cli.main,
 }
@@ -199,6 +201,12 @@ OTHER_BENCH_CASES = [
     ("tools.bench_latency", ["--streams", "0"], "--streams"),
     ("tools.bench_gguf_weights", ["--batch", "0"], "--batch"),
     ("tools.bench_gguf_weights", ["--choices", "keep"], "--choices"),
+    ("tools.bench_serve", ["--kv-serve-weights", "gguf"], "--kv-serve-weights"),
+    (
+        "tools.bench_serve",
+        ["--model", "some/mlx-lm/dir", "--kv-serve-weights", "packaged"],
+        "serves the packaged gemma3-270m only",
+    ),
     ("tools.profile_decode", ["--lengths", "0"], "--lengths"),
     ("tools.profile_decode", ["--lengths", "128,x"], "--lengths"),
     ("tools.profile_decode", ["--repeats", "0"], "--repeats"),

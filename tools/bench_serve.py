@@ -29,7 +29,6 @@ for prompts, the 8-bit tied embedding), while ``mlx_lm.server`` keeps the float3
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -46,7 +45,7 @@ from pathlib import Path
 import httpx
 import psutil  # type: ignore[import-untyped]
 
-from tools.cli_args import add_run_options
+from tools.cli_args import ArgumentParser, add_run_options
 from tools.harness import Report, quantile
 
 __all__ = ["main"]
@@ -240,7 +239,7 @@ def ms(values: list[float], q: float) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print a Markdown table."""
-    parser = argparse.ArgumentParser(prog="python -m tools.bench_serve", description=__doc__)
+    parser = ArgumentParser(prog="python -m tools.bench_serve", description=__doc__)
     parser.add_argument("--model", default="gemma3-270m", help="gemma3-270m or an mlx-lm dir")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--requests", type=int, default=2, help="requests per client (2)")
