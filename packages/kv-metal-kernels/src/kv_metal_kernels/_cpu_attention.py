@@ -65,6 +65,7 @@ class CpuPagedAttention:
         self._validate = validate
         self._reference = ReferencePagedAttention(validate=validate)
         self._index_check = PagedIndexCheck()
+        self._fn: Any = None  # the C function, looked up on the first call it serves
 
     @property
     def name(self) -> str:
@@ -131,9 +132,14 @@ class CpuPagedAttention:
         sinks: mx.array | None,
     ) -> mx.array:
         """The checked call: ``q.shape[2]`` consecutive queries per row."""
-        handle = self.library.handle
+        fn = self._fn
+        if fn is None:
+            handle = self.library.handle
+            if handle is not None:
+                fn = self._fn = handle.kv_paged_attention
+                fn.restype = ctypes.c_int
         if (
-            handle is None
+            fn is None
             or mx.default_device().type != mx.cpu
             or not isinstance(k_pool, mx.array)
             or not isinstance(v_pool, mx.array)
@@ -163,8 +169,6 @@ class CpuPagedAttention:
         held = [_buffer(a) for a in (q, k_pool, v_pool, page_table, seq_lens)]
         sink_view = None if logits is None else _buffer(logits)
         out = bytearray(4 * q.size)
-        fn = handle.kv_paged_attention
-        fn.restype = ctypes.c_int
         status = fn(
             ctypes.c_void_p(_address(held[0][1])),
             ctypes.c_int(b),

@@ -20,6 +20,7 @@ from kv_protocol import (
 )
 
 from ._cpu_attention import CpuPagedAttention
+from ._cpu_attention import _cpu_attention_library as cpu_attention_library
 from ._native import NativePagedAttention, NativeRopeScatter, native_backend, require_backend
 from ._paged_reference import ReferencePagedAttention
 from ._prefill_attention import DensePrefillAttention
@@ -97,7 +98,7 @@ def _choice(
 
 def _cpu_attention_ready() -> bool:
     """Whether MLX computes on the CPU and the CPU paged attention kernel builds here."""
-    return mx.default_device().type == mx.cpu and CpuPagedAttention().library.handle is not None
+    return mx.default_device().type == mx.cpu and cpu_attention_library().handle is not None
 
 
 def _attention_kernel(name: str, *, validate: bool) -> PagedDecodeAttention:
