@@ -24,6 +24,7 @@ from kv_protocol import EVALUATION_CLOCK, KVBuffer
 
 from ._cpu_attention_source import CPU_ATTENTION_SOURCE
 from ._cpu_library import CpuLibrary, build_cpu_library
+from ._graph_call import GraphCalls, graph_calls, kernel_address
 from ._paged_reference import ReferencePagedAttention
 from ._validate import PagedIndexCheck, check_paged_attention_args
 
@@ -66,6 +67,7 @@ class CpuPagedAttention:
         self._reference = ReferencePagedAttention(validate=validate)
         self._index_check = PagedIndexCheck()
         self._fn: Any = None  # the C function, looked up on the first call it serves
+        self._graph: tuple[GraphCalls, int] | tuple[()] | None = None  # likewise
 
     @property
     def name(self) -> str:
@@ -164,6 +166,26 @@ class CpuPagedAttention:
             page_table, seq_lens, page_size, k_pool.shape[1], every_call=self._validate
         )
         logits = None if sinks is None else sinks.astype(mx.float32)
+        graph = self._graph
+        if graph is None:
+            calls = graph_calls()
+            handle = self.library.handle
+            graph = self._graph = (
+                (calls, kernel_address(handle.kv_paged_attention_call))
+                if calls.available and handle is not None
+                else ()
+            )
+        if graph:
+            calls, kernel = graph
+            params = [b, hq, t, d, k_pool.shape[0], k_pool.shape[1], page_table.shape[1]]
+            params += [page_size, scale, 0 if window is None else window, logits is not None]
+            return calls.call(
+                kernel,
+                "KvPagedAttention",
+                [q, k_pool, v_pool, page_table, seq_lens, *([] if logits is None else [logits])],
+                params,
+                (b, hq, t, d),
+            )
         tic = time.perf_counter()
         mx.eval(q, k_pool, v_pool, page_table, seq_lens, *([] if logits is None else [logits]))
         held = [_buffer(a) for a in (q, k_pool, v_pool, page_table, seq_lens)]

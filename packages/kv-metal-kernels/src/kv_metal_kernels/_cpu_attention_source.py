@@ -96,4 +96,15 @@ int kv_paged_attention(const float *q, int B, int Hq, int T, int D, const float 
   }
   return failed ? -1 : 0;
 }
+
+/* The graph calls' form (kv_metal_kernels._graph_call): inputs q, k_pool, v_pool, table,
+   seq_lens and, where params[10] is 1, sinks; params B, Hq, T, D, Hkv, num_slots,
+   max_pages, page_size, scale, window, has_sinks. */
+int kv_paged_attention_call(const void *const *in, const double *p, void *out) {
+  return kv_paged_attention((const float *)in[0], (int)p[0], (int)p[1], (int)p[2], (int)p[3],
+                            (const float *)in[1], (const float *)in[2], (int)p[4],
+                            (long long)p[5], (const int32_t *)in[3], (int)p[6],
+                            (const int32_t *)in[4], (int)p[7], (float)p[8], (int)p[9],
+                            p[10] != 0.0 ? (const float *)in[5] : NULL, (float *)out);
+}
 """

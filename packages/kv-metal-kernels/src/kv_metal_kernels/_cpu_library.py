@@ -29,10 +29,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CPU_KERNELS_ENV", "CpuLibrary", "build_cpu_library"]
+__all__ = ["CPU_KERNELS_ENV", "CpuLibrary", "build_cpu_library", "build_mlx_library"]
 
 _log = logging.getLogger("kv_metal_kernels")
 
@@ -172,6 +173,74 @@ def build_cpu_library(name: str, source: str) -> CpuLibrary:
 
 
 def _build(name: str, source: str) -> CpuLibrary:
+    refused = _refusal()
+    if refused is not None:
+        return refused
+    compiler = _compiler()
+    if compiler is None:
+        return CpuLibrary(handle=None, path="", openmp="", reason="no C compiler on PATH")
+    return _build_cached(
+        name,
+        source,
+        compiler,
+        _machine(),
+        lambda src, out: _plans(compiler, src, out),
+        ctypes.CDLL,
+        suffix=".c",
+    )
+
+
+def build_mlx_library(name: str, source: str) -> CpuLibrary:
+    """Build (once per process and cache entry) and load the C++ ``source`` against MLX.
+
+    The translation unit is compiled with ``c++`` (``$CXX`` wins) at ``-O2 -std=c++20``
+    against the headers and ``libmlx`` of the ``mlx`` package this process imported, and
+    loaded with :class:`ctypes.PyDLL` (its functions run holding the GIL). The cache key
+    includes MLX's version and its library's size and time, since the code depends on
+    MLX's C++ ABI. Never raises, like :func:`build_cpu_library`.
+    """
+    with _lock:
+        if name in _built:
+            return _built[name]
+        library = _build_mlx(name, source)
+        if library.handle is None:
+            _log.info("native CPU kernel %s %s", name, library.describe())
+        _built[name] = library
+        return library
+
+
+def _build_mlx(name: str, source: str) -> CpuLibrary:
+    refused = _refusal()
+    if refused is not None:
+        return refused
+    compiler = _cxx_compiler()
+    if compiler is None:
+        return CpuLibrary(handle=None, path="", openmp="", reason="no C++ compiler on PATH")
+    import mlx.core as mx
+
+    root = Path(mx.__file__).resolve().parent if hasattr(mx, "__file__") else None
+    package = root.parent if root is not None and root.name == "core" else root
+    if package is None or not (package / "include" / "mlx" / "array.h").is_file():
+        return CpuLibrary(
+            handle=None, path="", openmp="", reason="the mlx package ships no C++ headers"
+        )
+    libraries = sorted((package / "lib").glob("libmlx.*"))
+    if not libraries:
+        return CpuLibrary(handle=None, path="", openmp="", reason="the mlx package has no libmlx")
+    info = libraries[0].stat()
+    identity = f"mlx {mx.__version__} {libraries[0]} {info.st_size} {info.st_mtime_ns}"
+
+    def plans(src: Path, out: Path) -> list[tuple[str, list[list[str]]]]:
+        command = [compiler, "-O2", "-std=c++20", "-fPIC", "-shared", "-x", "c++"]
+        command += [f"-I{package / 'include'}", "-o", str(out), str(src)]
+        command += [f"-L{package / 'lib'}", "-lmlx", f"-Wl,-rpath,{package / 'lib'}"]
+        return [("none (MLX's stream thread)", [command])]
+
+    return _build_cached(name, source, compiler, identity, plans, ctypes.PyDLL, suffix=".cpp")
+
+
+def _refusal() -> CpuLibrary | None:
+    """Why no native library may be built here (``KV_CPU_KERNELS``, the platform), else ``None``."""
     choice = os.environ.get(CPU_KERNELS_ENV, "auto").strip().lower() or "auto"
     if choice == "off":
         return CpuLibrary(handle=None, path="", openmp="", reason=f"{CPU_KERNELS_ENV}=off")
@@ -186,23 +255,45 @@ def _build(name: str, source: str) -> CpuLibrary:
         return CpuLibrary(
             handle=None, path="", openmp="", reason=f"{sys.platform} is not supported"
         )
-    compiler = _compiler()
-    if compiler is None:
-        return CpuLibrary(handle=None, path="", openmp="", reason="no C compiler on PATH")
+    return None
+
+
+def _cxx_compiler() -> str | None:
+    chosen = os.environ.get("CXX", "").strip()
+    if chosen:
+        return shutil.which(chosen)
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _build_cached(
+    name: str,
+    source: str,
+    compiler: str,
+    identity: str,
+    plans: Callable[[Path, Path], list[tuple[str, list[list[str]]]]],
+    loader: Callable[[str], ctypes.CDLL],
+    *,
+    suffix: str,
+) -> CpuLibrary:
+    """The first plan that builds (or is cached) and loads; the cache key covers ``identity``."""
     directory = _cache_dir()
     failures: list[str] = []
-    placeholders = _plans(compiler, Path("SOURCE.c"), Path("OUT.so"))
+    placeholders = plans(Path("SOURCE" + suffix), Path("OUT.so"))
     for index, (openmp, commands) in enumerate(placeholders):
         key = hashlib.sha256(
-            "\n".join([source, _machine(), openmp, *(" ".join(c) for c in commands)]).encode()
+            "\n".join([source, identity, openmp, *(" ".join(c) for c in commands)]).encode()
         ).hexdigest()[:20]
         target = directory / f"{name}-{key}.so"
         if not target.is_file():
             work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=directory))
             try:
-                src, out = work / "source.c", work / "library.so"
+                src, out = work / ("source" + suffix), work / "library.so"
                 src.write_text(source)
-                _, real = _plans(compiler, src, out)[index]
+                _, real = plans(src, out)[index]
                 error = next((e for e in map(_run, real) if e is not None), None)
                 if error is not None:
                     failures.append(f"{openmp}: {error}")
@@ -211,11 +302,11 @@ def _build(name: str, source: str) -> CpuLibrary:
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         try:
-            handle = ctypes.CDLL(str(target))
+            handle = loader(str(target))
         except OSError as err:
             failures.append(f"{openmp}: {err}")
             continue
-        flags = "-O3 -march=native" if "-march=native" in commands[0] else "-O3"
+        flags = " ".join(f for f in commands[0] if f in ("-O3", "-O2", "-march=native"))
         return CpuLibrary(
             handle=handle, path=str(target), openmp=openmp, reason=f"{compiler} {flags}"
         )

@@ -25,6 +25,7 @@ import mlx.core as mx
 from kv_protocol import EVALUATION_CLOCK
 
 from ._cpu_library import CpuLibrary, build_cpu_library
+from ._graph_call import GraphCalls, graph_calls, kernel_address
 from ._quantized_head_source import QUANTIZED_HEAD_SOURCE
 
 __all__ = ["CpuQuantizedHead", "QuantizedHeadProjection"]
@@ -40,6 +41,14 @@ def _address(array: mx.array) -> int:
     if not view.c_contiguous or view.nbytes != array.nbytes:
         raise ValueError("the native CPU kernel needs a row-contiguous array")
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _graph_node(library: ctypes.CDLL) -> tuple[GraphCalls, int] | tuple[()]:
+    """The graph calls and the kernel's graph entry point, or ``()`` where not available."""
+    calls = graph_calls()
+    if not calls.available:
+        return ()
+    return calls, kernel_address(library.kv_qhead_call)
 
 
 class QuantizedHeadProjection:
@@ -59,6 +68,8 @@ class QuantizedHeadProjection:
         group_size: int,
         bits: int,
     ) -> None:
+        self._library = library
+        self._graph: tuple[GraphCalls, int] | tuple[()] | None = None
         self._fn = library.kv_qhead
         self._fn.restype = ctypes.c_int
         pointer, integer = ctypes.c_void_p, ctypes.c_int
@@ -90,12 +101,14 @@ class QuantizedHeadProjection:
         return sum(a.nbytes for a in (self._weight, self._scales, self._biases))
 
     def __call__(self, rows: mx.array) -> mx.array:
-        """The logits of ``rows (..., hidden)`` (evaluated here), ``(..., vocab)`` float32.
+        """The logits of ``rows (..., hidden)``, ``(..., vocab)`` float32.
 
-        Rows that are already row-contiguous are read where they are: no copy, and no
-        operation added to MLX's graph (each evaluation of a new node costs a hand-off to
-        MLX's CPU stream, tens of microseconds against a small layer's 10-100). The seconds
-        from evaluating ``rows`` to the result go to ``kv_protocol.EVALUATION_CLOCK``.
+        On MLX's CPU device with the graph calls available (:mod:`~kv_metal_kernels._graph_call`)
+        the result is a node of MLX's lazy graph: the kernel runs when it is evaluated, after
+        what ``rows`` depends on, with no evaluation here. Otherwise ``rows`` are evaluated
+        here (an evaluation point: a hand-off to MLX's CPU stream, tens of microseconds)
+        and, where already row-contiguous, read where they are; the seconds from evaluating
+        ``rows`` to the result then go to ``kv_protocol.EVALUATION_CLOCK``.
         """
         if rows.ndim < 2 or rows.shape[-1] != self.hidden or rows.dtype != mx.float32:
             raise ValueError(
@@ -106,6 +119,18 @@ class QuantizedHeadProjection:
         m = rows.size // self.hidden
         if m == 0:
             return mx.zeros(shape, dtype=mx.float32)
+        graph = self._graph
+        if graph is None:
+            graph = self._graph = _graph_node(self._library)
+        if graph and mx.default_device().type == mx.cpu:
+            calls, kernel = graph
+            return calls.call(
+                kernel,
+                "KvQuantizedRows",
+                [rows, self._weight, self._scales, self._biases],
+                [m, self.hidden, self.vocab, self.group_size, self.bits],
+                shape,
+            )
         tic = time.perf_counter()
         mx.eval(rows)
         view = memoryview(cast(Any, rows))

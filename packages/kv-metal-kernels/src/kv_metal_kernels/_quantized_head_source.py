@@ -164,4 +164,12 @@ int kv_qhead(const float *x, int B, int D, const uint32_t *codes, const float *s
   free(xp);
   return 0;
 }
+
+/* The graph calls' form (kv_metal_kernels._graph_call): inputs x, codes, scales, biases;
+   params B, D, V, G, bits. */
+int kv_qhead_call(const void *const *in, const double *p, void *out) {
+  return kv_qhead((const float *)in[0], (int)p[0], (int)p[1], (const uint32_t *)in[1],
+                  (const float *)in[2], (const float *)in[3], (int)p[2], (int)p[3], (int)p[4],
+                  (float *)out);
+}
 """

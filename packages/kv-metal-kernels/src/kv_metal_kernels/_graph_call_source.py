@@ -1,0 +1,178 @@
+"""The C++ source of the graph calls (:mod:`kv_metal_kernels._graph_call`)."""
+
+from __future__ import annotations
+
+__all__ = ["GRAPH_CALL_SOURCE"]
+
+#: One MLX primitive, ``KvNativeCall``, that runs a native kernel of the uniform form
+#: ``int kernel(const void *const *inputs, const double *params, void *out)`` on MLX's CPU
+#: stream when its output is evaluated: its inputs are the graph's arrays (a strided one is
+#: copied row-contiguous first, inside the task), its output is allocated by MLX. A kernel
+#: that returns non-zero makes the evaluation raise.
+#:
+#: ``kv_graph_call`` builds such an array and stores it in the Python ``mx.array`` object
+#: ``out`` (any array: its old value is released). Python's ``mx.array`` objects are
+#: nanobind instances holding an ``mlx::core::array``: after the ``PyObject`` header comes a
+#: 32-bit offset to the C++ value and a 32-bit word whose bit 2 says whether the value is at
+#: that offset or behind a pointer there. ``kv_graph_probe`` reads an array that way so the
+#: loader can check, before any use, that this layout is the one of the MLX in the process.
+#: Every object is checked to be of the ``mx.array`` type the caller passes.
+GRAPH_CALL_SOURCE = r"""
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <mlx/allocator.h>
+#include <mlx/array.h>
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/ops.h>
+#include <mlx/primitives.h>
+#include <mlx/stream.h>
+
+namespace mx = mlx::core;
+
+typedef int (*native_kernel)(const void *const *inputs, const double *params, void *out);
+
+namespace {
+
+mx::array *array_of(void *object, void *type) {
+  char *base = static_cast<char *>(object);
+  if (base == nullptr || *reinterpret_cast<void **>(base + sizeof(void *)) != type) {
+    return nullptr;
+  }
+  int32_t offset = *reinterpret_cast<int32_t *>(base + 2 * sizeof(void *));
+  uint32_t flags = *reinterpret_cast<uint32_t *>(base + 2 * sizeof(void *) + 4);
+  char *value = base + offset;
+  if ((flags & 4u) == 0u) {
+    value = *reinterpret_cast<char **>(value);
+  }
+  return reinterpret_cast<mx::array *>(value);
+}
+
+void copy_strided(const char *src, char *&dst, const mx::Shape &shape, const mx::Strides &strides,
+                  size_t item, int axis) {
+  if (axis == static_cast<int>(shape.size())) {
+    std::memcpy(dst, src, item);
+    dst += item;
+    return;
+  }
+  for (int i = 0; i < shape[axis]; i++) {
+    copy_strided(src + static_cast<int64_t>(i) * strides[axis] * static_cast<int64_t>(item), dst,
+                 shape, strides, item, axis + 1);
+  }
+}
+
+class NativeCall : public mx::UnaryPrimitive {
+ public:
+  NativeCall(mx::Stream stream, native_kernel kernel, std::string name, std::vector<double> params)
+      : mx::UnaryPrimitive(stream),
+        kernel_(kernel),
+        name_(std::move(name)),
+        params_(std::move(params)) {}
+
+  void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto &encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto &input : inputs) {
+      encoder.set_input_array(input);
+    }
+    encoder.set_output_array(out);
+    // Weak copies, as MLX's own CPU operations take: the evaluation keeps the buffers alive
+    // until the task has run, and a strong reference here could keep an input from being
+    // donated to the next operation that overwrites it (a pool's scatter).
+    std::vector<mx::array> views;
+    for (const auto &input : inputs) {
+      views.push_back(mx::array::unsafe_weak_copy(input));
+    }
+    encoder.dispatch([kernel = kernel_, name = name_, params = params_, inputs = std::move(views),
+                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+      std::vector<std::vector<char>> copies;
+      std::vector<const void *> pointers;
+      for (const auto &input : inputs) {
+        if (input.flags().row_contiguous) {
+          pointers.push_back(input.data<char>());
+          continue;
+        }
+        copies.emplace_back(input.nbytes());
+        char *dst = copies.back().data();
+        copy_strided(input.data<char>(), dst, input.shape(), input.strides(), input.itemsize(), 0);
+        pointers.push_back(copies.back().data());
+      }
+      if (kernel(pointers.data(), params.data(), out.data<char>()) != 0) {
+        throw std::runtime_error(name + ": the native kernel could not allocate its scratch");
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array> &, mx::array &) override {
+    throw std::runtime_error(name_ + " runs on the CPU only");
+  }
+
+  const char *name() const override { return name_.c_str(); }
+
+ private:
+  native_kernel kernel_;
+  std::string name_;
+  std::vector<double> params_;
+};
+
+int add_scalar(const void *const *inputs, const double *params, void *out) {
+  const float *x = static_cast<const float *>(inputs[0]);
+  float *y = static_cast<float *>(out);
+  for (int64_t i = 0; i < static_cast<int64_t>(params[1]); i++) {
+    y[i] = x[i] + static_cast<float>(params[0]);
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int kv_graph_probe(void *object, void *type, int64_t *info) {
+  mx::array *a = array_of(object, type);
+  if (a == nullptr) {
+    return 1;
+  }
+  info[0] = a->ndim();
+  info[1] = static_cast<int64_t>(a->size());
+  info[2] = static_cast<int64_t>(a->itemsize());
+  info[3] = a->ndim() > 0 ? a->shape(-1) : -1;
+  return 0;
+}
+
+extern "C" void *kv_graph_add_scalar() { return reinterpret_cast<void *>(&add_scalar); }
+
+extern "C" int kv_graph_call(void *type, void *kernel, const char *name, void **input_objects,
+                             int n_inputs, const double *params, int n_params,
+                             const int64_t *shape, int ndim, void *out_object) {
+  mx::array *out = array_of(out_object, type);
+  if (out == nullptr || kernel == nullptr) {
+    return 1;
+  }
+  std::vector<mx::array> inputs;
+  for (int i = 0; i < n_inputs; i++) {
+    mx::array *input = array_of(input_objects[i], type);
+    if (input == nullptr) {
+      return 1;
+    }
+    inputs.push_back(*input);
+  }
+  try {
+    mx::Shape out_shape;
+    for (int i = 0; i < ndim; i++) {
+      out_shape.push_back(static_cast<int32_t>(shape[i]));
+    }
+    auto stream = mx::default_stream(mx::Device::cpu);
+    *out = mx::array(out_shape, mx::float32,
+                     std::make_shared<NativeCall>(stream, reinterpret_cast<native_kernel>(kernel),
+                                                  std::string(name),
+                                                  std::vector<double>(params, params + n_params)),
+                     std::move(inputs));
+  } catch (...) {
+    return 2;
+  }
+  return 0;
+}
+"""
