@@ -1,8 +1,9 @@
 """Fused RoPE + pool scatter and paged decode attention for MLX (reference, Metal, CUDA).
 
-On the CPU, :class:`CpuQuantizedHead` projects a large quantized vocabulary head and
-:class:`CpuPagedAttention` attends the pages in place, each through a C kernel built on
-first use.
+On the CPU, :class:`CpuQuantizedHead` projects a large quantized vocabulary head,
+:class:`CpuPagedAttention` attends the pages in place and :class:`CpuRmsNorm` normalises
+rows, each through a C kernel built on first use and run as a node of MLX's lazy graph
+where the graph calls build (``KV_CPU_GRAPH``).
 
 Pools are slot-addressed and head-major, ``(n_kv_heads, num_slots, head_dim)`` with
 ``slot = page * page_size + offset_in_page`` (page 0 is the null page). ``select_kernels``
@@ -11,6 +12,7 @@ returns the :class:`KernelSet` batched decode uses.
 
 from ._cpu_attention import CpuPagedAttention
 from ._cpu_library import CPU_KERNELS_ENV
+from ._cpu_norm import CpuRmsNorm
 from ._native import (
     NATIVE_BACKENDS,
     NativePagedAttention,
@@ -36,6 +38,7 @@ __all__ = [
     "CPU_KERNELS_ENV",
     "CpuPagedAttention",
     "CpuQuantizedHead",
+    "CpuRmsNorm",
     "DensePrefillAttention",
     "FUSED_ROPE_ENV",
     "KernelSet",

@@ -177,7 +177,8 @@ class CpuPagedAttention:
             )
         if graph:
             calls, kernel = graph
-            params = [b, hq, t, d, k_pool.shape[0], k_pool.shape[1], page_table.shape[1]]
+            params: list[float] = [b, hq, t, d, k_pool.shape[0], k_pool.shape[1]]
+            params += [page_table.shape[1]]
             params += [page_size, scale, 0 if window is None else window, logits is not None]
             return calls.call(
                 kernel,

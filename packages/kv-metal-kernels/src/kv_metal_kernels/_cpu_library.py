@@ -228,7 +228,8 @@ def _build_mlx(name: str, source: str) -> CpuLibrary:
     if not libraries:
         return CpuLibrary(handle=None, path="", openmp="", reason="the mlx package has no libmlx")
     info = libraries[0].stat()
-    identity = f"mlx {mx.__version__} {libraries[0]} {info.st_size} {info.st_mtime_ns}"
+    version = getattr(mx, "__version__", "")
+    identity = f"mlx {version} {libraries[0]} {info.st_size} {info.st_mtime_ns}"
 
     def plans(src: Path, out: Path) -> list[tuple[str, list[list[str]]]]:
         command = [compiler, "-O2", "-std=c++20", "-fPIC", "-shared", "-x", "c++"]

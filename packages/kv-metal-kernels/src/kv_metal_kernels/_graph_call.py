@@ -100,7 +100,8 @@ class GraphCalls:
         call = self._call
         if call is None:
             raise RuntimeError(f"graph calls are not available: {self.reason}")
-        objects = (ctypes.py_object * len(inputs))(*inputs)
+        # The objects' addresses (CPython's ``id``); ``inputs`` holds them through the call.
+        objects = (ctypes.c_void_p * len(inputs))(*(id(array) for array in inputs))
         values = (ctypes.c_double * max(len(params), 1))(*params)
         dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
         out = mx.array(0.0)
@@ -165,7 +166,12 @@ def _self_check(handle: ctypes.CDLL) -> str:
     for sample in samples:
         info = (ctypes.c_int64 * 4)()
         status = probe(sample, _ARRAY_TYPE, ctypes.cast(info, ctypes.c_void_p))
-        expected = [sample.ndim, sample.size, sample.itemsize, sample.shape[-1] if sample.ndim else -1]
+        expected = [
+            sample.ndim,
+            sample.size,
+            sample.itemsize,
+            sample.shape[-1] if sample.ndim else -1,
+        ]
         if status != 0 or list(info) != expected:
             return (
                 "MLX's Python arrays are not laid out as the graph calls expect "

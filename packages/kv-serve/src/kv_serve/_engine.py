@@ -28,6 +28,7 @@ from kv_protocol import (
 )
 
 from ._lockstep import LockstepEngine
+from ._native_norms import attach_native_norms
 from ._ranks import STARTUP_TIMEOUT, RankGroup
 from ._sizes import DEFAULT_KV_SLAB_BYTES, NGRAM_SPECULATIVE_TOKENS
 
@@ -247,6 +248,7 @@ def build_engine(
     elif kv_bits is not None:
         raise RequestStateError("give a pool or kv_bits, not both (build the pool quantized)")
     kernels = build_kernels(model, layout, fused_rope=fused_rope)
+    attach_native_norms(model)
     engine_class: Callable[..., DecodeEngine] = DecodeEngine
     extra: dict[str, Any] = {}
     if ranks is not None:
