@@ -78,6 +78,7 @@ FACES: dict[str, set[str]] = {
         "CPU_KERNELS_ENV",
         "CpuPagedAttention",
         "CpuQuantizedHead",
+        "CpuRmsNorm",
         "DensePrefillAttention",
         "FUSED_ROPE_ENV",
         "KernelSet",
