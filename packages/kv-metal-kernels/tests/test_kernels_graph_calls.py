@@ -159,3 +159,22 @@ def test_anything_but_an_mlx_array_is_refused() -> None:
         CALLS.call(kernel, "KvTest", [np.zeros(4, dtype=np.float32)], [1, 4], (4,))  # type: ignore[list-item]
     with pytest.raises(ValueError, match="not a loaded native function"):
         _graph_call.kernel_address(None)
+
+
+@needs_calls
+@pytest.mark.parametrize("entry", ["cpython", "ctypes"])
+def test_both_entry_points_build_the_same_node(entry: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if entry == "ctypes":
+        monkeypatch.setattr(CALLS, "_fast", None)
+    elif CALLS._fast is None:
+        pytest.skip("built without Python's headers: ctypes entry points only")
+    codes, scales, biases = mx.quantize(mx.random.normal((40, 64)), group_size=32, bits=4)
+    lazy = HEAD.prepare(codes, scales, biases, group_size=32, bits=4)
+    eager = HEAD.prepare(codes, scales, biases, group_size=32, bits=4)
+    assert lazy is not None and eager is not None
+    eager._graph = ()  # type: ignore[attr-defined]
+    x = mx.random.normal((64, 3)).T
+    assert np.array_equal(np.array(lazy(x)), np.array(eager(x)))
+    with pytest.raises(RuntimeError, match="KvTest: could not add"):
+        kernel = _graph_call.kernel_address(HEAD.library.handle.kv_qhead_call)  # type: ignore[union-attr]
+        CALLS.call(kernel, "KvTest", [np.zeros(4, dtype=np.float32)], [1, 4], (4,))  # type: ignore[list-item]

@@ -27,6 +27,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 from collections.abc import Callable
@@ -195,9 +196,10 @@ def build_mlx_library(name: str, source: str) -> CpuLibrary:
 
     The translation unit is compiled with ``c++`` (``$CXX`` wins) at ``-O2 -std=c++20``
     against the headers and ``libmlx`` of the ``mlx`` package this process imported, and
-    loaded with :class:`ctypes.PyDLL` (its functions run holding the GIL). The cache key
-    includes MLX's version and its library's size and time, since the code depends on
-    MLX's C++ ABI. Never raises, like :func:`build_cpu_library`.
+    loaded with :class:`ctypes.PyDLL` (its functions run holding the GIL); with this
+    Python's headers where they are installed (``-DKV_WITH_PYTHON``), else without. The
+    cache key includes MLX's version and its library's size and time and Python's version,
+    since the code depends on both ABIs. Never raises, like :func:`build_cpu_library`.
     """
     with _lock:
         if name in _built:
@@ -231,11 +233,18 @@ def _build_mlx(name: str, source: str) -> CpuLibrary:
     version = getattr(mx, "__version__", "")
     identity = f"mlx {version} {libraries[0]} {info.st_size} {info.st_mtime_ns}"
 
+    python = Path(sysconfig.get_paths()["include"])
+    identity += f" python {sys.version}"
+
     def plans(src: Path, out: Path) -> list[tuple[str, list[list[str]]]]:
         command = [compiler, "-O2", "-std=c++20", "-fPIC", "-shared", "-x", "c++"]
         command += [f"-I{package / 'include'}", "-o", str(out), str(src)]
         command += [f"-L{package / 'lib'}", "-lmlx", f"-Wl,-rpath,{package / 'lib'}"]
-        return [("none (MLX's stream thread)", [command])]
+        found = []
+        if (python / "Python.h").is_file():
+            with_python = [*command, f"-I{python}", "-DKV_WITH_PYTHON"]
+            found.append(("none (MLX's stream thread; a CPython entry point)", [with_python]))
+        return [*found, ("none (MLX's stream thread; ctypes entry points)", [command])]
 
     return _build_cached(name, source, compiler, identity, plans, ctypes.PyDLL, suffix=".cpp")
 

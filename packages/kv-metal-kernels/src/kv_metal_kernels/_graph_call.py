@@ -20,7 +20,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import mlx.core as mx
 
@@ -55,6 +56,7 @@ class GraphCalls:
         self._library = library
         self._reason = reason
         self._call = None
+        self._fast: Callable[..., mx.array] | None = None
         if library.handle is not None and not reason:
             call = library.handle.kv_graph_call
             call.restype = ctypes.c_int
@@ -71,6 +73,7 @@ class GraphCalls:
                 ctypes.py_object,
             ]
             self._call = call
+            self._fast = _fast_entry(library.handle)
 
     @property
     def available(self) -> bool:
@@ -97,6 +100,9 @@ class GraphCalls:
         The caller vouches that ``kernel`` reads and writes within the buffers its
         ``inputs``, ``params`` and ``shape`` describe; the arrays are MLX's CPU arrays.
         """
+        fast = self._fast
+        if fast is not None:
+            return fast(kernel, name.encode(), inputs, params, shape)
         call = self._call
         if call is None:
             raise RuntimeError(f"graph calls are not available: {self.reason}")
@@ -120,6 +126,18 @@ class GraphCalls:
         if status != 0:
             raise RuntimeError(f"{name}: could not add the native call to MLX's graph")
         return out
+
+
+def _fast_entry(handle: ctypes.CDLL) -> Callable[..., mx.array] | None:
+    """The library's CPython function ``graph_call``, where it was built with Python's headers."""
+    try:
+        make = handle.kv_graph_function
+    except AttributeError:
+        return None
+    make.restype = ctypes.py_object
+    make.argtypes = [ctypes.py_object]
+    function = make(mx.array)
+    return cast(Callable[..., mx.array], function) if callable(function) else None
 
 
 _calls: GraphCalls | None = None

@@ -18,6 +18,10 @@ __all__ = ["GRAPH_CALL_SOURCE"]
 #: loader can check, before any use, that this layout is the one of the MLX in the process.
 #: Every object is checked to be of the ``mx.array`` type the caller passes.
 GRAPH_CALL_SOURCE = r"""
+#ifdef KV_WITH_PYTHON
+#include <Python.h>
+#endif
+
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -144,35 +148,138 @@ extern "C" int kv_graph_probe(void *object, void *type, int64_t *info) {
 
 extern "C" void *kv_graph_add_scalar() { return reinterpret_cast<void *>(&add_scalar); }
 
-extern "C" int kv_graph_call(void *type, void *kernel, const char *name, void **input_objects,
-                             int n_inputs, const double *params, int n_params,
-                             const int64_t *shape, int ndim, void *out_object) {
+namespace {
+
+// Builds the node and stores it in `out`; 0, or 1 when an object is not an MLX array.
+int build_call(void *type, void *kernel, const char *name, const std::vector<void *> &objects,
+               std::vector<double> params, const mx::Shape &shape, void *out_object) {
   mx::array *out = array_of(out_object, type);
   if (out == nullptr || kernel == nullptr) {
     return 1;
   }
   std::vector<mx::array> inputs;
-  for (int i = 0; i < n_inputs; i++) {
-    mx::array *input = array_of(input_objects[i], type);
+  for (void *object : objects) {
+    mx::array *input = array_of(object, type);
     if (input == nullptr) {
       return 1;
     }
     inputs.push_back(*input);
   }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  *out = mx::array(shape, mx::float32,
+                   std::make_shared<NativeCall>(stream, reinterpret_cast<native_kernel>(kernel),
+                                                std::string(name), std::move(params)),
+                   std::move(inputs));
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int kv_graph_call(void *type, void *kernel, const char *name, void **input_objects,
+                             int n_inputs, const double *params, int n_params,
+                             const int64_t *shape, int ndim, void *out_object) {
   try {
     mx::Shape out_shape;
     for (int i = 0; i < ndim; i++) {
       out_shape.push_back(static_cast<int32_t>(shape[i]));
     }
-    auto stream = mx::default_stream(mx::Device::cpu);
-    *out = mx::array(out_shape, mx::float32,
-                     std::make_shared<NativeCall>(stream, reinterpret_cast<native_kernel>(kernel),
-                                                  std::string(name),
-                                                  std::vector<double>(params, params + n_params)),
-                     std::move(inputs));
+    return build_call(type, kernel, name,
+                      std::vector<void *>(input_objects, input_objects + n_inputs),
+                      std::vector<double>(params, params + n_params), out_shape, out_object);
   } catch (...) {
     return 2;
   }
-  return 0;
 }
+
+#ifdef KV_WITH_PYTHON
+// The same call as one CPython function (no ctypes conversions):
+// graph_call(kernel: int, name: bytes, inputs: sequence, params: sequence, shape: sequence).
+namespace {
+
+PyObject *array_type = nullptr;
+PyObject *zero = nullptr;
+
+bool read_doubles(PyObject *sequence, std::vector<double> &into) {
+  PyObject *fast = PySequence_Fast(sequence, "graph_call: params must be a sequence");
+  if (fast == nullptr) {
+    return false;
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject **items = PySequence_Fast_ITEMS(fast);
+  for (Py_ssize_t i = 0; i < n; i++) {
+    double value = PyFloat_AsDouble(items[i]);
+    if (value == -1.0 && PyErr_Occurred()) {
+      Py_DECREF(fast);
+      return false;
+    }
+    into.push_back(value);
+  }
+  Py_DECREF(fast);
+  return true;
+}
+
+PyObject *graph_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "graph_call takes kernel, name, inputs, params, shape");
+    return nullptr;
+  }
+  void *kernel = PyLong_AsVoidPtr(args[0]);
+  if (kernel == nullptr && PyErr_Occurred()) {
+    return nullptr;
+  }
+  const char *name = PyBytes_AsString(args[1]);
+  if (name == nullptr) {
+    return nullptr;
+  }
+  std::vector<double> params, dims;
+  if (!read_doubles(args[3], params) || !read_doubles(args[4], dims)) {
+    return nullptr;
+  }
+  PyObject *inputs = PySequence_Fast(args[2], "graph_call: inputs must be a sequence");
+  if (inputs == nullptr) {
+    return nullptr;
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(inputs);
+  PyObject **items = PySequence_Fast_ITEMS(inputs);
+  std::vector<void *> objects(items, items + n);
+  PyObject *out = PyObject_CallOneArg(array_type, zero);
+  if (out == nullptr) {
+    Py_DECREF(inputs);
+    return nullptr;
+  }
+  int status = 2;
+  try {
+    mx::Shape shape;
+    for (double d : dims) {
+      shape.push_back(static_cast<int32_t>(d));
+    }
+    status = build_call(array_type, kernel, name, objects, std::move(params), shape, out);
+  } catch (...) {
+    status = 2;
+  }
+  Py_DECREF(inputs);
+  if (status != 0) {
+    Py_DECREF(out);
+    PyErr_Format(PyExc_RuntimeError, "%s: could not add the native call to MLX's graph (%s)",
+                 name, status == 1 ? "an input is not an MLX array" : "MLX refused the node");
+    return nullptr;
+  }
+  return out;
+}
+
+PyMethodDef graph_call_def = {"graph_call", reinterpret_cast<PyCFunction>(
+                                                reinterpret_cast<void (*)(void)>(&graph_call)),
+                              METH_FASTCALL, "A native kernel's node in MLX's graph."};
+
+}  // namespace
+
+extern "C" PyObject *kv_graph_function(PyObject *type) {
+  if (array_type == nullptr) {
+    Py_INCREF(type);
+    array_type = type;
+    zero = PyFloat_FromDouble(0.0);
+  }
+  return PyCFunction_New(&graph_call_def, nullptr);
+}
+#endif
 """
