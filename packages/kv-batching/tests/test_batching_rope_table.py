@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from kv_batching._rope_table import (
     _KEPT,
+    _row_factors,
     _row_tables,
     _rows_table,
     _table,
@@ -136,3 +137,17 @@ def test_a_decode_step_s_table_is_shared_by_its_layers_only() -> None:
     for base in range(2 * _KEPT):
         _rows_table(RopeConfig(dims=8, base=1000.0 + base), step, mx.float32)
     assert len(_row_tables) <= _KEPT
+
+
+def test_a_decode_step_s_factors_are_made_once_per_head_count() -> None:
+    rope = RopeConfig(dims=16)
+    step = mx.array([3, 70], dtype=mx.int32)
+    for heads in (4, 1, 4):
+        x = mx.random.normal((2, heads, 1, 16), key=mx.random.key(heads))
+        _assert_is_fast_rope(rope_rows(x, step, rope), x, rope, step)
+    held = {key[2]: value for key, value in _row_factors.items() if key[0] == rope}
+    assert set(held) == {1, 4} and all(value[0] is step for value in held.values())
+    later = mx.array([4, 71], dtype=mx.int32)
+    x = mx.random.normal((2, 4, 1, 16), key=mx.random.key(9))
+    _assert_is_fast_rope(rope_rows(x, later, rope), x, rope, later)
+    assert _row_factors[(rope, mx.float32, 4)][0] is later

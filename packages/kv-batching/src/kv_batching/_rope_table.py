@@ -23,6 +23,10 @@ _tables: dict[tuple[RopeConfig, int, int, mx.Dtype], tuple[mx.array, mx.array]] 
 
 
 _row_tables: dict[tuple[RopeConfig, mx.Dtype], tuple[mx.array, tuple[mx.array, mx.array]]] = {}
+#: ``([cos, cos], [-sin, sin])`` of the step's ``offsets`` per (config, dtype, head count).
+_row_factors: dict[
+    tuple[RopeConfig, mx.Dtype, int], tuple[mx.array, tuple[mx.array, mx.array]]
+] = {}
 
 
 def _angles(
@@ -92,10 +96,29 @@ def rope_rows(x: mx.array, offsets: mx.array, rope: RopeConfig) -> mx.array:
 
     A decode step's rotation: bit-identical to ``mx.fast.rope`` on MLX's CPU backend, with
     the cosines and sines of the step's positions computed once for all its layers (their
-    ``offsets`` is one array object) instead of once per layer, query and key.
+    ``offsets`` is one array object) instead of once per layer, query and key. A rotation
+    of the whole head in halves (not ``traditional``) is ``x * [cos, cos] + [x2, x1] *
+    [-sin, sin]``, with those two factors made once per step and head count: six
+    operations a call instead of thirteen (``a + x2 * -sin`` is ``a - x2 * sin`` exactly).
     """
     cos, sin = _rows_table(rope, offsets, x.dtype)
-    return _rotate(x, cos, sin, rope)
+    if rope.traditional or rope.dims != x.shape[-1]:
+        return _rotate(x, cos, sin, rope)
+    key = (rope, x.dtype, x.shape[1])
+    held = _row_factors.get(key)
+    if held is None or held[0] is not offsets:
+        shape = (x.shape[0], x.shape[1], 1, rope.dims)
+        factors = (
+            mx.contiguous(mx.broadcast_to(mx.concatenate([cos, cos], axis=-1), shape)),
+            mx.contiguous(mx.broadcast_to(mx.concatenate([-sin, sin], axis=-1), shape)),
+        )
+        if len(_row_factors) >= _KEPT:
+            del _row_factors[next(iter(_row_factors))]
+        held = _row_factors[key] = (offsets, factors)
+    cos_both, sin_signed = held[1]
+    half = rope.dims // 2
+    swapped = mx.concatenate([x[..., half:], x[..., :half]], axis=-1)
+    return x * cos_both + swapped * sin_signed
 
 
 def rope_chunk(x: mx.array, offset: int, rope: RopeConfig) -> mx.array:
