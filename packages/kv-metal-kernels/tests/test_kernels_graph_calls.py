@@ -18,7 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_metal_kernels import CpuPagedAttention, CpuQuantizedHead, _cpu_library, _graph_call
+from kv_metal_kernels import (
+    CpuPagedAttention,
+    CpuQuantizedHead,
+    CpuSlotWriter,
+    _cpu_library,
+    _graph_call,
+)
 from kv_metal_kernels._graph_call import GRAPH_CALLS_ENV, graph_calls
 
 CALLS = graph_calls()
@@ -178,3 +184,63 @@ def test_both_entry_points_build_the_same_node(entry: str, monkeypatch: pytest.M
     with pytest.raises(RuntimeError, match="KvTest: could not add"):
         kernel = _graph_call.kernel_address(HEAD.library.handle.kv_qhead_call)  # type: ignore[union-attr]
         CALLS.call(kernel, "KvTest", [np.zeros(4, dtype=np.float32)], [1, 4], (4,))  # type: ignore[list-item]
+
+
+WRITER = CpuSlotWriter()
+
+
+@needs_calls
+@settings(max_examples=30, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    tokens=st.integers(1, 6),
+    dim=st.sampled_from([4, 64, 80]),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    strided=st.booleans(),
+    shared=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_slot_writes_equal_mlx_s_indexed_assignment(
+    heads: int, tokens: int, dim: int, dtype: str, strided: bool, shared: bool, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    kind = getattr(mx, dtype)
+    start = mx.array(rng.standard_normal((heads, 24, dim)), dtype=mx.float32).astype(kind)
+    mx.eval(start)
+    slots = mx.array(rng.choice(24, size=tokens, replace=False), dtype=mx.int32)
+    source = mx.array(rng.standard_normal((heads, tokens, dim)), dtype=mx.float32).astype(kind)
+    rows = source.transpose(1, 0, 2) if strided else mx.contiguous(source.transpose(1, 0, 2))
+    want = mx.array(start)
+    want[:, slots] = rows.transpose(1, 0, 2)
+    buffer = mx.array(start)
+    mx.eval(buffer)
+    before = buffer[:1] if shared else None  # a view: the write must not reach it
+    holder = [buffer]
+    assert WRITER(buffer, slots, rows)
+    assert holder[0] is buffer  # the object itself holds the result
+    assert np.array_equal(np.array(buffer.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    if before is not None:
+        assert np.array_equal(
+            np.array(before.astype(mx.float32)), np.array(start[:1].astype(mx.float32))
+        )
+
+
+@needs_calls
+def test_slot_writes_it_does_not_serve_are_left_to_the_caller() -> None:
+    buffer = mx.zeros((2, 8, 4))
+    rows = mx.ones((1, 2, 4))
+    slots = mx.array([3], dtype=mx.int32)
+    assert not WRITER(buffer, slots.astype(mx.int64), rows)
+    assert not WRITER(buffer, slots, rows.astype(mx.float16))
+    assert not WRITER(buffer, slots, mx.ones((1, 2, 5)))
+    assert not WRITER(buffer, slots, mx.ones((2, 2, 4)))
+    assert not WRITER(mx.zeros((8, 4)), slots, rows)
+    assert np.array_equal(np.array(buffer), np.zeros((2, 8, 4)))
+
+
+@needs_calls
+def test_a_slot_out_of_range_raises_when_evaluated() -> None:
+    buffer = mx.zeros((1, 4, 4))
+    assert WRITER(buffer, mx.array([4], dtype=mx.int32), mx.ones((1, 1, 4)))
+    with pytest.raises(RuntimeError, match="KvScatterRows: the native kernel failed"):
+        mx.eval(buffer)

@@ -34,6 +34,7 @@ from kv_protocol import (
     KVBuffer,
     KVCacheError,
     KVPool,
+    KVQuantization,
     LayerKind,
     LayerSpec,
     LayerTransferCounter,
@@ -736,3 +737,52 @@ def test_fork_tail_copy_does_not_copy_the_buffer() -> None:
     keys, _ = pool.get_kv(0, pool.token_slots(1, 0, 0, 37))
     assert mx.array_equal(keys, kv[:37])
     assert page_table(pool, 1, "full")[2].item() != page_table(pool, 0, "full")[2].item()
+
+
+class RecordingWriter:
+    """A ``kv_protocol.SlotWriter`` that serves only float32 buffers, with MLX's assignment."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, ...]] = []
+
+    def __call__(self, buffer: mx.array, slots: mx.array, rows: mx.array) -> bool:
+        self.calls.append(tuple(buffer.shape))
+        if buffer.dtype != mx.float32:
+            return False
+        buffer[:, slots] = rows.transpose(1, 0, 2)
+        return True
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_set_kv_hands_plain_buffers_to_the_slot_writer_first(dtype: mx.Dtype) -> None:
+    layout = CacheLayout([full(0, dtype=dtype)])
+    writer = RecordingWriter()
+    pool = HybridKVPool(layout, num_pages=8, page_size=2, slot_writer=writer)
+    plain_pool = HybridKVPool(layout, num_pages=8, page_size=2)
+    assert pool.slot_writer is writer and plain_pool.slot_writer is None
+    for each in (pool, plain_pool):
+        each.add_request(0)
+        slots = each.reserve(0, 3).slots["full"]
+        kv = mx.arange(3 * 2 * 4).reshape(3, 2, 4).astype(dtype)
+        each.set_kv(0, slots, kv, kv + 1)
+    # Each buffer was offered to the writer; it declined float16 (MLX assigned those).
+    assert writer.calls == [(2, 8 * 2, 4)] * 2
+    for ours, theirs in (
+        (pool.get_key_buffer(0), plain_pool.get_key_buffer(0)),
+        (pool.get_value_buffer(0), plain_pool.get_value_buffer(0)),
+    ):
+        assert np.array_equal(
+            np.array(plain(ours).astype(mx.float32)), np.array(plain(theirs).astype(mx.float32))
+        )
+
+
+def test_quantized_pages_never_reach_the_slot_writer() -> None:
+    writer = RecordingWriter()
+    quant = KVQuantization(bits=8, group_size=32)
+    layout = CacheLayout([full(0, dim=64)])
+    pool = HybridKVPool(layout, num_pages=8, page_size=2, kv_quantization=quant, slot_writer=writer)
+    pool.add_request(0)
+    slots = pool.reserve(0, 1).slots["full"]
+    pool.set_kv(0, slots, mx.ones((1, 2, 64)), mx.ones((1, 2, 64)))
+    assert writer.calls == []
+    assert np.allclose(np.array(pool.get_kv(0, slots)[0]), 1.0, atol=0.02)

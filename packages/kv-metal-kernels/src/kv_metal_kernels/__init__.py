@@ -13,6 +13,7 @@ returns the :class:`KernelSet` batched decode uses.
 from ._cpu_attention import CpuPagedAttention
 from ._cpu_library import CPU_KERNELS_ENV
 from ._cpu_norm import CpuRmsNorm
+from ._cpu_scatter import CpuSlotWriter
 from ._native import (
     NATIVE_BACKENDS,
     NativePagedAttention,
@@ -39,6 +40,7 @@ __all__ = [
     "CpuPagedAttention",
     "CpuQuantizedHead",
     "CpuRmsNorm",
+    "CpuSlotWriter",
     "DensePrefillAttention",
     "FUSED_ROPE_ENV",
     "KernelSet",

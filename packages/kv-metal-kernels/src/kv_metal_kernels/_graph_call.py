@@ -75,6 +75,20 @@ class GraphCalls:
             self._call = call
             self._fast = _fast_entry(library.handle)
 
+    def scatter_rows_kernel(self) -> int:
+        """The library's own row scatter (``KvScatterRows``' kernel), 0 where not available.
+
+        Inputs: the head-major buffer ``(H, S, D)`` (updated in place: :meth:`update`),
+        int32 slots ``(T,)`` and token-major rows ``(T, H, D)``; params ``H, S, D, T`` and
+        the item size. A slot outside ``0 .. S - 1`` makes the evaluation raise.
+        """
+        handle = self._library.handle
+        if self._call is None or handle is None:
+            return 0
+        address = handle.kv_graph_scatter_rows
+        address.restype = ctypes.c_void_p
+        return int(address() or 0)
+
     @property
     def available(self) -> bool:
         """Whether :meth:`call` builds graph nodes here."""
@@ -126,6 +140,47 @@ class GraphCalls:
         if status != 0:
             raise RuntimeError(f"{name}: could not add the native call to MLX's graph")
         return out
+
+    def update(
+        self,
+        kernel: int,
+        name: str,
+        target: mx.array,
+        inputs: Sequence[mx.array],
+        params: Sequence[float],
+    ) -> None:
+        """Make ``target`` (the object itself) a node: ``kernel`` updating its value.
+
+        Input 0 of the kernel is ``target``'s current value, and its output buffer is that
+        value's buffer where nothing else holds it (MLX's own donation), else a copy of it;
+        the kernel writes what changes. Like MLX's indexed assignment, every other holder of
+        the ``target`` object sees the new value.
+        """
+        fast = self._fast
+        if fast is not None:
+            fast(kernel, name.encode(), [target, *inputs], params, None)
+            return
+        call = self._call
+        if call is None:
+            raise RuntimeError(f"graph calls are not available: {self.reason}")
+        everything = [target, *inputs]
+        objects = (ctypes.c_void_p * len(everything))(*(id(array) for array in everything))
+        values = (ctypes.c_double * max(len(params), 1))(*params)
+        dims = (ctypes.c_int64 * 1)()
+        status = call(
+            _ARRAY_TYPE,
+            ctypes.c_void_p(kernel),
+            name.encode(),
+            ctypes.cast(objects, ctypes.c_void_p),
+            len(everything),
+            ctypes.cast(values, ctypes.c_void_p),
+            len(params),
+            ctypes.cast(dims, ctypes.c_void_p),
+            0,
+            target,
+        )
+        if status != 0:
+            raise RuntimeError(f"{name}: could not add the native call to MLX's graph")
 
 
 def _fast_entry(handle: ctypes.CDLL) -> Callable[..., mx.array] | None:

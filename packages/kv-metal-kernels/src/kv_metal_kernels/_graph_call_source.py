@@ -4,11 +4,13 @@ from __future__ import annotations
 
 __all__ = ["GRAPH_CALL_SOURCE"]
 
-#: One MLX primitive, ``KvNativeCall``, that runs a native kernel of the uniform form
+#: One MLX primitive class, ``NativeCall`` (named after its kernel: ``KvQuantizedRows``,
+#: ``KvPagedAttention``, ``KvRmsNorm``, ``KvScatterRows``), that runs a kernel of the form
 #: ``int kernel(const void *const *inputs, const double *params, void *out)`` on MLX's CPU
 #: stream when its output is evaluated: its inputs are the graph's arrays (a strided one is
-#: copied row-contiguous first, inside the task), its output is allocated by MLX. A kernel
-#: that returns non-zero makes the evaluation raise.
+#: copied row-contiguous first, inside the task), its output is allocated by MLX, or, in
+#: place, is input 0's buffer where MLX may donate it (else a copy). A kernel that returns
+#: non-zero makes the evaluation raise.
 #:
 #: ``kv_graph_call`` builds such an array and stores it in the Python ``mx.array`` object
 #: ``out`` (any array: its old value is released). Python's ``mx.array`` objects are
@@ -16,7 +18,10 @@ __all__ = ["GRAPH_CALL_SOURCE"]
 #: 32-bit offset to the C++ value and a 32-bit word whose bit 2 says whether the value is at
 #: that offset or behind a pointer there. ``kv_graph_probe`` reads an array that way so the
 #: loader can check, before any use, that this layout is the one of the MLX in the process.
-#: Every object is checked to be of the ``mx.array`` type the caller passes.
+#: Every object is checked to be of the ``mx.array`` type the caller passes. With Python's
+#: headers (``KV_WITH_PYTHON``) ``kv_graph_function`` also makes a CPython function doing
+#: the same without ctypes' argument conversions. ``scatter_rows`` is the library's own
+#: kernel: a step's K/V rows copied to their slots of a head-major pool buffer.
 GRAPH_CALL_SOURCE = r"""
 #ifdef KV_WITH_PYTHON
 #include <Python.h>
@@ -71,14 +76,24 @@ void copy_strided(const char *src, char *&dst, const mx::Shape &shape, const mx:
 
 class NativeCall : public mx::UnaryPrimitive {
  public:
-  NativeCall(mx::Stream stream, native_kernel kernel, std::string name, std::vector<double> params)
+  NativeCall(mx::Stream stream, native_kernel kernel, std::string name, std::vector<double> params,
+             bool in_place)
       : mx::UnaryPrimitive(stream),
         kernel_(kernel),
         name_(std::move(name)),
-        params_(std::move(params)) {}
+        params_(std::move(params)),
+        in_place_(in_place) {}
 
   void eval_cpu(const std::vector<mx::array> &inputs, mx::array &out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    // In place: the output is input 0 updated by the kernel, in input 0's buffer where
+    // nothing else holds it (as MLX's own scatter), else in a copy of it.
+    bool copy_first = false;
+    if (in_place_ && inputs[0].is_donatable() && inputs[0].flags().row_contiguous) {
+      out.copy_shared_buffer(inputs[0]);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      copy_first = in_place_;
+    }
     auto &encoder = mx::cpu::get_command_encoder(stream());
     for (const auto &input : inputs) {
       encoder.set_input_array(input);
@@ -92,10 +107,25 @@ class NativeCall : public mx::UnaryPrimitive {
       views.push_back(mx::array::unsafe_weak_copy(input));
     }
     encoder.dispatch([kernel = kernel_, name = name_, params = params_, inputs = std::move(views),
-                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+                      out = mx::array::unsafe_weak_copy(out), copy_first,
+                      in_place = in_place_]() mutable {
+      if (copy_first) {
+        char *dst = out.data<char>();
+        const mx::array &source = inputs[0];
+        if (source.flags().row_contiguous) {
+          std::memcpy(dst, source.data<char>(), source.nbytes());
+        } else {
+          copy_strided(source.data<char>(), dst, source.shape(), source.strides(),
+                       source.itemsize(), 0);
+        }
+      }
       std::vector<std::vector<char>> copies;
       std::vector<const void *> pointers;
       for (const auto &input : inputs) {
+        if (in_place && pointers.empty()) {
+          pointers.push_back(out.data<char>());  // the updated array: the kernel's output
+          continue;
+        }
         if (input.flags().row_contiguous) {
           pointers.push_back(input.data<char>());
           continue;
@@ -106,7 +136,8 @@ class NativeCall : public mx::UnaryPrimitive {
         pointers.push_back(copies.back().data());
       }
       if (kernel(pointers.data(), params.data(), out.data<char>()) != 0) {
-        throw std::runtime_error(name + ": the native kernel could not allocate its scratch");
+        throw std::runtime_error(name + ": the native kernel failed (its scratch could not be "
+                                        "allocated, or an index was out of range)");
       }
     });
   }
@@ -121,6 +152,7 @@ class NativeCall : public mx::UnaryPrimitive {
   native_kernel kernel_;
   std::string name_;
   std::vector<double> params_;
+  bool in_place_;
 };
 
 int add_scalar(const void *const *inputs, const double *params, void *out) {
@@ -132,7 +164,33 @@ int add_scalar(const void *const *inputs, const double *params, void *out) {
   return 0;
 }
 
+// Token-major rows (T, H, D) written at slots (T,) of a head-major buffer (H, S, D): inputs
+// buffer (the output), slots int32, rows; params H, S, D, T, itemsize. -1 for a slot out of
+// range (nothing written).
+int scatter_rows(const void *const *inputs, const double *params, void *out) {
+  const int32_t *slots = static_cast<const int32_t *>(inputs[1]);
+  const char *rows = static_cast<const char *>(inputs[2]);
+  int64_t heads = static_cast<int64_t>(params[0]), size = static_cast<int64_t>(params[1]);
+  int64_t dim = static_cast<int64_t>(params[2]), tokens = static_cast<int64_t>(params[3]);
+  int64_t item = static_cast<int64_t>(params[4]);
+  for (int64_t t = 0; t < tokens; t++) {
+    if (slots[t] < 0 || slots[t] >= size) {
+      return -1;
+    }
+  }
+  char *buffer = static_cast<char *>(out);
+  for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t h = 0; h < heads; h++) {
+      std::memcpy(buffer + ((h * size + slots[t]) * dim) * item,
+                  rows + ((t * heads + h) * dim) * item, static_cast<size_t>(dim * item));
+    }
+  }
+  return 0;
+}
+
 }  // namespace
+
+extern "C" void *kv_graph_scatter_rows() { return reinterpret_cast<void *>(&scatter_rows); }
 
 extern "C" int kv_graph_probe(void *object, void *type, int64_t *info) {
   mx::array *a = array_of(object, type);
@@ -151,10 +209,14 @@ extern "C" void *kv_graph_add_scalar() { return reinterpret_cast<void *>(&add_sc
 namespace {
 
 // Builds the node and stores it in `out`; 0, or 1 when an object is not an MLX array.
+// In place (`in_place`), `out_object` is input 0's object and the node takes its shape and
+// dtype; otherwise the node is float32 of `shape`.
 int build_call(void *type, void *kernel, const char *name, const std::vector<void *> &objects,
-               std::vector<double> params, const mx::Shape &shape, void *out_object) {
+               std::vector<double> params, const mx::Shape &shape, void *out_object,
+               bool in_place) {
   mx::array *out = array_of(out_object, type);
-  if (out == nullptr || kernel == nullptr) {
+  bool target_first = !objects.empty() && objects[0] == out_object;
+  if (out == nullptr || kernel == nullptr || (in_place && !target_first)) {
     return 1;
   }
   std::vector<mx::array> inputs;
@@ -166,9 +228,11 @@ int build_call(void *type, void *kernel, const char *name, const std::vector<voi
     inputs.push_back(*input);
   }
   auto stream = mx::default_stream(mx::Device::cpu);
-  *out = mx::array(shape, mx::float32,
+  mx::Shape out_shape = in_place ? inputs[0].shape() : shape;
+  mx::Dtype dtype = in_place ? inputs[0].dtype() : mx::float32;
+  *out = mx::array(out_shape, dtype,
                    std::make_shared<NativeCall>(stream, reinterpret_cast<native_kernel>(kernel),
-                                                std::string(name), std::move(params)),
+                                                std::string(name), std::move(params), in_place),
                    std::move(inputs));
   return 0;
 }
@@ -185,7 +249,8 @@ extern "C" int kv_graph_call(void *type, void *kernel, const char *name, void **
     }
     return build_call(type, kernel, name,
                       std::vector<void *>(input_objects, input_objects + n_inputs),
-                      std::vector<double>(params, params + n_params), out_shape, out_object);
+                      std::vector<double>(params, params + n_params), out_shape, out_object,
+                      n_inputs > 0 && input_objects[0] == out_object);
   } catch (...) {
     return 2;
   }
@@ -223,6 +288,8 @@ PyObject *graph_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "graph_call takes kernel, name, inputs, params, shape");
     return nullptr;
   }
+  // shape None: in place, input 0 is the array the node replaces (returned).
+  bool in_place = args[4] == Py_None;
   void *kernel = PyLong_AsVoidPtr(args[0]);
   if (kernel == nullptr && PyErr_Occurred()) {
     return nullptr;
@@ -232,7 +299,7 @@ PyObject *graph_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return nullptr;
   }
   std::vector<double> params, dims;
-  if (!read_doubles(args[3], params) || !read_doubles(args[4], dims)) {
+  if (!read_doubles(args[3], params) || (!in_place && !read_doubles(args[4], dims))) {
     return nullptr;
   }
   PyObject *inputs = PySequence_Fast(args[2], "graph_call: inputs must be a sequence");
@@ -242,7 +309,13 @@ PyObject *graph_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
   Py_ssize_t n = PySequence_Fast_GET_SIZE(inputs);
   PyObject **items = PySequence_Fast_ITEMS(inputs);
   std::vector<void *> objects(items, items + n);
-  PyObject *out = PyObject_CallOneArg(array_type, zero);
+  PyObject *out = nullptr;
+  if (in_place && n > 0) {
+    out = items[0];
+    Py_INCREF(out);
+  } else {
+    out = PyObject_CallOneArg(array_type, zero);
+  }
   if (out == nullptr) {
     Py_DECREF(inputs);
     return nullptr;
@@ -253,7 +326,7 @@ PyObject *graph_call(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     for (double d : dims) {
       shape.push_back(static_cast<int32_t>(d));
     }
-    status = build_call(array_type, kernel, name, objects, std::move(params), shape, out);
+    status = build_call(array_type, kernel, name, objects, std::move(params), shape, out, in_place);
   } catch (...) {
     status = 2;
   }

@@ -27,6 +27,7 @@ from kv_protocol import (
     PoolMemoryReport,
     RequestStateError,
     Reservation,
+    SlotWriter,
     SubPoolReport,
     UnknownRequestError,
     as_int,
@@ -84,6 +85,11 @@ class HybridKVPool:
     buffers back to the slabs that the pages in use (and, unless asked, the cached prefix
     pages) still need. The allocator hands out the lowest free page ids first, so pages in
     use gather at the start of the buffers.
+
+    ``slot_writer`` (a :class:`kv_protocol.SlotWriter`) writes ``set_kv``'s tokens into
+    plain buffers where it serves the call (kv-metal-kernels' ``CpuSlotWriter``: one native
+    graph node instead of MLX's indexed assignment, about ten operations); ``None`` or a
+    call it does not serve: MLX's assignment.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class HybridKVPool:
         kv_quantization: QuantizationArg = None,
         slab_pages: int | Mapping[str, int] | None = None,
         slab_bytes: int | None = None,
+        slot_writer: SlotWriter | None = None,
     ) -> None:
         if not isinstance(layout, CacheLayout):
             raise LayoutError(f"HybridKVPool needs a CacheLayout, got {layout!r}")
@@ -131,7 +138,10 @@ class HybridKVPool:
             if self._slabs is None
             else [min(slab, spec.num_pages) for slab, spec in zip(self._slabs, specs, strict=True)]
         )
-        self._storage = KVStorage(layout, specs, [p.allocator for p in self._pages], committed)
+        self._slot_writer = slot_writer
+        self._storage = KVStorage(
+            layout, specs, [p.allocator for p in self._pages], committed, slot_writer
+        )
         # request id -> reserved length (the same in every sub-pool)
         self._lengths: dict[int, int] = {}
         if not isinstance(prefix_salt, bytes):
@@ -162,6 +172,7 @@ class HybridKVPool:
         kv_quantization: QuantizationArg = None,
         slab_pages: int | Mapping[str, int] | None = None,
         slab_bytes: int | None = None,
+        slot_writer: SlotWriter | None = None,
     ) -> HybridKVPool:
         """A pool whose buffers fit in ``budget_bytes``, split for a stated workload.
 
@@ -193,6 +204,7 @@ class HybridKVPool:
             kv_quantization=kv_quantization,
             slab_pages=slab_pages,
             slab_bytes=slab_bytes,
+            slot_writer=slot_writer,
         )
 
     # ------------------------------------------------------------------ static facts
@@ -213,6 +225,11 @@ class HybridKVPool:
         if self._slabs is None:
             return None
         return {spec.name: slab for spec, slab in zip(self._specs, self._slabs, strict=True)}
+
+    @property
+    def slot_writer(self) -> SlotWriter | None:
+        """The writer ``set_kv`` hands plain buffers to first (``None``: MLX's assignment)."""
+        return self._slot_writer
 
     def _pool_index(self, sub_pool: str) -> int:
         index = self._index_of_name.get(sub_pool)

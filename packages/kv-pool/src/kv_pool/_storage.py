@@ -20,6 +20,7 @@ from kv_protocol import (
     QuantizedKV,
     RequestStateError,
     ShapeMismatchError,
+    SlotWriter,
     gather_slots,
     stored_arrays,
 )
@@ -68,13 +69,18 @@ def _zeros(spec: SubPoolSpec, shape: tuple[int, int, int]) -> KVBuffer:
     return spec.quantization.zeros(shape, spec.geometry.dtype)
 
 
-def _scatter(buffer: KVBuffer, slots: mx.array, rows: mx.array) -> None:
-    """Write token-major ``rows (T, H, D)`` at ``slots`` of a head-major buffer, in place."""
+def _scatter(
+    buffer: KVBuffer, slots: mx.array, rows: mx.array, writer: SlotWriter | None = None
+) -> None:
+    """Write token-major ``rows (T, H, D)`` at ``slots`` of a head-major buffer, in place.
+
+    A plain buffer goes to ``writer`` first (where it serves the call).
+    """
     if isinstance(buffer, QuantizedKV):
         stored = buffer.quantization.quantize(rows.transpose(1, 0, 2))
         for dst, src in zip(buffer.arrays, stored.arrays, strict=True):
             dst[:, slots] = src
-    else:
+    elif writer is None or not writer(buffer, slots, rows):
         buffer[:, slots] = rows.transpose(1, 0, 2)
 
 
@@ -102,8 +108,10 @@ class KVStorage:
         specs: Sequence[SubPoolSpec],
         allocators: Sequence[PageAllocator],
         committed: Sequence[int] | None = None,
+        slot_writer: SlotWriter | None = None,
     ) -> None:
         self._layout = layout
+        self._writer = slot_writer
         self._specs = tuple(specs)
         self._allocators = tuple(allocators)
         self._committed = (
@@ -375,8 +383,8 @@ class KVStorage:
         self._trust_slots(layer_id, slots, write=True)
         if wait:
             self._wait(layer_id)
-        _scatter(self.keys[index][local], slots, keys)
-        _scatter(self.values[index][local], slots, values)
+        _scatter(self.keys[index][local], slots, keys, self._writer)
+        _scatter(self.values[index][local], slots, values, self._writer)
 
     def get_kv(self, layer_id: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Read token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``.

@@ -61,6 +61,7 @@ from ._protocols import (
     PrefillAttention,
     QuantizedHeadKernel,
     RopeScatterKernel,
+    SlotWriter,
     TokenHashes,
 )
 from ._quantized_kv import (
@@ -120,6 +121,7 @@ __all__ = [
     "PagedQueryAttention",
     "PrefillAttention",
     "QuantizedHeadKernel",
+    "SlotWriter",
     "PoolExhaustedError",
     "PoolMemoryReport",
     "PrefixCacheStats",

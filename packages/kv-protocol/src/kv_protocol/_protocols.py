@@ -569,6 +569,24 @@ class PrefillAttention(Protocol):
 
 
 @runtime_checkable
+class SlotWriter(Protocol):
+    """Writes a decode step's keys or values into a plain head-major buffer, in place.
+
+    A pool calls it instead of MLX's indexed assignment (``buffer[:, slots] = rows.T``);
+    like that assignment it leaves the result in the ``buffer`` object itself.
+    """
+
+    def __call__(self, buffer: mx.array, slots: mx.array, rows: mx.array) -> bool:
+        """Write token-major ``rows (T, H, D)`` at ``slots (T,)`` of ``buffer (H, S, D)``.
+
+        ``slots`` are int32, distinct and checked by the caller. Returns ``False``, having
+        done nothing, where this writer does not serve the call (device, dtype, shape): the
+        caller assigns with MLX.
+        """
+        ...
+
+
+@runtime_checkable
 class QuantizedHeadKernel(Protocol):
     """A faster product of a few rows with a large affine-quantized ``(vocab, hidden)`` head.
 
@@ -596,7 +614,8 @@ class QuantizedHeadKernel(Protocol):
         group_size=group_size, bits=bits)`` to float rounding (the sums run in another
         order). ``None`` where the kernel does not serve this head (its bits, group size or
         shape, or no kernel on this machine): the caller keeps MLX's own product. The
-        projection evaluates ``rows`` and returns an evaluated array.
+        projection returns a lazy array (a node of MLX's graph) or evaluates ``rows`` and
+        returns an evaluated one.
         """
         ...
 

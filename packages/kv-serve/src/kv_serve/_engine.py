@@ -6,11 +6,12 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from kv_batching import DecodeEngine, NgramProposer, SpeculationConfig
 from kv_caches import PoolBackedKVCache
-from kv_metal_kernels import rope_config_from_module, select_kernels
+from kv_metal_kernels import CpuSlotWriter, rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool, required_bytes
 from kv_protocol import (
     CacheLayout,
@@ -19,6 +20,7 @@ from kv_protocol import (
     KVPool,
     RequestStateError,
     Reservation,
+    SlotWriter,
     UnsupportedModelError,
     attention_module,
     check_int,
@@ -102,7 +104,11 @@ def build_pool(
         # A pure recurrent model: no pages to size; prefixes (for state snapshots) end every
         # ``page_size`` tokens.
         return HybridKVPool(
-            layout, num_pages={}, page_size=page_size, prefix_caching=prefix_caching
+            layout,
+            num_pages={},
+            page_size=page_size,
+            prefix_caching=prefix_caching,
+            slot_writer=_slot_writer(),
         )
     if num_pages is not None:
         pages = check_int(num_pages, "num_pages", minimum=2)
@@ -113,6 +119,7 @@ def build_pool(
             prefix_caching=prefix_caching,
             kv_quantization=quantization,
             slab_bytes=kv_slab_bytes,
+            slot_writer=_slot_writer(),
         )
     if kv_budget_bytes is None:
         budget = required_bytes(
@@ -135,7 +142,16 @@ def build_pool(
         prefix_caching=prefix_caching,
         kv_quantization=quantization,
         slab_bytes=kv_slab_bytes,
+        slot_writer=_slot_writer(),
     )
+
+
+def _slot_writer() -> SlotWriter | None:
+    """kv-metal-kernels' ``CpuSlotWriter`` on MLX's CPU device where it works, else ``None``."""
+    if mx.default_device().type != mx.cpu:
+        return None
+    writer = CpuSlotWriter()
+    return writer if writer.available else None
 
 
 def build_engine(
@@ -326,6 +342,7 @@ def _agree_on_pool(
         prefix_caching=pool.prefix_cache is not None,
         kv_quantization=kv_quantization_choice(kv_bits, kv_group_size, kv_quantize),
         slab_pages=pool.slab_pages,
+        slot_writer=pool.slot_writer,
     )
 
 
