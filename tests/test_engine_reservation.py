@@ -41,6 +41,8 @@ def pool_calls(pool: HybridKVPool) -> Iterator[Counter[str]]:
     names = [n for n in dir(HybridKVPool) if not n.startswith("_")]
     originals: dict[str, Any] = {}
     for name in names:
+        if isinstance(getattr(HybridKVPool, name), property):
+            continue  # an attribute (the slot writer is a callable one), not a pool call
         real = getattr(pool, name)
         if not callable(real):
             continue

@@ -206,6 +206,7 @@ POOL_MEMBERS = {
     "set_kv",
     "shrink",
     "slab_pages",
+    "slot_writer",
     "sub_pool_of",
     "sub_pools",
     "token_slots",
