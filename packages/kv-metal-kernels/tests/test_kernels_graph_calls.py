@@ -181,6 +181,11 @@ def test_both_entry_points_build_the_same_node(entry: str, monkeypatch: pytest.M
     eager._graph = ()  # type: ignore[attr-defined]
     x = mx.random.normal((64, 3)).T
     assert np.array_equal(np.array(lazy(x)), np.array(eager(x)))
+    buffer, want = mx.zeros((2, 6, 4)), mx.zeros((2, 6, 4))
+    rows, slots = mx.random.normal((2, 2, 4)), mx.array([4, 1], dtype=mx.int32)
+    assert CpuSlotWriter()(buffer, slots, rows)
+    want[:, slots] = rows.transpose(1, 0, 2)
+    assert np.array_equal(np.array(buffer), np.array(want))
     with pytest.raises(RuntimeError, match="KvTest: could not add"):
         kernel = _graph_call.kernel_address(HEAD.library.handle.kv_qhead_call)  # type: ignore[union-attr]
         CALLS.call(kernel, "KvTest", [np.zeros(4, dtype=np.float32)], [1, 4], (4,))  # type: ignore[list-item]

@@ -163,10 +163,15 @@ def build_cpu_library(name: str, source: str) -> CpuLibrary:
     ``KV_CPU_KERNELS=off``, not Linux or macOS) comes back with ``handle=None`` and the
     reason, and is logged once.
     """
+    return _memoized(name, lambda: _build(name, source))
+
+
+def _memoized(name: str, build: Callable[[], CpuLibrary]) -> CpuLibrary:
+    """The library built under ``name`` in this process, else ``build()``'s (logged if none)."""
     with _lock:
         if name in _built:
             return _built[name]
-        library = _build(name, source)
+        library = build()
         if library.handle is None:
             _log.info("native CPU kernel %s %s", name, library.describe())
         _built[name] = library
@@ -201,14 +206,7 @@ def build_mlx_library(name: str, source: str) -> CpuLibrary:
     cache key includes MLX's version and its library's size and time and Python's version,
     since the code depends on both ABIs. Never raises, like :func:`build_cpu_library`.
     """
-    with _lock:
-        if name in _built:
-            return _built[name]
-        library = _build_mlx(name, source)
-        if library.handle is None:
-            _log.info("native CPU kernel %s %s", name, library.describe())
-        _built[name] = library
-        return library
+    return _memoized(name, lambda: _build_mlx(name, source))
 
 
 def _build_mlx(name: str, source: str) -> CpuLibrary:

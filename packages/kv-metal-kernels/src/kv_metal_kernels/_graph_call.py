@@ -117,28 +117,8 @@ class GraphCalls:
         fast = self._fast
         if fast is not None:
             return fast(kernel, name.encode(), inputs, params, shape)
-        call = self._call
-        if call is None:
-            raise RuntimeError(f"graph calls are not available: {self.reason}")
-        # The objects' addresses (CPython's ``id``); ``inputs`` holds them through the call.
-        objects = (ctypes.c_void_p * len(inputs))(*(id(array) for array in inputs))
-        values = (ctypes.c_double * max(len(params), 1))(*params)
-        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
         out = mx.array(0.0)
-        status = call(
-            _ARRAY_TYPE,
-            ctypes.c_void_p(kernel),
-            name.encode(),
-            ctypes.cast(objects, ctypes.c_void_p),
-            len(inputs),
-            ctypes.cast(values, ctypes.c_void_p),
-            len(params),
-            ctypes.cast(dims, ctypes.c_void_p),
-            len(shape),
-            out,
-        )
-        if status != 0:
-            raise RuntimeError(f"{name}: could not add the native call to MLX's graph")
+        self._ctypes_call(kernel, name, inputs, params, shape, out)
         return out
 
     def update(
@@ -160,24 +140,36 @@ class GraphCalls:
         if fast is not None:
             fast(kernel, name.encode(), [target, *inputs], params, None)
             return
+        self._ctypes_call(kernel, name, [target, *inputs], params, (), target)
+
+    def _ctypes_call(
+        self,
+        kernel: int,
+        name: str,
+        inputs: Sequence[mx.array],
+        params: Sequence[float],
+        shape: Sequence[int],
+        out: mx.array,
+    ) -> None:
+        """The node through the ctypes entry point (in place where ``inputs[0] is out``)."""
         call = self._call
         if call is None:
             raise RuntimeError(f"graph calls are not available: {self.reason}")
-        everything = [target, *inputs]
-        objects = (ctypes.c_void_p * len(everything))(*(id(array) for array in everything))
+        # The objects' addresses (CPython's ``id``); ``inputs`` holds them through the call.
+        objects = (ctypes.c_void_p * max(len(inputs), 1))(*(id(array) for array in inputs))
         values = (ctypes.c_double * max(len(params), 1))(*params)
-        dims = (ctypes.c_int64 * 1)()
+        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
         status = call(
             _ARRAY_TYPE,
             ctypes.c_void_p(kernel),
             name.encode(),
             ctypes.cast(objects, ctypes.c_void_p),
-            len(everything),
+            len(inputs),
             ctypes.cast(values, ctypes.c_void_p),
             len(params),
             ctypes.cast(dims, ctypes.c_void_p),
-            0,
-            target,
+            len(shape),
+            out,
         )
         if status != 0:
             raise RuntimeError(f"{name}: could not add the native call to MLX's graph")
