@@ -4,11 +4,13 @@ The reference (:class:`~kv_metal_kernels._paged_reference.ReferencePagedAttentio
 each request's pages into a copy, then attends it with MLX operations. On MLX's CPU backend
 that is dozens of graph nodes a layer and a gather that copies element by element: on
 Gemma 3 270M (2-core x86_64) a decode step spent about 10 ms of 48 at one request and
-50 ms of 157 at sixteen in that attention. :class:`CpuPagedAttention` evaluates its
-inputs and runs one C function (:mod:`~kv_metal_kernels._cpu_attention_source`, built by
+50 ms of 157 at sixteen in that attention. :class:`CpuPagedAttention` runs one C
+function (:mod:`~kv_metal_kernels._cpu_attention_source`, built by
 :func:`~kv_metal_kernels._cpu_library.build_cpu_library`) that walks each query's pages
 through the page table: the same contract and checks as the reference, float32 pools.
 Anything else (a quantized pool, another dtype, no compiler) is the reference's call. The
+function is a node of MLX's graph where the graph calls work
+(:mod:`~kv_metal_kernels._graph_call`); otherwise it evaluates its inputs first, and the
 seconds it evaluates and computes go to ``kv_protocol.EVALUATION_CLOCK`` (device time).
 """
 
