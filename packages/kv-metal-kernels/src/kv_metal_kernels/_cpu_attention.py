@@ -26,7 +26,7 @@ from kv_protocol import EVALUATION_CLOCK, KVBuffer
 
 from ._cpu_attention_source import CPU_ATTENTION_SOURCE
 from ._cpu_library import CpuLibrary, build_cpu_library
-from ._graph_call import GraphCalls, graph_calls, kernel_address
+from ._graph_call import GraphEntry, graph_entry
 from ._paged_reference import ReferencePagedAttention
 from ._validate import PagedIndexCheck, check_paged_attention_args
 
@@ -69,7 +69,7 @@ class CpuPagedAttention:
         self._reference = ReferencePagedAttention(validate=validate)
         self._index_check = PagedIndexCheck()
         self._fn: Any = None  # the C function, looked up on the first call it serves
-        self._graph: tuple[GraphCalls, int] | tuple[()] | None = None  # likewise
+        self._graph: GraphEntry | None = None  # likewise
 
     @property
     def name(self) -> str:
@@ -170,13 +170,7 @@ class CpuPagedAttention:
         logits = None if sinks is None else sinks.astype(mx.float32)
         graph = self._graph
         if graph is None:
-            calls = graph_calls()
-            handle = self.library.handle
-            graph = self._graph = (
-                (calls, kernel_address(handle.kv_paged_attention_call))
-                if calls.available and handle is not None
-                else ()
-            )
+            graph = self._graph = graph_entry(self.library.handle, "kv_paged_attention_call")
         if graph:
             calls, kernel = graph
             params: list[float] = [b, hq, t, d, k_pool.shape[0], k_pool.shape[1]]

@@ -218,9 +218,8 @@ def _build_mlx(name: str, source: str) -> CpuLibrary:
         return CpuLibrary(handle=None, path="", openmp="", reason="no C++ compiler on PATH")
     import mlx.core as mx
 
-    root = Path(mx.__file__).resolve().parent if hasattr(mx, "__file__") else None
-    package = root.parent if root is not None and root.name == "core" else root
-    if package is None or not (package / "include" / "mlx" / "array.h").is_file():
+    package = Path(mx.__file__).resolve().parent  # mlx/core.*.so: the mlx package
+    if not (package / "include" / "mlx" / "array.h").is_file():
         return CpuLibrary(
             handle=None, path="", openmp="", reason="the mlx package ships no C++ headers"
         )

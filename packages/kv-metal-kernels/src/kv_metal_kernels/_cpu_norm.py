@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from ._cpu_library import CpuLibrary, build_cpu_library
 from ._cpu_norm_source import CPU_NORM_SOURCE
-from ._graph_call import GraphCalls, graph_calls, kernel_address
+from ._graph_call import GraphEntry, graph_calls, graph_entry
 
 __all__ = ["CpuRmsNorm"]
 
@@ -28,7 +28,7 @@ class CpuRmsNorm:
     """
 
     def __init__(self) -> None:
-        self._graph: tuple[GraphCalls, int] | tuple[()] | None = None
+        self._graph: GraphEntry | None = None
 
     @property
     def library(self) -> CpuLibrary:
@@ -48,15 +48,10 @@ class CpuRmsNorm:
         library = self.library
         return library.reason if library.handle is None else graph_calls().reason
 
-    def _resolve(self) -> tuple[GraphCalls, int] | tuple[()]:
+    def _resolve(self) -> GraphEntry:
         graph = self._graph
         if graph is None:
-            calls, handle = graph_calls(), self.library.handle
-            graph = self._graph = (
-                (calls, kernel_address(handle.kv_rms_norm_call))
-                if calls.available and handle is not None
-                else ()
-            )
+            graph = self._graph = graph_entry(self.library.handle, "kv_rms_norm_call")
         return graph
 
     def __call__(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ._graph_call import GraphCalls, graph_calls
+from ._graph_call import GraphEntry, graph_calls
 
 __all__ = ["CpuSlotWriter"]
 
@@ -25,14 +25,14 @@ class CpuSlotWriter:
     """
 
     def __init__(self) -> None:
-        self._graph: tuple[GraphCalls, int] | tuple[()] | None = None
+        self._graph: GraphEntry | None = None
 
     @property
     def available(self) -> bool:
         """Whether it writes anything here (the graph calls work)."""
         return bool(self._resolve())
 
-    def _resolve(self) -> tuple[GraphCalls, int] | tuple[()]:
+    def _resolve(self) -> GraphEntry:
         graph = self._graph
         if graph is None:
             calls = graph_calls()

@@ -28,7 +28,14 @@ import mlx.core as mx
 from ._cpu_library import CpuLibrary, build_mlx_library
 from ._graph_call_source import GRAPH_CALL_SOURCE
 
-__all__ = ["GRAPH_CALLS_ENV", "GraphCalls", "graph_calls", "kernel_address"]
+__all__ = [
+    "GRAPH_CALLS_ENV",
+    "GraphCalls",
+    "GraphEntry",
+    "graph_calls",
+    "graph_entry",
+    "kernel_address",
+]
 
 #: ``off``: native CPU kernels evaluate their inputs and run outside MLX's graph.
 GRAPH_CALLS_ENV = "KV_CPU_GRAPH"
@@ -49,7 +56,8 @@ class GraphCalls:
 
     ``kernel`` is ``int (*)(const void *const *inputs, const double *params, void *out)``:
     row-contiguous input buffers in order, the parameters, the float32 output; non-zero
-    means its scratch could not be allocated (the evaluation raises).
+    means it failed (its scratch could not be allocated, or an index was out of range):
+    the evaluation raises.
     """
 
     def __init__(self, library: CpuLibrary, reason: str = "") -> None:
@@ -189,6 +197,18 @@ def _fast_entry(handle: ctypes.CDLL) -> Callable[..., mx.array] | None:
 
 _calls: GraphCalls | None = None
 _lock = threading.Lock()
+
+#: What a kernel object keeps to build its nodes: the graph calls and its kernel's address,
+#: or ``()`` where they are not available.
+GraphEntry = tuple[GraphCalls, int] | tuple[()]
+
+
+def graph_entry(library: ctypes.CDLL | None, symbol: str) -> GraphEntry:
+    """The process's graph calls and ``symbol``'s address in ``library``, else ``()``."""
+    calls = graph_calls()
+    if not calls.available or library is None:
+        return ()
+    return calls, kernel_address(getattr(library, symbol))
 
 
 def graph_calls() -> GraphCalls:

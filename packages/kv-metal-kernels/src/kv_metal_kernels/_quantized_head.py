@@ -25,7 +25,7 @@ import mlx.core as mx
 from kv_protocol import EVALUATION_CLOCK
 
 from ._cpu_library import CpuLibrary, build_cpu_library
-from ._graph_call import GraphCalls, graph_calls, kernel_address
+from ._graph_call import GraphEntry, graph_entry
 from ._quantized_head_source import QUANTIZED_HEAD_SOURCE
 
 __all__ = ["CpuQuantizedHead", "QuantizedHeadProjection"]
@@ -41,14 +41,6 @@ def _address(array: mx.array) -> int:
     if not view.c_contiguous or view.nbytes != array.nbytes:
         raise ValueError("the native CPU kernel needs a row-contiguous array")
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
-def _graph_node(library: ctypes.CDLL) -> tuple[GraphCalls, int] | tuple[()]:
-    """The graph calls and the kernel's graph entry point, or ``()`` where not available."""
-    calls = graph_calls()
-    if not calls.available:
-        return ()
-    return calls, kernel_address(library.kv_qhead_call)
 
 
 class QuantizedHeadProjection:
@@ -69,7 +61,7 @@ class QuantizedHeadProjection:
         bits: int,
     ) -> None:
         self._library = library
-        self._graph: tuple[GraphCalls, int] | tuple[()] | None = None
+        self._graph: GraphEntry | None = None
         self._fn = library.kv_qhead
         self._fn.restype = ctypes.c_int
         pointer, integer = ctypes.c_void_p, ctypes.c_int
@@ -121,7 +113,7 @@ class QuantizedHeadProjection:
             return mx.zeros(shape, dtype=mx.float32)
         graph = self._graph
         if graph is None:
-            graph = self._graph = _graph_node(self._library)
+            graph = self._graph = graph_entry(self._library, "kv_qhead_call")
         if graph and mx.default_device().type == mx.cpu:
             calls, kernel = graph
             return calls.call(

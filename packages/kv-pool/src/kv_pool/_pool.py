@@ -138,7 +138,6 @@ class HybridKVPool:
             if self._slabs is None
             else [min(slab, spec.num_pages) for slab, spec in zip(self._slabs, specs, strict=True)]
         )
-        self._slot_writer = slot_writer
         self._storage = KVStorage(
             layout, specs, [p.allocator for p in self._pages], committed, slot_writer
         )
@@ -229,7 +228,7 @@ class HybridKVPool:
     @property
     def slot_writer(self) -> SlotWriter | None:
         """The writer ``set_kv`` hands plain buffers to first (``None``: MLX's assignment)."""
-        return self._slot_writer
+        return self._storage.slot_writer
 
     def _pool_index(self, sub_pool: str) -> int:
         index = self._index_of_name.get(sub_pool)

@@ -99,7 +99,8 @@ class KVStorage:
     slots never move. A quantized sub-pool's buffers are :class:`kv_protocol.QuantizedKV`
     of that logical shape (packed data, scales and biases, each slot-addressed the same way).
     ``allocators[i]`` is sub-pool ``i``'s page allocator: its page
-    generations end the trust of slot arrays whose pages lost an owner.
+    generations end the trust of slot arrays whose pages lost an owner. ``slot_writer``
+    gets ``set_kv``'s plain buffers first.
     """
 
     def __init__(
@@ -111,7 +112,7 @@ class KVStorage:
         slot_writer: SlotWriter | None = None,
     ) -> None:
         self._layout = layout
-        self._writer = slot_writer
+        self.slot_writer = slot_writer
         self._specs = tuple(specs)
         self._allocators = tuple(allocators)
         self._committed = (
@@ -383,8 +384,8 @@ class KVStorage:
         self._trust_slots(layer_id, slots, write=True)
         if wait:
             self._wait(layer_id)
-        _scatter(self.keys[index][local], slots, keys, self._writer)
-        _scatter(self.values[index][local], slots, values, self._writer)
+        _scatter(self.keys[index][local], slots, keys, self.slot_writer)
+        _scatter(self.values[index][local], slots, values, self.slot_writer)
 
     def get_kv(self, layer_id: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Read token-major ``(T, n_kv_heads, head_dim)`` keys/values at ``slots (T,)``.
