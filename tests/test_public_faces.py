@@ -76,6 +76,7 @@ FACES: dict[str, set[str]] = {
     "kv_metal_kernels": {
         "ATTENTION_ENV",
         "CPU_KERNELS_ENV",
+        "CpuNormRope",
         "CpuPagedAttention",
         "CpuQuantizedHead",
         "CpuRmsNorm",
@@ -143,6 +144,8 @@ PROTOCOL_FACE = {
     "PrefixHit",
     "QuantizedHeadKernel",
     "SlotWriter",
+    "NormRopeKernel",
+    "RmsNormForm",
     "QuantizedKV",
     "RequestStateError",
     "Reservation",

@@ -9,16 +9,30 @@ import mlx.nn as nn
 
 from kv_protocol import (
     CacheStateError,
+    NormRopeKernel,
     PrefillAttention,
+    RmsNormForm,
     ShapeMismatchError,
 )
 
-from ._attention_spec import AttentionSpec, project_qkv, project_qkv_tokens
+from ._attention_spec import AttentionSpec, NormMode, project_qkv, project_qkv_tokens
 from ._decode_step import LayerStep
 from ._layer_cache import BatchedLayerCache
-from ._rope_table import rope_chunk, rope_rows
+from ._rope_table import rope_chunk, rope_row_factors, rope_rows
 
 __all__ = ["BatchedAttention"]
+
+
+class _RowNorms:
+    """A wrapper's q/k norm modules; usable where each is ``None`` or an ``RmsNormForm``."""
+
+    __slots__ = ("key", "key_module", "query", "query_module", "usable")
+
+    def __init__(self, query: Any, key: Any) -> None:
+        self.query_module, self.key_module = query, key
+        self.usable = all(m is None or isinstance(m, RmsNormForm) for m in (query, key))
+        self.query: RmsNormForm | None = query if self.usable else None
+        self.key: RmsNormForm | None = key if self.usable else None
 
 
 class BatchedAttention(nn.Module):
@@ -39,6 +53,7 @@ class BatchedAttention(nn.Module):
         self.spec = spec
         self.child_name = child_name
         self.prefill_attention: PrefillAttention | None = None
+        self._row_norms: _RowNorms | None = None
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -117,37 +132,15 @@ class BatchedAttention(nn.Module):
         kernels = layer.kernels
         inner: Any = self.inner
         pool_layer = layer.pool_layer
-        q, k, v = project_qkv(inner, spec, x)
-
-        rope_kernel = kernels.rope
-        if layer.route == "fused" and rope_kernel is not None and spec.rope_config is not None:
-            # Decided when the engine was built: a FULL layer on plain pages whose RoPE the
-            # kernel implements.
-            q, _, k_pool, v_pool = rope_kernel(
-                q,
-                k,
-                v,
-                ctx.offsets,
-                layer.new_token_slots,
-                cast(mx.array, pool.get_key_buffer(pool_layer)),
-                cast(mx.array, pool.get_value_buffer(pool_layer)),
-                rope=spec.rope_config,
-            )
-            pool.replace_buffers(pool_layer, k_pool, v_pool)
-            q4 = q[:, :, None, :]
-        else:
-            q4 = q[:, :, None, :]
-            if spec.uses_rope:
-                rope = spec.rope_config
-                if rope is not None and mx.default_device().type == mx.cpu:
-                    # One table of the step's angles for every layer with this rope
-                    # (bit-identical to the module's mx.fast.rope; see _rope_table).
-                    q4 = rope_rows(q4, ctx.offsets, rope)
-                    k = rope_rows(k[:, :, None, :], ctx.offsets, rope)[:, :, 0, :]
-                else:
-                    q4 = inner.rope(q4, offset=ctx.offsets)
-                    k = inner.rope(k[:, :, None, :], offset=ctx.offsets)[:, :, 0, :]
+        rows_kernel = getattr(kernels, "norm_rope", None)
+        fast = None
+        if rows_kernel is not None and layer.route != "fused":
+            fast = self._norm_rope_qkv(x, layer, rows_kernel)
+        if fast is not None:
+            q4, k, v = fast
             pool.set_kv(pool_layer, layer.new_token_slots, k, v)
+        else:
+            q4 = self._project_rope_write(x, layer)
 
         queries = layer.queries
         request_table = layer.request_page_table
@@ -182,6 +175,111 @@ class BatchedAttention(nn.Module):
             out = out.transpose(0, 2, 1, 3).reshape(-1, heads, dim)[queries.cells]
         result: mx.array = inner.o_proj(out.reshape(batch, 1, heads * dim))
         return result
+
+    def _project_rope_write(self, x: mx.array, layer: LayerStep) -> mx.array:
+        """Project, rotate and write K/V with MLX's operations (or the fused kernel).
+
+        Returns the rotated queries ``(B, H, 1, D)``.
+        """
+        spec = self.spec
+        inner: Any = self.inner
+        ctx = layer.context
+        pool = layer.pool
+        kernels = layer.kernels
+        pool_layer = layer.pool_layer
+        q, k, v = project_qkv(inner, spec, x)
+
+        rope_kernel = kernels.rope
+        if layer.route == "fused" and rope_kernel is not None and spec.rope_config is not None:
+            # Decided when the engine was built: a FULL layer on plain pages whose RoPE the
+            # kernel implements.
+            q, _, k_pool, v_pool = rope_kernel(
+                q,
+                k,
+                v,
+                ctx.offsets,
+                layer.new_token_slots,
+                cast(mx.array, pool.get_key_buffer(pool_layer)),
+                cast(mx.array, pool.get_value_buffer(pool_layer)),
+                rope=spec.rope_config,
+            )
+            pool.replace_buffers(pool_layer, k_pool, v_pool)
+            q4 = q[:, :, None, :]
+        else:
+            q4 = q[:, :, None, :]
+            if spec.uses_rope:
+                rope = spec.rope_config
+                if rope is not None and mx.default_device().type == mx.cpu:
+                    # One table of the step's angles for every layer with this rope
+                    # (bit-identical to the module's mx.fast.rope; see _rope_table).
+                    q4 = rope_rows(q4, ctx.offsets, rope)
+                    k = rope_rows(k[:, :, None, :], ctx.offsets, rope)[:, :, 0, :]
+                else:
+                    q4 = inner.rope(q4, offset=ctx.offsets)
+                    k = inner.rope(k[:, :, None, :], offset=ctx.offsets)[:, :, 0, :]
+            pool.set_kv(pool_layer, layer.new_token_slots, k, v)
+        return q4
+
+    def _norm_rope_qkv(
+        self, x: mx.array, layer: LayerStep, kernel: NormRopeKernel
+    ) -> tuple[mx.array, mx.array, mx.array] | None:
+        """Q ``(B, H, 1, D)``, K and V ``(B, Hkv, D)`` with norms and RoPE by ``kernel``.
+
+        ``None`` where the kernel does not serve this layer: a RoPE that does not rotate
+        whole heads in halves, q/k norms that are not per-head
+        :class:`kv_protocol.RmsNormForm` modules, or rows the kernel declines.
+        """
+        spec = self.spec
+        rope = spec.rope_config
+        if rope is None or rope.dims != spec.head_dim or x.dtype != mx.float32:
+            return None
+        norms = self._norms()
+        if norms is None:
+            return None
+        factors = rope_row_factors(layer.context.offsets, rope, x.dtype)
+        if factors is None:
+            return None
+        inner: Any = self.inner
+        batch = x.shape[0]
+        cos_both, sin_signed = factors
+        q = kernel(
+            inner.q_proj(x),
+            heads=spec.n_heads,
+            cos_both=cos_both,
+            sin_signed=sin_signed,
+            norm=norms.query,
+        )
+        k = kernel(
+            inner.k_proj(x),
+            heads=spec.n_kv_heads,
+            cos_both=cos_both,
+            sin_signed=sin_signed,
+            norm=norms.key,
+        )
+        if q is None or k is None:
+            return None
+        v = inner.v_proj(x).reshape(batch, spec.n_kv_heads, spec.head_dim)
+        return q.reshape(batch, spec.n_heads, 1, spec.head_dim), k, v
+
+    def _norms(self) -> _RowNorms | None:
+        """The q/k norms as :class:`kv_protocol.RmsNormForm` modules (or absent), else ``None``.
+
+        Kept for the modules it was found for: norm modules may be swapped after wrapping.
+        """
+        spec = self.spec
+        inner: Any = self.inner
+        found: list[Any] = []
+        for mode, name in ((spec.q_norm, "q_norm"), (spec.k_norm, "k_norm")):
+            if mode is NormMode.NONE:
+                found.append(None)
+            elif mode is NormMode.PER_HEAD:
+                found.append(getattr(inner, name, None))
+            else:
+                return None
+        held = self._row_norms
+        if held is None or held.query_module is not found[0] or held.key_module is not found[1]:
+            held = self._row_norms = _RowNorms(found[0], found[1])
+        return held if held.usable else None
 
 
 def _mask_and_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:

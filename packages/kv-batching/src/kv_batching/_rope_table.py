@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from kv_protocol import RopeConfig
 
-__all__ = ["rope_chunk", "rope_rows"]
+__all__ = ["rope_chunk", "rope_row_factors", "rope_rows"]
 
 #: How many (config, offset, length, dtype) tables are kept: a forward's layer kinds.
 _KEPT = 4
@@ -27,6 +27,8 @@ _row_tables: dict[tuple[RopeConfig, mx.Dtype], tuple[mx.array, tuple[mx.array, m
 _row_factors: dict[
     tuple[RopeConfig, mx.Dtype, int], tuple[mx.array, tuple[mx.array, mx.array]]
 ] = {}
+#: ``([cos, cos], [-sin, sin])``, each ``(B, dims)``, of the step's ``offsets`` per (config, dtype).
+_flat_factors: dict[tuple[RopeConfig, mx.Dtype], tuple[mx.array, tuple[mx.array, mx.array]]] = {}
 
 
 def _angles(
@@ -119,6 +121,33 @@ def rope_rows(x: mx.array, offsets: mx.array, rope: RopeConfig) -> mx.array:
     half = rope.dims // 2
     swapped = mx.concatenate([x[..., half:], x[..., :half]], axis=-1)
     return x * cos_both + swapped * sin_signed
+
+
+def rope_row_factors(
+    offsets: mx.array, rope: RopeConfig, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array] | None:
+    """``([cos, cos], [-sin, sin])``, each ``(B, dims)``, at row ``b``'s position ``offsets[b]``.
+
+    The factors of :func:`rope_rows`' rotation in halves (``kv_protocol.NormRopeKernel``'s
+    form), made once per step (``offsets`` object); ``None`` for a RoPE that does not rotate
+    whole heads in halves (``traditional``; the caller checks ``dims`` against its heads).
+    """
+    if rope.traditional:
+        return None
+    key = (rope, dtype)
+    held = _flat_factors.get(key)
+    if held is not None and held[0] is offsets:
+        return held[1]
+    cos, sin = _rows_table(rope, offsets, dtype)
+    rows = offsets.shape[0]
+    factors = (
+        mx.concatenate([cos, cos], axis=-1).reshape(rows, rope.dims),
+        mx.concatenate([-sin, sin], axis=-1).reshape(rows, rope.dims),
+    )
+    if len(_flat_factors) >= _KEPT:
+        del _flat_factors[next(iter(_flat_factors))]
+    _flat_factors[key] = (offsets, factors)
+    return factors
 
 
 def rope_chunk(x: mx.array, offset: int, rope: RopeConfig) -> mx.array:

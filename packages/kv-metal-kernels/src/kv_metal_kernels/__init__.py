@@ -1,9 +1,10 @@
 """Fused RoPE + pool scatter and paged decode attention for MLX (reference, Metal, CUDA).
 
 On the CPU, :class:`CpuQuantizedHead` projects a large quantized vocabulary head,
-:class:`CpuPagedAttention` attends the pages in place and :class:`CpuRmsNorm` normalises
-rows, each through a C kernel built on first use and run as a node of MLX's lazy graph
-where the graph calls build (``KV_CPU_GRAPH``).
+:class:`CpuPagedAttention` attends the pages in place, :class:`CpuRmsNorm` normalises
+rows and :class:`CpuNormRope` normalises and rotates a decode step's query and key rows,
+each through a C kernel built on first use and run as a node of MLX's lazy graph where the
+graph calls build (``KV_CPU_GRAPH``).
 
 Pools are slot-addressed and head-major, ``(n_kv_heads, num_slots, head_dim)`` with
 ``slot = page * page_size + offset_in_page`` (page 0 is the null page). ``select_kernels``
@@ -12,7 +13,7 @@ returns the :class:`KernelSet` batched decode uses.
 
 from ._cpu_attention import CpuPagedAttention
 from ._cpu_library import CPU_KERNELS_ENV
-from ._cpu_norm import CpuRmsNorm
+from ._cpu_norm import CpuNormRope, CpuRmsNorm
 from ._cpu_scatter import CpuSlotWriter
 from ._native import (
     NATIVE_BACKENDS,
@@ -37,6 +38,7 @@ from ._select import (
 __all__ = [
     "ATTENTION_ENV",
     "CPU_KERNELS_ENV",
+    "CpuNormRope",
     "CpuPagedAttention",
     "CpuQuantizedHead",
     "CpuRmsNorm",

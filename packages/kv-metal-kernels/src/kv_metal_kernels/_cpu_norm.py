@@ -7,17 +7,25 @@ broadcasts), each a scheduled task of a few microseconds: a one-row decode step 
 computes the same operations in the same order in one C function
 (:mod:`~kv_metal_kernels._cpu_norm_source`), as a graph call
 (:mod:`~kv_metal_kernels._graph_call`): the same bits as ``mx.fast.rms_norm`` on the CPU.
+
+:class:`CpuNormRope` does the same for a decode step's query and key rows together with
+their rotation (``kv_protocol.NormRopeKernel``): a layer's per-head norms, RoPE and the
+views between them (about thirty operations of a one-row step) become two nodes.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
+
+from kv_protocol import RmsNormForm
 
 from ._cpu_library import CpuLibrary, build_cpu_library
 from ._cpu_norm_source import CPU_NORM_SOURCE
 from ._graph_call import GraphEntry, graph_calls, graph_entry
 
-__all__ = ["CpuRmsNorm"]
+__all__ = ["CpuNormRope", "CpuRmsNorm"]
 
 
 class CpuRmsNorm:
@@ -76,3 +84,78 @@ class CpuRmsNorm:
         return calls.call(
             kernel, "KvRmsNorm", [x, weight], [x.size // dim, dim, eps, add_one], x.shape
         )
+
+
+class CpuNormRope:
+    """``kv_protocol.NormRopeKernel`` on MLX's CPU device: one graph node per call.
+
+    Serves float32 rows, factors and norm weight on the CPU with an even ``head_dim``;
+    anything else returns ``None`` (the caller composes MLX's operations). The results are
+    the bits of ``mx.fast.rms_norm`` per head followed by kv-batching's ``rope_rows``.
+    """
+
+    def __init__(self, norm: CpuRmsNorm | None = None) -> None:
+        self._norm = norm or CpuRmsNorm()
+        self._graph: GraphEntry | None = None
+
+    @property
+    def available(self) -> bool:
+        """Whether :meth:`__call__` computes here."""
+        return bool(self._resolve())
+
+    @property
+    def reason(self) -> str:
+        """Why it is not available (``""`` when it is)."""
+        if self.available:
+            return ""
+        library = self._norm.library
+        if library.handle is None:
+            return library.reason
+        return graph_calls().reason or "the norm library has no kv_norm_rope_call"
+
+    def _resolve(self) -> GraphEntry:
+        graph = self._graph
+        if graph is None:
+            graph = self._graph = graph_entry(self._norm.library.handle, "kv_norm_rope_call")
+        return graph
+
+    def __call__(
+        self,
+        rows: mx.array,
+        *,
+        heads: int,
+        cos_both: mx.array,
+        sin_signed: mx.array,
+        norm: RmsNormForm | None,
+    ) -> mx.array | None:
+        """``rows (B, ..., heads * D)`` normalised per head and rotated: ``(B, heads, D)``."""
+        graph = self._resolve()
+        if not graph or mx.default_device().type != mx.cpu or heads <= 0:
+            return None
+        batch = rows.shape[0] if rows.ndim >= 2 else 0
+        width = rows.shape[-1] if rows.ndim else 0
+        dim = width // heads
+        if (
+            batch == 0
+            or rows.size != batch * width
+            or dim * heads != width
+            or dim % 2
+            or any(a.dtype != mx.float32 for a in (rows, cos_both, sin_signed))
+            or tuple(cos_both.shape) != (batch, dim)
+            or tuple(sin_signed.shape) != (batch, dim)
+        ):
+            return None
+        inputs = [rows, cos_both, sin_signed]
+        params: list[float] = [batch, heads, dim, 0.0, 0.0, 0.0]
+        if norm is not None:
+            weight: Any = norm.weight
+            if (
+                not isinstance(weight, mx.array)
+                or weight.dtype != mx.float32
+                or tuple(weight.shape) != (dim,)
+            ):
+                return None
+            inputs.append(weight)
+            params[3:] = [1.0, float(norm.eps), 1.0 if norm.add_one else 0.0]
+        calls, kernel = graph
+        return calls.call(kernel, "KvNormRope", inputs, params, (batch, heads, dim))

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from kv_protocol import (
     KernelUnavailableError,
+    NormRopeKernel,
     PagedDecodeAttention,
     PrefillAttention,
     QuantizedHeadKernel,
@@ -21,6 +22,7 @@ from kv_protocol import (
 
 from ._cpu_attention import CpuPagedAttention
 from ._cpu_attention import _cpu_attention_library as cpu_attention_library
+from ._cpu_norm import CpuNormRope
 from ._native import NativePagedAttention, NativeRopeScatter, native_backend, require_backend
 from ._paged_reference import ReferencePagedAttention
 from ._prefill_attention import DensePrefillAttention
@@ -60,13 +62,15 @@ class KernelSet:
 
     ``prefill_attention`` (``None``: each module's own attention) serves the prefill chunks
     of the layers the engine wraps; ``quantized_head`` (``None``: MLX's own product) projects
-    a large quantized vocabulary head.
+    a large quantized vocabulary head; ``norm_rope`` (``None``: MLX's operations) normalises
+    and rotates the query and key rows of a decode step.
     """
 
     attention: PagedDecodeAttention
     rope: RopeScatterKernel | None = None
     prefill_attention: PrefillAttention | None = None
     quantized_head: QuantizedHeadKernel | None = None
+    norm_rope: NormRopeKernel | None = None
 
 
 def _choice(
@@ -128,6 +132,7 @@ def select_kernels(
     validate: bool = False,
     prefill_attention: bool = True,
     quantized_head: bool = True,
+    norm_rope: bool = True,
 ) -> KernelSet:
     """Choose the kernels for this machine and configuration.
 
@@ -151,7 +156,9 @@ def select_kernels(
     (off: each module's own attention). ``quantized_head`` (default on) adds a
     :class:`CpuQuantizedHead` when MLX computes on the CPU, where its own quantized product
     is slow (the C kernel is built on first use; ``KV_CPU_KERNELS=off`` or no compiler
-    leaves MLX's product).
+    leaves MLX's product). ``norm_rope`` (default on) adds a :class:`CpuNormRope` when MLX
+    computes on the CPU: a decode step's per-head query and key norms and RoPE as one native
+    node each (where the graph calls work; elsewhere it serves nothing).
     """
     fused = _choice(fused_rope, FUSED_ROPE_ENV, "off", _FUSED_CHOICES, argument="fused_rope")
     attn = _choice(
@@ -163,12 +170,18 @@ def select_kernels(
     )
     native = native_backend()
     prefill = DensePrefillAttention() if prefill_attention else None
-    head = CpuQuantizedHead() if quantized_head and mx.default_device().type == mx.cpu else None
+    on_cpu = mx.default_device().type == mx.cpu
+    head = CpuQuantizedHead() if quantized_head and on_cpu else None
+    rows = CpuNormRope() if norm_rope and on_cpu else None
     attention_kernel = _attention_kernel(attn, validate=validate)
 
     if fused == "off":
         return KernelSet(
-            attention=attention_kernel, rope=None, prefill_attention=prefill, quantized_head=head
+            attention=attention_kernel,
+            rope=None,
+            prefill_attention=prefill,
+            quantized_head=head,
+            norm_rope=rows,
         )
     if fused == "auto":
         fused = native or "reference"
@@ -182,7 +195,11 @@ def select_kernels(
         why = rope_unsupported_reason or "no RoPE configuration was given"
         _log_once(f"fused RoPE + pool scatter ({fused}) disabled, using unfused RoPE: {why}")
         return KernelSet(
-            attention=attention_kernel, rope=None, prefill_attention=prefill, quantized_head=head
+            attention=attention_kernel,
+            rope=None,
+            prefill_attention=prefill,
+            quantized_head=head,
+            norm_rope=rows,
         )
     if not rope_kernel.supports(rope):
         _log_once(
@@ -190,10 +207,18 @@ def select_kernels(
             f"does not support {rope}"
         )
         return KernelSet(
-            attention=attention_kernel, rope=None, prefill_attention=prefill, quantized_head=head
+            attention=attention_kernel,
+            rope=None,
+            prefill_attention=prefill,
+            quantized_head=head,
+            norm_rope=rows,
         )
     return KernelSet(
-        attention=attention_kernel, rope=rope_kernel, prefill_attention=prefill, quantized_head=head
+        attention=attention_kernel,
+        rope=rope_kernel,
+        prefill_attention=prefill,
+        quantized_head=head,
+        norm_rope=rows,
     )
 
 

@@ -587,6 +587,48 @@ class SlotWriter(Protocol):
 
 
 @runtime_checkable
+class RmsNormForm(Protocol):
+    """A norm module that states its function: ``mx.fast.rms_norm(x, w, eps)``.
+
+    ``w`` is ``weight``, or ``1 + weight`` where ``add_one`` (Gemma's norms). A module that
+    has these attributes claims that its call computes exactly that, so kernels may fuse it.
+    """
+
+    weight: mx.array
+    eps: float
+    add_one: bool
+
+
+@runtime_checkable
+class NormRopeKernel(Protocol):
+    """Normalises and rotates a decode step's projected query or key rows as one operation.
+
+    The rotation is RoPE of the whole head in halves (not ``traditional``) given as two
+    factors per row: ``cos_both = [cos, cos]`` and ``sin_signed = [-sin, sin]``, each
+    ``(B, head_dim)``, so that a row ``x`` becomes ``x * cos_both + [x2, x1] * sin_signed``
+    (``x1``, ``x2`` its halves), each product and the sum rounded as MLX rounds them.
+    """
+
+    def __call__(
+        self,
+        rows: mx.array,
+        *,
+        heads: int,
+        cos_both: mx.array,
+        sin_signed: mx.array,
+        norm: RmsNormForm | None,
+    ) -> mx.array | None:
+        """``rows (B, ..., heads * head_dim)`` -> ``(B, heads, head_dim)``.
+
+        Each head's row is normalised by ``norm`` (per head: its weight has ``head_dim``
+        features; ``None``: not normalised), then rotated. Returns ``None``, having done
+        nothing, where this kernel does not serve the call (device, dtype, shape): the
+        caller composes the same operations with MLX.
+        """
+        ...
+
+
+@runtime_checkable
 class QuantizedHeadKernel(Protocol):
     """A faster product of a few rows with a large affine-quantized ``(vocab, hidden)`` head.
 
@@ -628,8 +670,10 @@ class KernelSet(Protocol):
     ``None``): the engine then runs the prefill chunks of the layers it wraps through it
     instead of the module's own attention call; and ``quantized_head`` (a
     :class:`QuantizedHeadKernel`, or ``None``): the engine then projects a large quantized
-    vocabulary head through it on the CPU. Both are read with ``getattr``, so a kernel set
-    without them keeps every module's own prefill and head.
+    vocabulary head through it on the CPU; and ``norm_rope`` (a :class:`NormRopeKernel`, or
+    ``None``): batched decode then normalises and rotates its query and key rows through it.
+    They are read with ``getattr``, so a kernel set without them keeps every module's own
+    prefill, head and RoPE.
     """
 
     @property
