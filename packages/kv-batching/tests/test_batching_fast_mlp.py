@@ -23,10 +23,10 @@ from kv_batching._fast_mlp import (
     FastGatedMLP,
     fast_mlps,
     patch_model_mlps,
-    sigmoid,
     unpatch_model_mlps,
 )
 from kv_batching._model_forward import HEAD_SLICED_MAX_ROWS, project_rows
+from kv_protocol import gated_activation, sigmoid
 
 
 @settings(max_examples=60, deadline=None)
@@ -216,3 +216,43 @@ def test_project_rows_equals_the_plain_product(rows: int, seed: int) -> None:
     want = np.array(h, np.float64) @ np.array(weight, np.float64).T
     assert got.shape == (rows, 9000)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+class _RecordingActivation:
+    """A ``GatedActivationKernel`` that serves (with the definition) only float32 ``serves``."""
+
+    def __init__(self, serves: bool) -> None:
+        self.serves = serves
+        self.calls: list[str] = []
+
+    def __call__(self, gate: mx.array, up: mx.array, *, activation: str) -> mx.array | None:
+        self.calls.append(activation)
+        return gated_activation(gate, up, activation) if self.serves else None
+
+
+@pytest.mark.parametrize(
+    ("module", "activation"), [("gemma3_text", "gelu_approx"), ("llama", "silu")]
+)
+@pytest.mark.parametrize("rows", [1, 40])
+def test_the_activation_kernel_in_scope_computes_the_activation(
+    module: str, activation: str, rows: int
+) -> None:
+    mlp = _mlp(module, FAST_MLP_MIN_WIDTH, seed=4)
+    model = _Model([mlp])
+    assert patch_model_mlps(model) == 1
+    swapped = model.layers[0].mlp
+    x = mx.random.normal((rows, 1, 64), key=mx.random.key(2))
+    with fast_mlps():
+        compiled = swapped(x)
+    serving, declining = _RecordingActivation(True), _RecordingActivation(False)
+    with fast_mlps(kernel=serving):
+        served = swapped(x)
+    with fast_mlps(kernel=declining):
+        declined = swapped(x)
+    with fast_mlps(False, kernel=serving):
+        outside = swapped(x)
+    assert serving.calls == [activation] and declining.calls == [activation]
+    # The kernel's values are the definition's; the compiled function's are within rounding.
+    np.testing.assert_allclose(np.array(served), np.array(compiled), rtol=1e-5, atol=1e-6)
+    assert mx.array_equal(declined, compiled)
+    assert mx.array_equal(outside, mlp(x))

@@ -5,11 +5,14 @@ Llama, Qwen, Mistral, ...) or the tanh GELU (``gelu_approx``: Gemma). On MLX's C
 ``exp`` and ``tanh`` evaluate element by element: Gemma 3 270M's ``gelu_approx`` over a
 512-token prefill chunk (512 x 2048) takes 28 ms, more than the layer's three matrix products
 together with MKL, about a third of a prefill. Both activations are ``x * sigmoid(c(x))``
-(``0.5 * (1 + tanh(z)) = sigmoid(2 z)``), and :func:`sigmoid` builds the sigmoid on
-:func:`kv_protocol.exp_nonpositive` (adds, multiplies and shifts, which MLX vectorises), the
-whole gated product compiled as one kernel: 8.7 against 28.6 ms (GELU) and 7.7 against 16.7 ms
-(SiLU) at 512 x 2048, to a relative error of about ``1e-6`` against float64 (MLX's own tanh
-GELU loses up to ``2.5e-4`` relative where ``1 + tanh`` cancels).
+(``0.5 * (1 + tanh(z)) = sigmoid(2 z)``), and :func:`kv_protocol.gated_activation` builds
+them on :func:`kv_protocol.sigmoid` (adds, multiplies and shifts, which MLX vectorises),
+compiled here: 8.7 against 28.6 ms (GELU) and 7.7 against 16.7 ms (SiLU) at 512 x 2048, to
+a relative error of about ``1e-6`` against float64 (MLX's own tanh GELU loses up to
+``2.5e-4`` relative where ``1 + tanh`` cancels). Where the engine's kernel set carries a
+``gated_activation`` (``kv_protocol.GatedActivationKernel``, handed over by
+:func:`fast_mlps`) it computes the same bits as one operation instead of the compiled
+function's seven.
 
 :func:`patch_model_mlps` swaps such a module for a :class:`FastGatedMLP` only where it pays
 and is the same function: on the CPU, float32 activations, a gate at least
@@ -19,16 +22,16 @@ rounding) for one of the two activations. Anything else keeps the model's own ca
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from kv_protocol import exp_nonpositive, find_layers
+from kv_protocol import GATED_ACTIVATIONS, GatedActivationKernel, find_layers, gated_activation
 
 from ._patching import unwrap_layer_children
 
@@ -37,7 +40,6 @@ __all__ = [
     "FastGatedMLP",
     "fast_mlps",
     "patch_model_mlps",
-    "sigmoid",
     "unpatch_model_mlps",
 ]
 
@@ -47,53 +49,28 @@ FAST_MLP_MIN_WIDTH = 1024
 
 #: Names under which mlx-lm decoder layers hold their MLP.
 _MLP_CHILD_NAMES = ("mlp", "feed_forward")
-#: ``2 * sqrt(2 / pi)``: ``0.5 * (1 + tanh(sqrt(2/pi) * u)) = sigmoid(2 * sqrt(2/pi) * u)``.
-_GELU_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
-_GELU_CUBIC = 0.044715
-#: Whether forwards built now take the fast path (see :func:`fast_mlps`).
-_ACTIVE: ContextVar[bool] = ContextVar("kv_batching_fast_mlps", default=False)
+#: Whether forwards built now take the fast path, and the activation kernel they use.
+_ACTIVE: ContextVar[tuple[bool, GatedActivationKernel | None]] = ContextVar(
+    "kv_batching_fast_mlps", default=(False, None)
+)
 
 
 @contextmanager
-def fast_mlps(active: bool = True) -> Iterator[None]:
+def fast_mlps(active: bool = True, kernel: GatedActivationKernel | None = None) -> Iterator[None]:
     """Within the block, each :class:`FastGatedMLP` computes its own product (else ``inner``'s).
 
     The engine's runner builds its forwards inside it, so a swapped model called anywhere
     else (an mlx-lm oracle, ``mlx_lm.generate``) computes exactly what mlx-lm computes. MLX
-    is lazy: what counts is when a forward is built, not when it is evaluated.
+    is lazy: what counts is when a forward is built, not when it is evaluated. ``kernel``
+    (the kernel set's ``gated_activation``) computes the activations it serves.
     """
-    token = _ACTIVE.set(active)
+    token = _ACTIVE.set((active, kernel))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
 
 
-def sigmoid(x: mx.array) -> mx.array:
-    """``1 / (1 + exp(-x))`` of a float32 ``x``, vectorised on the CPU.
-
-    With ``e = exp(-|x|)`` (:func:`kv_protocol.exp_nonpositive`, never overflowing) it is
-    ``1 / (1 + e)`` for ``x >= 0`` and ``e / (1 + e)`` below, so both tails keep their
-    relative precision; ``+-inf`` give 1 and 0.
-    """
-    e = exp_nonpositive(-mx.abs(x))
-    r = 1.0 / (1.0 + e)
-    return mx.where(x >= 0, r, e * r)
-
-
-def _silu_gated(gate: mx.array, up: mx.array) -> mx.array:
-    return gate * sigmoid(gate) * up
-
-
-def _gelu_approx_gated(gate: mx.array, up: mx.array) -> mx.array:
-    inner = gate + _GELU_CUBIC * (gate * gate * gate)
-    return gate * sigmoid(_GELU_SCALE * inner) * up
-
-
-_GATED: dict[str, Callable[[mx.array, mx.array], mx.array]] = {
-    "silu": _silu_gated,
-    "gelu_approx": _gelu_approx_gated,
-}
 # Compiled, each product is one fused CPU kernel; shapes are traced as they come (the bit
 # casts of the exponent do not compile shapeless).
 _COMPILED: dict[str, Callable[[mx.array, mx.array], mx.array]] = {}
@@ -103,9 +80,20 @@ def _gated(activation: str) -> Callable[[mx.array, mx.array], mx.array]:
     fn = _COMPILED.get(activation)
     if fn is None:
         fn = _COMPILED[activation] = cast(
-            Callable[[mx.array, mx.array], mx.array], mx.compile(_GATED[activation])
+            Callable[[mx.array, mx.array], mx.array],
+            mx.compile(partial(gated_activation, activation=activation)),
         )
     return fn
+
+
+def _activate(activation: str, gate: mx.array, up: mx.array) -> mx.array:
+    """``act(gate) * up``: the active kernel's where it serves, else the compiled function."""
+    kernel = _ACTIVE.get()[1]
+    if kernel is not None:
+        out = kernel(gate, up, activation=activation)
+        if out is not None:
+            return out
+    return _gated(activation)(gate, up)
 
 
 class FastGatedMLP(nn.Module):
@@ -118,15 +106,17 @@ class FastGatedMLP(nn.Module):
 
     def __init__(self, inner: nn.Module, activation: str) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        if activation not in _GATED:
-            raise ValueError(f"activation must be one of {sorted(_GATED)}, got {activation!r}")
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {list(GATED_ACTIVATIONS)}, got {activation!r}"
+            )
         self.inner = inner
         self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
         """The MLP's output for ``x`` (``(..., hidden)``)."""
         inner: Any = self.inner
-        if not _ACTIVE.get():
+        if not _ACTIVE.get()[0]:
             return cast(mx.array, inner(x))
         projections = (inner.gate_proj, inner.up_proj, inner.down_proj)
         rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
@@ -135,7 +125,7 @@ class FastGatedMLP(nn.Module):
         gate = inner.gate_proj(x)
         if gate.dtype != mx.float32:
             return cast(mx.array, inner(x))
-        return cast(mx.array, inner.down_proj(_gated(self.activation)(gate, inner.up_proj(x))))
+        return cast(mx.array, inner.down_proj(_activate(self.activation, gate, inner.up_proj(x))))
 
     def _transposed(self, x: mx.array, gate: Any, up: Any, down: Any) -> mx.array:
         """The product with tokens as columns: ``W @ x.T``, MKL's faster order here.
@@ -151,7 +141,7 @@ class FastGatedMLP(nn.Module):
             g = g + gate.bias[:, None]
         if "bias" in up:
             u = u + up.bias[:, None]
-        out = (down.weight @ _gated(self.activation)(g, u)).T
+        out = (down.weight @ _activate(self.activation, g, u)).T
         if "bias" in down:
             out = out + down.bias
         return cast(mx.array, out.reshape(*x.shape[:-1], out.shape[-1]))
@@ -203,7 +193,7 @@ def _probe(module: Any) -> str | None:
             for e, p in zip(expected, probes, strict=True)
         ):
             return None
-        for activation in _GATED:
+        for activation in GATED_ACTIVATIONS:
             candidate = FastGatedMLP(module, activation)
             with fast_mlps():
                 got = [candidate(p) for p in probes]

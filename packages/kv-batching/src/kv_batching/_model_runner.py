@@ -90,6 +90,7 @@ class ModelRunner:
         self.decode_forward = decode_forward
         self.addressing = addressing
         self.prefill_attention = getattr(kernels, "prefill_attention", None)
+        self._activation = getattr(kernels, "gated_activation", None)
         self._wrappers = wrapped_attention(model) if self.prefill_attention is not None else []
         #: The STATE layers' mixers swapped to run a verification's ragged rows (see
         #: :func:`~kv_batching._ragged_state.install_ragged_state_mixers`), if installed.
@@ -124,7 +125,7 @@ class ModelRunner:
         for wrapper in self._wrappers:
             wrapper.prefill_attention = self.prefill_attention
         try:
-            with fast_mlps(self.fast_mlps):
+            with fast_mlps(self.fast_mlps, self._activation):
                 if self.prefill_forward is not None and not every_position and sampled:
                     return self.prefill_forward(chunk, model_caches)
                 logits: mx.array = self.model(chunk, cache=model_caches)
@@ -146,7 +147,7 @@ class ModelRunner:
             wrapper.prefill_attention = self.prefill_attention
         try:
             forward = self.decode_forward if self.decode_forward is not None else self.model
-            with fast_mlps(self.fast_mlps):
+            with fast_mlps(self.fast_mlps, self._activation):
                 logits: mx.array = forward(chunk, cache=model_caches)
             return logits
         finally:
@@ -197,6 +198,6 @@ class ModelRunner:
             for state in stacked:
                 RaggedStateMixers.mark(state.view, ragged)
         forward = self.decode_forward if self.decode_forward is not None else self.model
-        with fast_mlps(self.fast_mlps):
+        with fast_mlps(self.fast_mlps, self._activation):
             logits = forward(tokens, cache=self.nesting.nest(caches))
         return DecodeOutput(logits=logits[:, -1, :], step=step, states=stacked)

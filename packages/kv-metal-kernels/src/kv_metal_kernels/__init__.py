@@ -2,15 +2,17 @@
 
 On the CPU, :class:`CpuQuantizedHead` projects a large quantized vocabulary head,
 :class:`CpuPagedAttention` attends the pages in place, :class:`CpuRmsNorm` normalises
-rows and :class:`CpuNormRope` normalises and rotates a decode step's query and key rows,
-each through a C kernel built on first use and run as a node of MLX's lazy graph where the
-graph calls build (``KV_CPU_GRAPH``).
+rows, :class:`CpuNormRope` normalises and rotates a decode step's query and key rows and
+:class:`CpuGatedActivation` computes a gated MLP's activation, each through a C kernel
+built on first use and run as a node of MLX's lazy graph where the graph calls build
+(``KV_CPU_GRAPH``).
 
 Pools are slot-addressed and head-major, ``(n_kv_heads, num_slots, head_dim)`` with
 ``slot = page * page_size + offset_in_page`` (page 0 is the null page). ``select_kernels``
 returns the :class:`KernelSet` batched decode uses.
 """
 
+from ._cpu_activation import CpuGatedActivation
 from ._cpu_attention import CpuPagedAttention
 from ._cpu_library import CPU_KERNELS_ENV
 from ._cpu_norm import CpuNormRope, CpuRmsNorm
@@ -38,6 +40,7 @@ from ._select import (
 __all__ = [
     "ATTENTION_ENV",
     "CPU_KERNELS_ENV",
+    "CpuGatedActivation",
     "CpuNormRope",
     "CpuPagedAttention",
     "CpuQuantizedHead",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kv_protocol import (
+    GatedActivationKernel,
     KernelUnavailableError,
     NormRopeKernel,
     PagedDecodeAttention,
@@ -20,6 +21,7 @@ from kv_protocol import (
     rope_config_from_module,  # the one rule for a describable RoPE, re-exported here
 )
 
+from ._cpu_activation import CpuGatedActivation
 from ._cpu_attention import CpuPagedAttention
 from ._cpu_attention import _cpu_attention_library as cpu_attention_library
 from ._cpu_norm import CpuNormRope
@@ -63,7 +65,8 @@ class KernelSet:
     ``prefill_attention`` (``None``: each module's own attention) serves the prefill chunks
     of the layers the engine wraps; ``quantized_head`` (``None``: MLX's own product) projects
     a large quantized vocabulary head; ``norm_rope`` (``None``: MLX's operations) normalises
-    and rotates the query and key rows of a decode step.
+    and rotates the query and key rows of a decode step; ``gated_activation`` (``None``:
+    MLX's operations) computes the engine's gated MLPs' activations.
     """
 
     attention: PagedDecodeAttention
@@ -71,6 +74,7 @@ class KernelSet:
     prefill_attention: PrefillAttention | None = None
     quantized_head: QuantizedHeadKernel | None = None
     norm_rope: NormRopeKernel | None = None
+    gated_activation: GatedActivationKernel | None = None
 
 
 def _choice(
@@ -133,6 +137,7 @@ def select_kernels(
     prefill_attention: bool = True,
     quantized_head: bool = True,
     norm_rope: bool = True,
+    gated_activation: bool = True,
 ) -> KernelSet:
     """Choose the kernels for this machine and configuration.
 
@@ -158,7 +163,8 @@ def select_kernels(
     is slow (the C kernel is built on first use; ``KV_CPU_KERNELS=off`` or no compiler
     leaves MLX's product). ``norm_rope`` (default on) adds a :class:`CpuNormRope` when MLX
     computes on the CPU: a decode step's per-head query and key norms and RoPE as one native
-    node each (where the graph calls work; elsewhere it serves nothing).
+    node each (where the graph calls work; elsewhere it serves nothing);
+    ``gated_activation`` (default on) a :class:`CpuGatedActivation` likewise.
     """
     fused = _choice(fused_rope, FUSED_ROPE_ENV, "off", _FUSED_CHOICES, argument="fused_rope")
     attn = _choice(
@@ -173,6 +179,7 @@ def select_kernels(
     on_cpu = mx.default_device().type == mx.cpu
     head = CpuQuantizedHead() if quantized_head and on_cpu else None
     rows = CpuNormRope() if norm_rope and on_cpu else None
+    activation = CpuGatedActivation() if gated_activation and on_cpu else None
     attention_kernel = _attention_kernel(attn, validate=validate)
 
     if fused == "off":
@@ -182,6 +189,7 @@ def select_kernels(
             prefill_attention=prefill,
             quantized_head=head,
             norm_rope=rows,
+            gated_activation=activation,
         )
     if fused == "auto":
         fused = native or "reference"
@@ -200,6 +208,7 @@ def select_kernels(
             prefill_attention=prefill,
             quantized_head=head,
             norm_rope=rows,
+            gated_activation=activation,
         )
     if not rope_kernel.supports(rope):
         _log_once(
@@ -212,6 +221,7 @@ def select_kernels(
             prefill_attention=prefill,
             quantized_head=head,
             norm_rope=rows,
+            gated_activation=activation,
         )
     return KernelSet(
         attention=attention_kernel,
@@ -219,6 +229,7 @@ def select_kernels(
         prefill_attention=prefill,
         quantized_head=head,
         norm_rope=rows,
+        gated_activation=activation,
     )
 
 

@@ -32,7 +32,13 @@ from ._model_layout import (
     layout_from_model,
     model_args,
 )
-from ._numerics import exp_nonpositive
+from ._numerics import (
+    ACTIVATION_CONSTANTS,
+    GATED_ACTIVATIONS,
+    exp_nonpositive,
+    gated_activation,
+    sigmoid,
+)
 from ._pool_values import (
     PoolMemoryReport,
     PrefixCacheStats,
@@ -42,6 +48,7 @@ from ._pool_values import (
 )
 from ._protocols import (
     DecodeKVCache,
+    GatedActivationKernel,
     KernelSet,
     KVBufferStorage,
     KVCache,
@@ -153,6 +160,11 @@ __all__ = [
     "check_quantization_keys",
     "check_quantized_shape",
     "exp_nonpositive",
+    "gated_activation",
+    "sigmoid",
+    "ACTIVATION_CONSTANTS",
+    "GATED_ACTIVATIONS",
+    "GatedActivationKernel",
     "find_layers",
     "first_attr",
     "flatten_caches",

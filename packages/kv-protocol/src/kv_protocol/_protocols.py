@@ -587,6 +587,24 @@ class SlotWriter(Protocol):
 
 
 @runtime_checkable
+class GatedActivationKernel(Protocol):
+    """A gated MLP's ``act(gate) * up`` as one operation (:func:`kv_protocol.gated_activation`).
+
+    The values are :func:`kv_protocol.gated_activation`'s bit for bit, from
+    :data:`kv_protocol.ACTIVATION_CONSTANTS`.
+    """
+
+    def __call__(self, gate: mx.array, up: mx.array, *, activation: str) -> mx.array | None:
+        """``act(gate) * up`` of two float32 arrays of one shape.
+
+        ``activation`` is one of :data:`kv_protocol.GATED_ACTIVATIONS`. Returns ``None``,
+        having done nothing, where this kernel does not serve the call (device, dtype,
+        shapes, activation): the caller composes MLX's operations.
+        """
+        ...
+
+
+@runtime_checkable
 class RmsNormForm(Protocol):
     """A norm module that states its function: ``mx.fast.rms_norm(x, w, eps)``.
 
@@ -670,8 +688,10 @@ class KernelSet(Protocol):
     ``None``): the engine then runs the prefill chunks of the layers it wraps through it
     instead of the module's own attention call; and ``quantized_head`` (a
     :class:`QuantizedHeadKernel`, or ``None``): the engine then projects a large quantized
-    vocabulary head through it on the CPU; and ``norm_rope`` (a :class:`NormRopeKernel`, or
-    ``None``): batched decode then normalises and rotates its query and key rows through it.
+    vocabulary head through it on the CPU; ``norm_rope`` (a :class:`NormRopeKernel`, or
+    ``None``): batched decode then normalises and rotates its query and key rows through it;
+    and ``gated_activation`` (a :class:`GatedActivationKernel`, or ``None``): the engine's
+    gated MLPs then take their activation from it.
     They are read with ``getattr``, so a kernel set without them keeps every module's own
     prefill, head and RoPE.
     """
