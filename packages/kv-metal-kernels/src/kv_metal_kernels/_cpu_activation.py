@@ -17,46 +17,24 @@ from kv_protocol import ACTIVATION_CONSTANTS, GATED_ACTIVATIONS
 
 from ._cpu_activation_source import CPU_ACTIVATION_SOURCE
 from ._cpu_library import CpuLibrary, build_cpu_library
-from ._graph_call import GraphEntry, graph_calls, graph_entry
+from ._graph_call import GraphNodeKernel
 
 __all__ = ["CpuGatedActivation"]
 
 
-class CpuGatedActivation:
+class CpuGatedActivation(GraphNodeKernel):
     """``kv_protocol.GatedActivationKernel`` on MLX's CPU device: one graph node per call.
 
     Serves float32 ``gate`` and ``up`` of one shape on the CPU; anything else returns
     ``None`` (the caller composes MLX's operations).
     """
 
-    def __init__(self) -> None:
-        self._graph: GraphEntry | None = None
+    SYMBOL = "kv_gated_call"
 
     @property
     def library(self) -> CpuLibrary:
         """The built kernel library (``handle is None``: not available, with the reason)."""
         return build_cpu_library("kv_gated", CPU_ACTIVATION_SOURCE)
-
-    @property
-    def available(self) -> bool:
-        """Whether :meth:`__call__` computes here."""
-        return bool(self._resolve())
-
-    @property
-    def reason(self) -> str:
-        """Why it is not available (``""`` when it is)."""
-        if self.available:
-            return ""
-        library = self.library
-        if library.handle is None:
-            return library.reason
-        return graph_calls().reason or "the activation library has no kv_gated_call"
-
-    def _resolve(self) -> GraphEntry:
-        graph = self._graph
-        if graph is None:
-            graph = self._graph = graph_entry(self.library.handle, "kv_gated_call")
-        return graph
 
     def __call__(self, gate: mx.array, up: mx.array, *, activation: str) -> mx.array | None:
         """``act(gate) * up`` (a lazy node of ``gate``'s shape), or ``None``: not served."""

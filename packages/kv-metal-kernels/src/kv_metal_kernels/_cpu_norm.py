@@ -23,44 +23,29 @@ from kv_protocol import RmsNormForm
 
 from ._cpu_library import CpuLibrary, build_cpu_library
 from ._cpu_norm_source import CPU_NORM_SOURCE
-from ._graph_call import GraphEntry, graph_calls, graph_entry
+from ._graph_call import GraphNodeKernel
 
 __all__ = ["CpuNormRope", "CpuRmsNorm"]
 
 
-class CpuRmsNorm:
+def _norm_library() -> CpuLibrary:
+    """The library of both norm kernels (built once per process and source)."""
+    return build_cpu_library("kv_rms_norm", CPU_NORM_SOURCE)
+
+
+class CpuRmsNorm(GraphNodeKernel):
     """``mx.fast.rms_norm(x, weight (+ 1), eps)`` of float32 ``x (..., dim)``, one graph node.
 
     Available (:attr:`available`) where the C kernel builds and the graph calls work; the
     caller keeps ``mx.fast.rms_norm`` elsewhere (another device or dtype included).
     """
 
-    def __init__(self) -> None:
-        self._graph: GraphEntry | None = None
+    SYMBOL = "kv_rms_norm_call"
 
     @property
     def library(self) -> CpuLibrary:
         """The built kernel library (``handle is None``: not available, with the reason)."""
-        return build_cpu_library("kv_rms_norm", CPU_NORM_SOURCE)
-
-    @property
-    def available(self) -> bool:
-        """Whether :meth:`__call__` computes here."""
-        return bool(self._resolve())
-
-    @property
-    def reason(self) -> str:
-        """Why it is not available (``""`` when it is)."""
-        if self.available:
-            return ""
-        library = self.library
-        return library.reason if library.handle is None else graph_calls().reason
-
-    def _resolve(self) -> GraphEntry:
-        graph = self._graph
-        if graph is None:
-            graph = self._graph = graph_entry(self.library.handle, "kv_rms_norm_call")
-        return graph
+        return _norm_library()
 
     def __call__(
         self, x: mx.array, weight: mx.array, eps: float, *, add_one: bool = False
@@ -86,7 +71,7 @@ class CpuRmsNorm:
         )
 
 
-class CpuNormRope:
+class CpuNormRope(GraphNodeKernel):
     """``kv_protocol.NormRopeKernel`` on MLX's CPU device: one graph node per call.
 
     Serves float32 rows, factors and norm weight on the CPU with an even ``head_dim``;
@@ -94,30 +79,12 @@ class CpuNormRope:
     the bits of ``mx.fast.rms_norm`` per head followed by kv-batching's ``rope_rows``.
     """
 
-    def __init__(self, norm: CpuRmsNorm | None = None) -> None:
-        self._norm = norm or CpuRmsNorm()
-        self._graph: GraphEntry | None = None
+    SYMBOL = "kv_norm_rope_call"
 
     @property
-    def available(self) -> bool:
-        """Whether :meth:`__call__` computes here."""
-        return bool(self._resolve())
-
-    @property
-    def reason(self) -> str:
-        """Why it is not available (``""`` when it is)."""
-        if self.available:
-            return ""
-        library = self._norm.library
-        if library.handle is None:
-            return library.reason
-        return graph_calls().reason or "the norm library has no kv_norm_rope_call"
-
-    def _resolve(self) -> GraphEntry:
-        graph = self._graph
-        if graph is None:
-            graph = self._graph = graph_entry(self._norm.library.handle, "kv_norm_rope_call")
-        return graph
+    def library(self) -> CpuLibrary:
+        """The built kernel library, :class:`CpuRmsNorm`'s."""
+        return _norm_library()
 
     def __call__(
         self,

@@ -32,6 +32,7 @@ __all__ = [
     "GRAPH_CALLS_ENV",
     "GraphCalls",
     "GraphEntry",
+    "GraphNodeKernel",
     "graph_calls",
     "graph_entry",
     "kernel_address",
@@ -201,6 +202,46 @@ _lock = threading.Lock()
 #: What a kernel object keeps to build its nodes: the graph calls and its kernel's address,
 #: or ``()`` where they are not available.
 GraphEntry = tuple[GraphCalls, int] | tuple[()]
+
+
+class GraphNodeKernel:
+    """Base of a kernel that runs one C function (``SYMBOL``) of its library as graph nodes.
+
+    A subclass names the function and says how its library is built (:attr:`library`);
+    the function is resolved on first use, and :attr:`available` / :attr:`reason` say
+    whether it runs here and why not.
+    """
+
+    SYMBOL = ""
+
+    def __init__(self) -> None:
+        self._graph: GraphEntry | None = None
+
+    @property
+    def library(self) -> CpuLibrary:
+        """The built kernel library (``handle is None``: not available, with the reason)."""
+        raise NotImplementedError
+
+    @property
+    def available(self) -> bool:
+        """Whether the kernel's nodes are built here."""
+        return bool(self._resolve())
+
+    @property
+    def reason(self) -> str:
+        """Why it is not available (``""`` when it is)."""
+        if self.available:
+            return ""
+        library = self.library
+        if library.handle is None:
+            return library.reason
+        return graph_calls().reason or f"the kernel library has no {self.SYMBOL}"
+
+    def _resolve(self) -> GraphEntry:
+        graph = self._graph
+        if graph is None:
+            graph = self._graph = graph_entry(self.library.handle, self.SYMBOL)
+        return graph
 
 
 def graph_entry(library: ctypes.CDLL | None, symbol: str) -> GraphEntry:

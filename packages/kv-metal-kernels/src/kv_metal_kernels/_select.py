@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -175,22 +175,17 @@ def select_kernels(
         argument="attention",
     )
     native = native_backend()
-    prefill = DensePrefillAttention() if prefill_attention else None
     on_cpu = mx.default_device().type == mx.cpu
-    head = CpuQuantizedHead() if quantized_head and on_cpu else None
-    rows = CpuNormRope() if norm_rope and on_cpu else None
-    activation = CpuGatedActivation() if gated_activation and on_cpu else None
-    attention_kernel = _attention_kernel(attn, validate=validate)
-
+    unfused = KernelSet(
+        attention=_attention_kernel(attn, validate=validate),
+        rope=None,
+        prefill_attention=DensePrefillAttention() if prefill_attention else None,
+        quantized_head=CpuQuantizedHead() if quantized_head and on_cpu else None,
+        norm_rope=CpuNormRope() if norm_rope and on_cpu else None,
+        gated_activation=CpuGatedActivation() if gated_activation and on_cpu else None,
+    )
     if fused == "off":
-        return KernelSet(
-            attention=attention_kernel,
-            rope=None,
-            prefill_attention=prefill,
-            quantized_head=head,
-            norm_rope=rows,
-            gated_activation=activation,
-        )
+        return unfused
     if fused == "auto":
         fused = native or "reference"
     rope_kernel: RopeScatterKernel
@@ -202,35 +197,14 @@ def select_kernels(
     if rope is None:
         why = rope_unsupported_reason or "no RoPE configuration was given"
         _log_once(f"fused RoPE + pool scatter ({fused}) disabled, using unfused RoPE: {why}")
-        return KernelSet(
-            attention=attention_kernel,
-            rope=None,
-            prefill_attention=prefill,
-            quantized_head=head,
-            norm_rope=rows,
-            gated_activation=activation,
-        )
+        return unfused
     if not rope_kernel.supports(rope):
         _log_once(
             f"fused RoPE + pool scatter ({fused}) disabled, using unfused RoPE: the kernel "
             f"does not support {rope}"
         )
-        return KernelSet(
-            attention=attention_kernel,
-            rope=None,
-            prefill_attention=prefill,
-            quantized_head=head,
-            norm_rope=rows,
-            gated_activation=activation,
-        )
-    return KernelSet(
-        attention=attention_kernel,
-        rope=rope_kernel,
-        prefill_attention=prefill,
-        quantized_head=head,
-        norm_rope=rows,
-        gated_activation=activation,
-    )
+        return unfused
+    return replace(unfused, rope=rope_kernel)
 
 
 def paged_decode_attention(
