@@ -195,6 +195,50 @@ def test_cpu_kernel_matches_dense_softmax_and_the_reference(batch: Batch) -> Non
 
 
 @needs_cpu_kernel
+@settings(max_examples=25, deadline=None)
+@given(
+    hkv=st.sampled_from([1, 2, 4]),
+    ratio=st.sampled_from([1, 4, 8]),
+    window=st.none() | st.integers(1, 40),
+    sinks=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_cpu_kernel_rows_together_equal_rows_alone_bit_for_bit(
+    hkv: int, ratio: int, window: int | None, sinks: bool, seed: int
+) -> None:
+    """Many rows (a kv head's query heads read each key once together) against one row at
+    a time (one query head per work item where the items are few): the same bits."""
+    rng = np.random.default_rng(seed)
+    lens = [int(n) for n in rng.integers(1, 120, size=8)]
+    batch = make_batch(
+        rng,
+        lens=lens,
+        hkv=hkv,
+        ratio=ratio,
+        d=64,
+        page_size=16,
+        window=window,
+        with_sinks=sinks,
+        dtype_name="float32",
+    )
+    kernel = CpuPagedAttention()
+    together = run(kernel, batch)
+    for row in range(len(lens)):
+        alone = kernel(
+            batch.q[row : row + 1],
+            batch.k_pool,
+            batch.v_pool,
+            batch.page_table[row : row + 1],
+            batch.seq_lens[row : row + 1],
+            page_size=batch.page_size,
+            scale=batch.scale,
+            window=batch.window,
+            sinks=batch.sinks,
+        )
+        assert mx.array_equal(alone, together[row : row + 1]).item()
+
+
+@needs_cpu_kernel
 def test_cpu_kernel_checks_index_values_before_reading() -> None:
     args = _args()
     kernel = CpuPagedAttention()

@@ -13,7 +13,9 @@ __all__ = ["CPU_ATTENTION_SOURCE"]
 #: scaled first, the scores' maximum subtracted before ``expf`` and the weighted values
 #: divided by the weights' sum (plus ``expf(sinks[h] - max)`` where ``sinks`` is given, the
 #: maximum then taken over the sink too): the reference's order of operations. One
-#: ``(row, query head)`` pair per OpenMP iteration; nothing is gathered. Returns 0, or -1
+#: ``(row, kv head)`` pair per OpenMP iteration, its query heads reading each key and value
+#: row once (one ``(row, query head)`` pair where there are fewer than two such pairs a
+#: thread); nothing is gathered. Returns 0, or -1
 #: when its scratch cannot be allocated. The caller has checked every page id and length.
 CPU_ATTENTION_SOURCE = r"""
 #include <math.h>
@@ -21,6 +23,9 @@ CPU_ATTENTION_SOURCE = r"""
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -47,17 +52,28 @@ int kv_paged_attention(const float *q, int B, int Hq, int T, int D, const float 
                        float *out) {
   int group = Hq / Hkv, failed = 0;
   long long capacity = (long long)max_pages * page_size;
+  /* Heads per work item: a kv head's whole group reads each key and value row once for
+     all its query heads where there are enough (row, kv head) items to keep the threads
+     busy, else one query head per item. Each head's arithmetic is the same either way. */
+  int threads = 1;
+#ifdef _OPENMP
+  threads = omp_get_max_threads();
+#endif
+  int heads = B * Hkv >= 2 * threads ? group : 1;
+  int items = B * (Hq / heads);
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int item = 0; item < B * Hq; item++) {
-    int b = item / Hq, h = item % Hq, kv = h / group;
+  for (int item = 0; item < items; item++) {
+    int b = item / (Hq / heads), h0 = (item % (Hq / heads)) * heads, kv = h0 / group;
     const float *keys = k_pool + (size_t)kv * (size_t)num_slots * D;
     const float *vals = v_pool + (size_t)kv * (size_t)num_slots * D;
     const int32_t *pages = table + (size_t)b * max_pages;
     long long len = seq_lens[b];
     long long most = len < capacity ? len : capacity;
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(most > 0 ? most : 1));
-    float *qs = (float *)malloc(sizeof(float) * (size_t)D);
-    float *acc = (float *)malloc(sizeof(float) * (size_t)D);
+    size_t span = (size_t)(most > 0 ? most : 1);
+    float *scores = (float *)malloc(sizeof(float) * span * heads);
+    float *qs = (float *)malloc(sizeof(float) * (size_t)D * heads);
+    float *acc = (float *)malloc(sizeof(float) * (size_t)D * heads);
+    float peaks[heads], totals[heads];
     if (scores == NULL || qs == NULL || acc == NULL) {
 #pragma omp atomic write
       failed = 1;
@@ -65,32 +81,45 @@ int kv_paged_attention(const float *q, int B, int Hq, int T, int D, const float 
       continue;
     }
     for (int t = 0; t < T; t++) {
-      const float *qt = q + (((size_t)b * Hq + h) * T + t) * D;
-      float *ot = out + (((size_t)b * Hq + h) * T + t) * D;
       long long p = len - T + t;
       if (p < 0) p = 0;
       if (p > capacity - 1) p = capacity - 1;
       long long lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-      for (int d = 0; d < D; d++) qs[d] = qt[d] * scale;
-      float peak = -INFINITY;
-      for (long long j = lo; j <= p; j++) {
-        size_t slot = (size_t)pages[j / page_size] * page_size + (size_t)(j % page_size);
-        float s = dot(qs, keys + slot * D, D);
-        scores[j - lo] = s;
-        if (s > peak) peak = s;
+      for (int i = 0; i < heads; i++) {
+        const float *qt = q + (((size_t)b * Hq + h0 + i) * T + t) * D;
+        for (int d = 0; d < D; d++) qs[(size_t)i * D + d] = qt[d] * scale;
+        peaks[i] = -INFINITY;
       }
-      if (sinks != NULL && sinks[h] > peak) peak = sinks[h];
-      for (int d = 0; d < D; d++) acc[d] = 0.0f;
-      float total = 0.0f;
       for (long long j = lo; j <= p; j++) {
         size_t slot = (size_t)pages[j / page_size] * page_size + (size_t)(j % page_size);
-        float w = expf(scores[j - lo] - peak);
+        const float *k = keys + slot * D;
+        for (int i = 0; i < heads; i++) {
+          float s = dot(qs + (size_t)i * D, k, D);
+          scores[(size_t)i * span + (size_t)(j - lo)] = s;
+          if (s > peaks[i]) peaks[i] = s;
+        }
+      }
+      for (int i = 0; i < heads; i++) {
+        if (sinks != NULL && sinks[h0 + i] > peaks[i]) peaks[i] = sinks[h0 + i];
+        totals[i] = 0.0f;
+        for (int d = 0; d < D; d++) acc[(size_t)i * D + d] = 0.0f;
+      }
+      for (long long j = lo; j <= p; j++) {
+        size_t slot = (size_t)pages[j / page_size] * page_size + (size_t)(j % page_size);
         const float *v = vals + slot * D;
-        total += w;
-        for (int d = 0; d < D; d++) acc[d] += w * v[d];
+        for (int i = 0; i < heads; i++) {
+          float w = expf(scores[(size_t)i * span + (size_t)(j - lo)] - peaks[i]);
+          float *a = acc + (size_t)i * D;
+          totals[i] += w;
+          for (int d = 0; d < D; d++) a[d] += w * v[d];
+        }
       }
-      if (sinks != NULL) total += expf(sinks[h] - peak);
-      for (int d = 0; d < D; d++) ot[d] = acc[d] / total;
+      for (int i = 0; i < heads; i++) {
+        float *ot = out + (((size_t)b * Hq + h0 + i) * T + t) * D;
+        float total = totals[i];
+        if (sinks != NULL) total += expf(sinks[h0 + i] - peaks[i]);
+        for (int d = 0; d < D; d++) ot[d] = acc[(size_t)i * D + d] / total;
+      }
     }
     free(scores); free(qs); free(acc);
   }
