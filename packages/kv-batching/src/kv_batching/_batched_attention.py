@@ -26,13 +26,12 @@ __all__ = ["BatchedAttention"]
 class _RowNorms:
     """A wrapper's q/k norm modules; usable where each is ``None`` or an ``RmsNormForm``."""
 
-    __slots__ = ("key", "key_module", "query", "query_module", "usable")
+    __slots__ = ("key", "query", "usable")
 
     def __init__(self, query: Any, key: Any) -> None:
-        self.query_module, self.key_module = query, key
+        self.query: RmsNormForm | None = query
+        self.key: RmsNormForm | None = key
         self.usable = all(m is None or isinstance(m, RmsNormForm) for m in (query, key))
-        self.query: RmsNormForm | None = query if self.usable else None
-        self.key: RmsNormForm | None = key if self.usable else None
 
 
 class BatchedAttention(nn.Module):
@@ -277,7 +276,7 @@ class BatchedAttention(nn.Module):
             else:
                 return None
         held = self._row_norms
-        if held is None or held.query_module is not found[0] or held.key_module is not found[1]:
+        if held is None or held.query is not found[0] or held.key is not found[1]:
             held = self._row_norms = _RowNorms(found[0], found[1])
         return held if held.usable else None
 

@@ -103,16 +103,17 @@ def rope_rows(x: mx.array, offsets: mx.array, rope: RopeConfig) -> mx.array:
     [-sin, sin]``, with those two factors made once per step and head count: six
     operations a call instead of thirteen (``a + x2 * -sin`` is ``a - x2 * sin`` exactly).
     """
-    cos, sin = _rows_table(rope, offsets, x.dtype)
-    if rope.traditional or rope.dims != x.shape[-1]:
+    flat = None if rope.dims != x.shape[-1] else rope_row_factors(offsets, rope, x.dtype)
+    if flat is None:
+        cos, sin = _rows_table(rope, offsets, x.dtype)
         return _rotate(x, cos, sin, rope)
     key = (rope, x.dtype, x.shape[1])
     held = _row_factors.get(key)
     if held is None or held[0] is not offsets:
-        shape = (x.shape[0], x.shape[1], 1, rope.dims)
+        rows, shape = x.shape[0], (x.shape[0], x.shape[1], 1, rope.dims)
         factors = (
-            mx.contiguous(mx.broadcast_to(mx.concatenate([cos, cos], axis=-1), shape)),
-            mx.contiguous(mx.broadcast_to(mx.concatenate([-sin, sin], axis=-1), shape)),
+            mx.contiguous(mx.broadcast_to(flat[0].reshape(rows, 1, 1, rope.dims), shape)),
+            mx.contiguous(mx.broadcast_to(flat[1].reshape(rows, 1, 1, rope.dims), shape)),
         )
         if len(_row_factors) >= _KEPT:
             del _row_factors[next(iter(_row_factors))]
