@@ -143,6 +143,7 @@ PROTOCOL_FACE = {
     "PrefillAttention",
     "PrefixCacheStats",
     "PrefixHit",
+    "GreedyHeadProjection",
     "QuantizedHeadKernel",
     "SlotWriter",
     "NormRopeKernel",

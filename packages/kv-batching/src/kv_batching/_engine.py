@@ -60,6 +60,7 @@ from ._sampling import (
     TokenLogprob,
     TokenMasks,
     log_softmax_top,
+    plain_greedy,
 )
 from ._scheduler import Scheduler
 from ._speculative import BatchProposer, SpeculationConfig, SpeculationState, StepRates
@@ -904,8 +905,16 @@ class DecodeEngine:
                 [r.generated[-1] for r in batch],
                 [r.states or [] for r in batch],
             )
-            masks = self._token_masks(batch, out.logits)
-            sampled = self._sampler.sample(out.logits, [r.sampling_row() for r in batch], masks)
+            rows = [r.sampling_row() for r in batch]
+            masks = self._token_masks(batch, out)
+            sampled = None
+            if masks is None and all(plain_greedy(row.params) for row in rows):
+                tokens = out.greedy_tokens()
+                if tokens is not None:
+                    sampled = self._sampler.picked(tokens)
+                    self._stats.greedy_head_steps += 1
+            if sampled is None:
+                sampled = self._sampler.sample(out.logits, rows, masks)
             tic = time.perf_counter()
             # One evaluation for the tokens, their logprobs and the new states together.
             mx.eval(sampled.arrays(), out.state_arrays())
@@ -918,14 +927,19 @@ class DecodeEngine:
             self._scheduler.rollback(reservation)
             raise
 
-    def _token_masks(self, batch: Sequence[EngineRequest], logits: mx.array) -> TokenMasks | None:
-        """The constrained rows' token masks for ``logits``, or ``None`` when no row has one.
+    def _token_masks(
+        self, batch: Sequence[EngineRequest], source: mx.array | DecodeOutput
+    ) -> TokenMasks | None:
+        """The constrained rows' token masks, or ``None`` when no row has one.
 
+        The logits are ``source``, or a decode output's (read only when a row is constrained).
         The logits' evaluation starts first, so the host fills the masks while the device
-        runs the forward; nothing is done when no row is constrained.
+        runs the forward; nothing is done (the logits are not read) when no row is
+        constrained.
         """
         if all(r.constraint is None for r in batch):
             return None
+        logits = source.logits if isinstance(source, DecodeOutput) else source
         mx.async_eval(logits)
         tic = time.perf_counter()
         masks = collect_token_masks([r.constraint for r in batch], logits.shape[-1])

@@ -48,6 +48,9 @@ class EngineStats:
     mask_seconds: float = 0.0
     #: Token masks filled (one per constrained row per sampled token).
     masks_filled: int = 0
+    #: Batched decodes whose tokens the vocabulary head picked itself (every row greedy and
+    #: plain, the head a ``kv_protocol.GreedyHeadProjection`` that served), without the logits.
+    greedy_head_steps: int = 0
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0

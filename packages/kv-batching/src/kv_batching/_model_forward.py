@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kv_protocol import (
+    GreedyHeadProjection,
     QuantizedHeadKernel,
     UnsupportedModelError,
     as_int,
@@ -22,6 +23,8 @@ __all__ = [
     "HEAD_REORDER_MIN_WEIGHTS",
     "DecodeForward",
     "LastPositionForward",
+    "SplitDecodeForward",
+    "VocabularyHead",
     "decode_forward",
     "last_position_forward",
     "vocabulary_size",
@@ -87,7 +90,7 @@ def last_position_forward(
     if not callable(head):
         return None
     project: Callable[[mx.array], mx.array] = head
-    faster = _cpu_head(model, quantized_head)
+    faster: Callable[[mx.array], mx.array] | None = _cpu_head(model, quantized_head)
     if faster is not None:
         project = faster
 
@@ -163,9 +166,46 @@ def project_rows(weight: mx.array, rows: mx.array) -> mx.array:
     return (weight @ rows.T).T
 
 
+class VocabularyHead:
+    """A model's vocabulary head in the CPU's faster form: ``hidden (..., D) -> (..., vocab)``.
+
+    ``project`` makes the logits (a bias is added after); ``greedy`` (a
+    ``kv_protocol.GreedyHeadProjection``'s, given only for a head without bias) picks each
+    row's argmax without all of them where it can.
+    """
+
+    def __init__(
+        self,
+        project: Callable[[mx.array], mx.array],
+        bias: mx.array | None = None,
+        greedy: Callable[[mx.array], mx.array | None] | None = None,
+    ) -> None:
+        self._project = project
+        self._bias = bias
+        self._greedy = greedy if bias is None else None
+
+    def __call__(self, hidden: mx.array) -> mx.array:
+        """The logits of ``hidden``."""
+        logits = self._project(hidden)
+        return logits if self._bias is None else logits + self._bias
+
+    @property
+    def picks_greedy(self) -> bool:
+        """Whether :meth:`greedy` may serve (it can still return ``None`` for a call)."""
+        return self._greedy is not None
+
+    def greedy(self, hidden: mx.array) -> mx.array | None:
+        """``mx.argmax(self(hidden), axis=-1)`` exactly (uint32), or ``None`` where not served."""
+        return None if self._greedy is None else self._greedy(hidden)
+
+    def without_greedy(self) -> VocabularyHead:
+        """The same head, its argmax always taken from the logits."""
+        return VocabularyHead(self._project, self._bias)
+
+
 def _cpu_head(
     model: nn.Module, quantized_head: QuantizedHeadKernel | None
-) -> Callable[[mx.array], mx.array] | None:
+) -> VocabularyHead | None:
     """The head as ``hidden (..., D) -> logits (..., vocab)`` in the CPU's faster form, if any.
 
     On the CPU only, for a head of at least :data:`HEAD_REORDER_MIN_WEIGHTS` weights: a
@@ -191,7 +231,7 @@ def _cpu_head(
     if type(module) in (nn.Linear, nn.Embedding):
         if weight.ndim != 2 or weight.size < HEAD_REORDER_MIN_WEIGHTS:
             return None
-        return partial(_project_reordered, weight, bias)
+        return VocabularyHead(partial(_project_reordered, weight), bias)
     bits, group_size = int(module.bits), int(module.group_size)
     biases = getattr(module, "biases", None)
     hidden = int(weight.shape[-1]) * 32 // bits
@@ -208,27 +248,14 @@ def _cpu_head(
     )
     if projection is None:
         return None
-    return partial(_project_quantized, projection, bias)
+    greedy = projection.greedy if isinstance(projection, GreedyHeadProjection) else None
+    return VocabularyHead(projection, bias, greedy)
 
 
-def _project_reordered(weight: mx.array, bias: mx.array | None, hidden: mx.array) -> mx.array:
-    """``hidden (..., D)`` onto the vocabulary through :func:`project_rows`, plus ``bias``."""
+def _project_reordered(weight: mx.array, hidden: mx.array) -> mx.array:
+    """``hidden (..., D)`` onto the vocabulary through :func:`project_rows`."""
     logits = project_rows(weight, hidden.reshape(-1, hidden.shape[-1]))
-    if bias is not None:
-        logits = logits + bias
     return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
-
-
-def _project_quantized(
-    projection: Callable[[mx.array], mx.array], bias: mx.array | None, hidden: mx.array
-) -> mx.array:
-    """``hidden (..., D)`` onto the vocabulary through a quantized head's kernel, plus ``bias``.
-
-    The kernel evaluates ``hidden`` (the forward up to the head) and returns evaluated logits,
-    adding the seconds that takes to ``kv_protocol.EVALUATION_CLOCK``.
-    """
-    logits = projection(hidden)
-    return logits if bias is None else logits + bias
 
 
 def decode_forward(
@@ -251,24 +278,43 @@ def decode_forward(
     rounding) with the same greedy token in every row; otherwise, and on other devices,
     ``None``.
     """
-    project = _cpu_head(model, quantized_head)
+    head = _cpu_head(model, quantized_head)
     backbone = getattr(model, "model", None)
-    if project is None or not isinstance(backbone, nn.Module):
+    if head is None or not isinstance(backbone, nn.Module):
         return None
-
-    def forward(tokens: mx.array, cache: Any = None) -> mx.array:
-        return project(backbone(tokens, cache=cache))
-
+    forward = SplitDecodeForward(backbone, head)
     # Four rows of one token (see last_position_forward's probe for why so few).
     probe = mx.array([[(7 * 3 * j + 1) % vocab_size] for j in range(4)])
     try:
         full = model(probe)
-        fast = forward(probe)
+        hidden = backbone(probe)
+        fast = head(hidden)
         same = (
             full.shape == fast.shape
             and bool(mx.allclose(full, fast, rtol=1e-4, atol=1e-4))
             and bool(mx.array_equal(full.argmax(-1), fast.argmax(-1)))
         )
+        if same and head.picks_greedy:
+            picked = head.greedy(hidden)
+            if picked is not None and not bool(mx.array_equal(picked, fast.argmax(-1))):
+                forward = SplitDecodeForward(backbone, head.without_greedy())
     except Exception:  # a model the split does not fit keeps its own call
         return None
     return forward if same else None
+
+
+class SplitDecodeForward:
+    """A model's decode forward as ``head(backbone(tokens, cache))``, parts callable apart.
+
+    The :data:`DecodeForward` :func:`decode_forward` returns; a greedy step runs the
+    backbone and picks its tokens through :meth:`VocabularyHead.greedy`, without the logits.
+    """
+
+    def __init__(self, backbone: nn.Module, head: VocabularyHead) -> None:
+        self.backbone = backbone
+        self.head = head
+
+    def __call__(self, tokens: mx.array, cache: Any = None) -> mx.array:
+        """The logits ``(B, T, vocab)`` of ``tokens (B, T)`` through ``cache``."""
+        logits: mx.array = self.head(self.backbone(tokens, cache=cache))
+        return logits

@@ -7,7 +7,6 @@ the token per request the scheduler's reservation holds.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
@@ -19,7 +18,12 @@ from ._cache_nesting import CacheNesting
 from ._decode_step import DecodeStep, PoolAddressing
 from ._fast_mlp import fast_mlps
 from ._layer_cache import batched_layer_caches
-from ._model_forward import DecodeForward, LastPositionForward
+from ._model_forward import (
+    DecodeForward,
+    LastPositionForward,
+    SplitDecodeForward,
+    VocabularyHead,
+)
 from ._patching import wrapped_attention
 from ._ragged_state import RaggedRows, RaggedStateMixers
 from ._state_cache import StackedStateCache, install_stacked_states
@@ -27,18 +31,50 @@ from ._state_cache import StackedStateCache, install_stacked_states
 __all__ = ["DecodeOutput", "ModelRunner"]
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
 class DecodeOutput:
     """What one batched decode forward left.
 
     The last position's ``(B, vocab)`` logits (lazy), the step (its reserved token per
     request) and the stacked recurrent states, to be evaluated with the sampled tokens and
-    then split back into the rows.
+    then split back into the rows. Given the last position's ``hidden`` states and the
+    ``head`` instead of ``logits``, the logits are projected when first read, and
+    :meth:`greedy_tokens` may pick the rows' argmax without them.
     """
 
-    logits: mx.array
-    step: DecodeStep
-    states: list[StackedStateCache]
+    def __init__(
+        self,
+        *,
+        step: DecodeStep,
+        states: list[StackedStateCache],
+        logits: mx.array | None = None,
+        hidden: mx.array | None = None,
+        head: VocabularyHead | None = None,
+    ) -> None:
+        if (logits is None) == (hidden is None or head is None):
+            raise ValueError("a decode output holds either logits or hidden states and a head")
+        self.step = step
+        self.states = states
+        self._logits = logits
+        self._hidden = hidden
+        self._head = head
+
+    @property
+    def logits(self) -> mx.array:
+        """The last position's ``(B, vocab)`` logits (lazy)."""
+        if self._logits is None:
+            assert self._head is not None and self._hidden is not None
+            self._logits = self._head(self._hidden)
+        return self._logits
+
+    def greedy_tokens(self) -> mx.array | None:
+        """Each row's ``argmax`` of :attr:`logits` (lazy, uint32) without projecting them all.
+
+        ``None`` where the head does not pick them itself, or the logits were already read:
+        the caller then takes the argmax of :attr:`logits`.
+        """
+        if self._logits is not None or self._head is None or self._hidden is None:
+            return None
+        return self._head.greedy(self._hidden)
 
     def split_states(self) -> None:
         """Hand each row its new recurrent state (after evaluation)."""
@@ -199,5 +235,10 @@ class ModelRunner:
                 RaggedStateMixers.mark(state.view, ragged)
         forward = self.decode_forward if self.decode_forward is not None else self.model
         with fast_mlps(self.fast_mlps, self._activation):
+            if isinstance(forward, SplitDecodeForward) and forward.head.picks_greedy:
+                hidden = forward.backbone(tokens, cache=self.nesting.nest(caches))
+                return DecodeOutput(
+                    hidden=hidden[:, -1, :], head=forward.head, step=step, states=stacked
+                )
             logits = forward(tokens, cache=self.nesting.nest(caches))
         return DecodeOutput(logits=logits[:, -1, :], step=step, states=stacked)

@@ -49,6 +49,7 @@ __all__ = [
     "TokenLogprob",
     "TokenMasks",
     "apply_token_masks",
+    "plain_greedy",
     "sample_top_p",
     "token_key",
 ]
@@ -149,6 +150,15 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
         )
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether a row's token is the plain argmax of the model's logits, nothing else asked.
+
+    Greedy, without penalties, bias or ``min_tokens`` and without logprobs: such a row's
+    token may come from a head that picks the argmax itself (``Sampler.picked``).
+    """
+    return params.greedy and not params.processes_logits and params.logprobs is None
 
 
 def _check_bias(bias: object) -> dict[int, float]:
@@ -515,6 +525,16 @@ class Sampler:
     def restore(self, saved: mx.array) -> None:
         """Put the stream back where :meth:`save` found it."""
         self._key = saved
+
+    def picked(self, tokens: mx.array) -> SampledTokens:
+        """The batch's greedy ``tokens``, picked without logits (every row :func:`plain_greedy`).
+
+        What :meth:`sample` gives for such rows: the tokens (the leader rank's under
+        ``agree``), no logprobs, the stream untouched.
+        """
+        if self._agree is not None:
+            tokens = self._agree(tokens)
+        return SampledTokens(tokens=tokens)
 
     def sample(
         self, logits: mx.array, rows: Sequence[SamplingRow], masks: TokenMasks | None = None

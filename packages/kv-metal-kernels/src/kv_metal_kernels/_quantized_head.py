@@ -11,13 +11,22 @@ instead of float32 values could make it four times cheaper. :class:`CpuQuantized
 :func:`~kv_metal_kernels._cpu_library.build_cpu_library`): on the same machine 18-19 ms
 for one row and 23-24 for four at 8 bits, about even with float32 at sixteen
 (``tools/bench_head.py``).
+
+:meth:`QuantizedHeadProjection.greedy` gives the argmax of those logits without computing
+them all, where the CPU has AVX-512 VNNI: the rows are rounded to 8 bits and multiplied by
+the codes in integers (four times the products an instruction of float32's), each logit's
+distance from that screen is bounded (the rounding times the vocabulary row's L1 norm,
+plus float rounding slack), and only the rows whose bound reaches the best lower bound are
+computed by the float32 kernel, whose result for an output does not depend on which other
+outputs it computes: the same token, with the same ties, as ``mx.argmax`` of the logits.
+Gemma 3 270M's head, 16 rows: 15.7 against 40-52 ms; 4 rows 7 against 12; one row about
+even (reading the codes bounds both).
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
@@ -33,6 +42,57 @@ __all__ = ["CpuQuantizedHead", "QuantizedHeadProjection"]
 _LANES = 16
 #: The bits the kernel reads.
 SUPPORTED_BITS = (4, 8)
+#: Vocabulary rows a tile of the greedy screen's layout (one vector's lanes).
+_SCREEN_ROWS = 16
+#: The largest group the screen serves (its integer group sums stay exact in float32).
+_SCREEN_MAX_GROUP = 256
+#: Token ids travel as float32 (the graph calls' output type): exact below 2^24.
+_SCREEN_MAX_VOCAB = 1 << 24
+
+
+class _ScreenLayout:
+    """The greedy screen's copy of a head (the C ``kv_qhead_screen_layout``'s layout).
+
+    Its codes 16 vocabulary rows a vector, their scales and biases, and the rows' norms.
+    """
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        pointers: list[int],
+        *,
+        vocab: int,
+        hidden: int,
+        group_size: int,
+        bits: int,
+    ) -> None:
+        tiles = -(-vocab // _SCREEN_ROWS)
+        groups = hidden // group_size
+        self.codes = mx.zeros((tiles * _SCREEN_ROWS * hidden,), dtype=mx.uint8)
+        self.scales = mx.zeros((tiles * groups * _SCREEN_ROWS,), dtype=mx.float32)
+        self.biases = mx.zeros((tiles * groups * _SCREEN_ROWS,), dtype=mx.float32)
+        self.norms = mx.zeros((tiles * 2 * _SCREEN_ROWS,), dtype=mx.float64, stream=mx.cpu)
+        mx.eval(self.codes, self.scales, self.biases, self.norms)
+        self.arrays = [self.codes, self.scales, self.biases, self.norms]
+        fn = library.kv_qhead_screen_layout
+        fn.restype = ctypes.c_int
+        codes, scales, biases = (ctypes.c_void_p(p) for p in pointers)
+        fn(
+            codes,
+            scales,
+            biases,
+            vocab,
+            hidden,
+            group_size,
+            bits,
+            *(ctypes.c_void_p(_address(a)) for a in self.arrays),
+        )
+        self.pointers = [_address(a) for a in self.arrays]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds."""
+        return sum(a.nbytes for a in self.arrays)
 
 
 def _address(array: mx.array) -> int:
@@ -86,11 +146,111 @@ class QuantizedHeadProjection:
         self._biases = mx.contiguous(biases.astype(mx.float32))
         mx.eval(self._weight, self._scales, self._biases)
         self._pointers = [_address(a) for a in (self._weight, self._scales, self._biases)]
+        self._screen: _ScreenLayout | None = None
+        self._greedy_graph: GraphEntry | None = None
+        greedy_fn = library.kv_qhead_greedy
+        greedy_fn.restype = ctypes.c_int
+        greedy_fn.argtypes = [
+            pointer,
+            integer,
+            integer,
+            pointer,
+            pointer,
+            pointer,
+            integer,
+            integer,
+            integer,
+            pointer,
+            pointer,
+            pointer,
+            pointer,
+            pointer,
+        ]
+        self._greedy_fn = greedy_fn
+        supported = library.kv_qhead_screen_supported
+        supported.restype = ctypes.c_int
+        #: Whether :meth:`greedy` serves this head here (else it returns ``None``).
+        self.screens = (
+            bool(supported()) and group_size <= _SCREEN_MAX_GROUP and self.vocab < _SCREEN_MAX_VOCAB
+        )
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the codes, scales and biases it holds."""
-        return sum(a.nbytes for a in (self._weight, self._scales, self._biases))
+        """The bytes of the codes, scales and biases it holds (and the screen's, once made)."""
+        own = sum(a.nbytes for a in (self._weight, self._scales, self._biases))
+        return own + (self._screen.nbytes if self._screen is not None else 0)
+
+    def _screen_layout(self) -> _ScreenLayout:
+        if self._screen is None:
+            self._screen = _ScreenLayout(
+                self._library,
+                self._pointers,
+                vocab=self.vocab,
+                hidden=self.hidden,
+                group_size=self.group_size,
+                bits=self.bits,
+            )
+        return self._screen
+
+    def greedy(self, rows: mx.array) -> mx.array | None:
+        """The argmax over the vocabulary of each row's logits, ``(...,)`` uint32, or ``None``.
+
+        Exactly ``mx.argmax(self(rows), axis=-1)`` (the first maximum; the first NaN where
+        there is one), through the integer screen (module docstring). ``None`` where it is
+        not served: no AVX-512 VNNI in this build, a group larger than 256 or a vocabulary
+        of 2^24 rows or more, or a device other than the CPU. The first call lays out the
+        screen's copy of the codes (the head's size in bytes again, about 210 MiB for Gemma
+        3 270M's 8-bit head). A lazy node where the graph calls are available, else
+        ``rows`` are evaluated here and the seconds go to ``kv_protocol.EVALUATION_CLOCK``.
+        """
+        if not self.screens or mx.default_device().type != mx.cpu:
+            return None
+        if rows.ndim < 2 or rows.shape[-1] != self.hidden or rows.dtype != mx.float32:
+            raise ValueError(
+                f"the quantized head projects float32 rows of {self.hidden} values, "
+                f"got {rows.dtype} rows of shape {tuple(rows.shape)}"
+            )
+        shape = tuple(rows.shape[:-1])
+        m = rows.size // self.hidden
+        if m == 0:
+            return mx.zeros(shape, dtype=mx.uint32)
+        screen = self._screen_layout()
+        graph = self._greedy_graph
+        if graph is None:
+            graph = self._greedy_graph = graph_entry(self._library, "kv_qhead_greedy_call")
+        if graph:
+            calls, kernel = graph
+            tokens = calls.call(
+                kernel,
+                "KvGreedyRows",
+                [rows, self._weight, self._scales, self._biases, *screen.arrays],
+                [m, self.hidden, self.vocab, self.group_size, self.bits],
+                shape,
+            )
+            return tokens.astype(mx.uint32)
+        tic = time.perf_counter()
+        rows = mx.contiguous(rows)
+        mx.eval(rows)
+        out = bytearray(4 * m)
+        codes, scales, biases = self._pointers
+        status = self._greedy_fn(
+            _address(rows),
+            m,
+            self.hidden,
+            codes,
+            scales,
+            biases,
+            self.vocab,
+            self.group_size,
+            self.bits,
+            *screen.pointers,
+            ctypes.addressof(ctypes.c_char.from_buffer(out)),
+        )
+        if status != 0:
+            raise MemoryError(f"the greedy head kernel could not allocate {m} rows")
+        tokens = mx.array(cast(Any, memoryview(out).cast("f", shape))).astype(mx.uint32)
+        EVALUATION_CLOCK.add(time.perf_counter() - tic)
+        return tokens
 
     def __call__(self, rows: mx.array) -> mx.array:
         """The logits of ``rows (..., hidden)``, ``(..., vocab)`` float32.
@@ -175,7 +335,7 @@ class CpuQuantizedHead:
         *,
         group_size: int,
         bits: int,
-    ) -> Callable[[mx.array], mx.array] | None:
+    ) -> QuantizedHeadProjection | None:
         """A :class:`QuantizedHeadProjection` of this head, or ``None`` where it is not served."""
         if bits not in SUPPORTED_BITS or weight.ndim != 2 or weight.dtype != mx.uint32:
             return None

@@ -115,22 +115,47 @@ TILE(8, 2, 4) TILE(4, 4, 4) TILE(2, 4, 4) TILE(1, 4, 4)
 extern void kmp_set_blocktime(int) __attribute__((weak));
 static __thread int blocktime_set;
 
-int kv_qhead(const float *x, int B, int D, const uint32_t *codes, const float *scales,
-             const float *biases, int V, int G, int bits, float *out) {
+static void set_blocktime(void) {
   if (!blocktime_set) {
     if (kmp_set_blocktime) kmp_set_blocktime(2);
     blocktime_set = 1;
   }
-  int ng = D / G, nc = D / L;
-  size_t row_bytes = (size_t)D * bits / 8;
+}
+
+/* The input rows in the order the tiles read them (4-bit: each 16-input chunk's even
+   inputs, then its odd ones), in a new buffer; NULL when it cannot be allocated. */
+static float *kernel_rows(const float *x, int B, int D, int bits) {
   float *xp = (float *)malloc(sizeof(float) * (size_t)B * D + 64);
-  if (xp == NULL) return -1;
+  if (xp == NULL) return NULL;
   for (int b = 0; b < B; b++)
-    for (int c = 0; c < nc; c++)
+    for (int c = 0; c < D / L; c++)
       for (int k = 0; k < L; k++) {
         int src = bits == 4 ? (k < 8 ? 2 * k : 2 * (k - 8) + 1) : k;
         xp[(size_t)b * D + c * L + k] = x[(size_t)b * D + c * L + src];
       }
+  return xp;
+}
+
+/* Vocabulary row j's 4 row pointers for a tile of rows j[0..rows) (the rest repeat the
+   last). */
+static void tile_rows(const uint32_t *codes, const float *scales, const float *biases,
+                      size_t row_bytes, int ng, const int *j, int rows, const uint8_t **q,
+                      const float **s, const float **bi) {
+  for (int r = 0; r < TJ; r++) {
+    int jr = j[r < rows ? r : rows - 1];
+    q[r] = (const uint8_t *)codes + (size_t)jr * row_bytes;
+    s[r] = scales + (size_t)jr * ng;
+    bi[r] = biases + (size_t)jr * ng;
+  }
+}
+
+int kv_qhead(const float *x, int B, int D, const uint32_t *codes, const float *scales,
+             const float *biases, int V, int G, int bits, float *out) {
+  set_blocktime();
+  int ng = D / G;
+  size_t row_bytes = (size_t)D * bits / 8;
+  float *xp = kernel_rows(x, B, D, bits);
+  if (xp == NULL) return -1;
   int tiles = (V + TJ - 1) / TJ;
 #pragma omp parallel for schedule(static)
   for (int t = 0; t < tiles; t++) {
@@ -163,6 +188,351 @@ int kv_qhead(const float *x, int B, int D, const uint32_t *codes, const float *s
   }
   free(xp);
   return 0;
+}
+
+/* ---- The greedy head: the argmax of kv_qhead's logits without computing all of them. ----
+
+   Screen: each input row x is rounded to 8 bits, x = a * xq + r (a = max|x| / 127, |xq| <=
+   127), and multiplied by the head's codes in integers (AVX-512 VNNI: 64 byte products an
+   instruction) in a layout of 16 vocabulary rows a vector, lane = vocabulary row:
+   S_j = a * sum_g (s_jg * I_jg + b_jg * Q_g), I_jg the integer product of group g, Q_g the
+   sum of xq over it. The logit kv_qhead computes, F_j, differs from S_j by at most
+   E_j = max|r| * N1_j + max|x| * c * N2_j, N1_j = sum_i |q_ji s_jg + b_jg| (the row's L1
+   norm), N2_j = sum_i (q_ji |s_jg| + |b_jg|) and c = 2 u (D / 16 + 2 D / G + 16) (u = 2^-24):
+   the first term is the rounding of x, the second covers the float roundings of both
+   sums (kv_qhead's: at most D / 16 + 4 roundings a lane; the screen's 2 D / G + 1). So the
+   argmax lies among the rows whose S_j + E_j reaches L = max_k (S_k - E_k), and those
+   (typically tens for Gemma 3 270M) are computed by kv_qhead's own tile, whose arithmetic
+   for an output depends on nothing but that output's row and input: the same bits. Ties go
+   to the lowest index, as MLX's argmax. A row that is not finite, all zero or too large
+   for the bound to stay finite is computed whole (NaN first, as MLX's argmax). */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
+    defined(__AVX512DQ__)
+#define KV_SCREEN 1
+#else
+#define KV_SCREEN 0
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
+#endif
+
+/* Whether this build has the screen (kv_qhead_greedy returns -2 otherwise). */
+int kv_qhead_screen_supported(void) { return KV_SCREEN; }
+
+#define SV 16 /* vocabulary rows a screen tile: the lanes of a vector */
+
+/* The screen's tiles of a V-row head. */
+static int screen_tiles(int V) { return (V + SV - 1) / SV; }
+
+/* The screen's layout of a head: codes (tiles of SV rows: for each group, for each 4 inputs
+   of it, 64 bytes, lane l's 4 codes at 4 l; rows past V are zero), scales and biases
+   ([tile][group][lane]) and norms ([tile][N1 lanes, N2 lanes], double). */
+int kv_qhead_screen_layout(const uint32_t *codes, const float *scales, const float *biases,
+                           int V, int D, int G, int bits, uint8_t *tcodes, float *tscales,
+                           float *tbiases, double *norms) {
+  int ng = D / G, kc = G / 4, tiles = screen_tiles(V);
+  size_t row_bytes = (size_t)D * bits / 8;
+#pragma omp parallel for schedule(static)
+  for (int t = 0; t < tiles; t++)
+    for (int l = 0; l < SV; l++) {
+      int j = t * SV + l;
+      const uint8_t *q = (const uint8_t *)codes + (size_t)(j < V ? j : 0) * row_bytes;
+      double n1 = 0, n2 = 0;
+      for (int g = 0; g < ng; g++) {
+        float sc = j < V ? scales[(size_t)j * ng + g] : 0.0f;
+        float bc = j < V ? biases[(size_t)j * ng + g] : 0.0f;
+        tscales[((size_t)t * ng + g) * SV + l] = sc;
+        tbiases[((size_t)t * ng + g) * SV + l] = bc;
+        for (int i = 0; i < G; i++) {
+          int d = g * G + i;
+          int c = j >= V ? 0 : bits == 8 ? q[d] : (q[d >> 1] >> (4 * (d & 1))) & 15;
+          tcodes[(((size_t)t * ng + g) * kc + i / 4) * 64 + l * 4 + (i & 3)] = (uint8_t)c;
+          n1 += __builtin_fabs((double)c * sc + bc);
+          n2 += (double)c * __builtin_fabs((double)sc) + __builtin_fabs((double)bc);
+        }
+      }
+      /* Each sum's own rounding is below 2^-43 of it. */
+      norms[(size_t)t * 2 * SV + l] = n1 * (1.0 + 0x1p-30);
+      norms[(size_t)t * 2 * SV + SV + l] = n2 * (1.0 + 0x1p-30);
+    }
+  return 0;
+}
+
+#if KV_SCREEN
+/* NB rows' screen values of one tile: f[b] lane l = sum_g (s * I + b * Q) of row l. KC:
+   4-input steps a group (0: kc, known at run time only). Each group's integer products
+   are NB independent chains of dependent VNNI instructions, converted at the group's end. */
+#define SCREEN(NB, KC)                                                                      \
+  static void screen_##NB##_##KC(const uint8_t *tc, const float *ts, const float *tb, int ng, \
+                                 int kc, const int32_t *xq, size_t xstride, const float *qs, \
+                                 __m512 *f) {                                                \
+    __m512 sum[NB];                                                                          \
+    int steps = KC ? KC : kc;                                                                \
+    for (int bb = 0; bb < NB; bb++) sum[bb] = _mm512_setzero_ps();                           \
+    for (int g = 0; g < ng; g++) {                                                           \
+      __m512i acc[NB];                                                                       \
+      for (int bb = 0; bb < NB; bb++) acc[bb] = _mm512_setzero_si512();                      \
+      const uint8_t *w = tc + (size_t)g * steps * 64;                                        \
+      const int32_t *xg = xq + (size_t)g * steps;                                            \
+      for (int k = 0; k < steps; k++) {                                                      \
+        __m512i wv = _mm512_loadu_si512((const void *)(w + k * 64));                         \
+        for (int bb = 0; bb < NB; bb++)                                                      \
+          acc[bb] = _mm512_dpbusd_epi32(acc[bb], wv, _mm512_set1_epi32(xg[bb * xstride + k])); \
+      }                                                                                      \
+      __m512 sv = _mm512_loadu_ps(ts + g * SV), bv = _mm512_loadu_ps(tb + g * SV);           \
+      for (int bb = 0; bb < NB; bb++) {                                                      \
+        sum[bb] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(acc[bb]), sum[bb]);                 \
+        sum[bb] = _mm512_fmadd_ps(bv, _mm512_set1_ps(qs[bb * ng + g]), sum[bb]);             \
+      }                                                                                      \
+    }                                                                                        \
+    for (int bb = 0; bb < NB; bb++) f[bb] = sum[bb];                                         \
+  }
+SCREEN(8, 8) SCREEN(4, 8) SCREEN(2, 8) SCREEN(1, 8)
+SCREEN(8, 0) SCREEN(4, 0) SCREEN(2, 0) SCREEN(1, 0)
+#endif
+
+typedef struct {
+  int b, j;
+  double upper;
+} screen_hit;
+
+/* Row x's argmax over all V logits (kv_qhead's), computed whole: the first NaN, else the
+   first maximum. */
+static int whole_argmax(const float *xr, int D, int G, int bits, const uint32_t *codes,
+                        const float *scales, const float *biases, int V) {
+  int ng = D / G, best_j = 0, js[TJ];
+  size_t row_bytes = (size_t)D * bits / 8;
+  float best = 0.0f, o[TJ];
+  const uint8_t *q[TJ];
+  const float *s[TJ], *bi[TJ];
+  for (int j0 = 0; j0 < V; j0 += TJ) {
+    int rows = V - j0 < TJ ? V - j0 : TJ;
+    for (int r = 0; r < TJ; r++) js[r] = j0 + r;
+    tile_rows(codes, scales, biases, row_bytes, ng, js, rows, q, s, bi);
+    if (bits == 8)
+      tile_1_4_8(xr, D, G, q, s, bi, o, 1, rows, 0);
+    else
+      tile_1_4_4(xr, D, G, q, s, bi, o, 1, rows, 0);
+    for (int r = 0; r < rows; r++) {
+      if (o[r] != o[r]) return j0 + r;
+      if (j0 + r == 0 || o[r] > best) best = o[r], best_j = j0 + r;
+    }
+  }
+  return best_j;
+}
+
+int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const float *scales,
+                    const float *biases, int V, int G, int bits, const uint8_t *tcodes,
+                    const float *tscales, const float *tbiases, const double *norms,
+                    float *out) {
+#if !KV_SCREEN
+  (void)x, (void)B, (void)D, (void)codes, (void)scales, (void)biases, (void)V, (void)G;
+  (void)bits, (void)tcodes, (void)tscales, (void)tbiases, (void)norms, (void)out;
+  return -2;
+#else
+  set_blocktime();
+  int ng = D / G, kc = G / 4, tiles = screen_tiles(V), threads = omp_get_max_threads();
+  size_t xstride = (size_t)D / 4, row_bytes = (size_t)D * bits / 8;
+  double c = 2.0 * (D / 16 + 2 * ng + 16) * 0x1p-24;
+  int32_t *xq = (int32_t *)malloc((size_t)B * D + 64);
+  float *qs = (float *)malloc(sizeof(float) * (size_t)B * ng), *a = malloc(sizeof(float) * B);
+  double *er = malloc(sizeof(double) * B), *ex = malloc(sizeof(double) * B);
+  double *lows = malloc(sizeof(double) * (size_t)threads * B);
+  int *whole = malloc(sizeof(int) * B), *counts = calloc(threads, sizeof(int));
+  screen_hit **hits = calloc(threads, sizeof(screen_hit *));
+  float *xp = kernel_rows(x, B, D, bits);
+  size_t *starts = NULL;
+  screen_hit *byrow = NULL;
+  int status = 0;
+  if (!xq || !qs || !a || !er || !ex || !lows || !whole || !counts || !hits || !xp) {
+    status = -1;
+    goto done;
+  }
+  for (int b = 0; b < B; b++) {
+    const float *xb = x + (size_t)b * D;
+    int8_t *qb = (int8_t *)xq + (size_t)b * D;
+    float m = 0.0f;
+    int finite = 1;
+    for (int i = 0; i < D; i++) {
+      float v = __builtin_fabsf(xb[i]);
+      if (!(v <= 3.0e38f)) finite = 0;
+      else if (v > m) m = v;
+    }
+    whole[b] = !finite || m == 0.0f || m > 1.0e30f;
+    float ab = whole[b] ? 1.0f : m / 127.0f;
+    double rmax = 0.0;
+    for (int g = 0; g < ng; g++) {
+      int sum = 0;
+      for (int i = 0; i < G; i++) {
+        int d = g * G + i, qi = 0;
+        if (!whole[b]) {
+          float v = xb[d] / ab;
+          qi = (int)(v + (v >= 0.0f ? 0.5f : -0.5f));
+          qi = qi > 127 ? 127 : qi < -127 ? -127 : qi;
+          double r = __builtin_fabs((double)xb[d] - (double)ab * qi);
+          if (r > rmax) rmax = r;
+        }
+        qb[d] = (int8_t)qi;
+        sum += qi;
+      }
+      qs[(size_t)b * ng + g] = (float)sum;
+    }
+    a[b] = ab;
+    er[b] = rmax * (1.0 + 0x1p-30);
+    ex[b] = (double)m * c;
+  }
+#pragma omp parallel
+  {
+    int tid = omp_get_thread_num();
+    double *low = lows + (size_t)tid * B;
+    for (int b = 0; b < B; b++) low[b] = -__builtin_inf();
+    screen_hit *mine = NULL;
+    int n = 0, cap = 0, failed = 0;
+    __m512 f[8];
+#pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+      const uint8_t *tc = tcodes + (size_t)t * ng * kc * 64;
+      const float *ts = tscales + (size_t)t * ng * SV, *tb = tbiases + (size_t)t * ng * SV;
+      for (int b0 = 0; b0 < B;) {
+        int nb = B - b0 >= 8 ? 8 : B - b0 >= 4 ? 4 : B - b0 >= 2 ? 2 : 1;
+        const int32_t *xb = xq + (size_t)b0 * xstride;
+        const float *qb = qs + (size_t)b0 * ng;
+#define SCREEN_CALL(KC)                                                                     \
+  if (nb == 8) screen_8_##KC(tc, ts, tb, ng, kc, xb, xstride, qb, f);                        \
+  else if (nb == 4) screen_4_##KC(tc, ts, tb, ng, kc, xb, xstride, qb, f);                   \
+  else if (nb == 2) screen_2_##KC(tc, ts, tb, ng, kc, xb, xstride, qb, f);                   \
+  else screen_1_##KC(tc, ts, tb, ng, kc, xb, xstride, qb, f);
+        if (kc == 8) {
+          SCREEN_CALL(8)
+        } else {
+          SCREEN_CALL(0)
+        }
+        {
+          const double *nt = norms + (size_t)t * 2 * SV;
+          __m512d n1lo = _mm512_loadu_pd(nt), n1hi = _mm512_loadu_pd(nt + 8);
+          __m512d n2lo = _mm512_loadu_pd(nt + SV), n2hi = _mm512_loadu_pd(nt + SV + 8);
+          int valid = V - t * SV < SV ? (V - t * SV > 0 ? V - t * SV : 0) : SV;
+          __mmask8 vlo = valid >= 8 ? 0xff : (__mmask8)((1u << valid) - 1);
+          __mmask8 vhi = valid <= 8 ? 0 : (__mmask8)((1u << (valid - 8)) - 1);
+          for (int bb = 0; bb < nb; bb++) {
+            int b = b0 + bb;
+            if (whole[b]) continue;
+            __m512 sf = _mm512_mul_ps(f[bb], _mm512_set1_ps(a[b]));
+            __m512d slo = _mm512_cvtps_pd(_mm512_castps512_ps256(sf));
+            __m512d shi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(sf, 1));
+            __m512d rr = _mm512_set1_pd(er[b]), rx = _mm512_set1_pd(ex[b]);
+            __m512d elo = _mm512_fmadd_pd(rr, n1lo, _mm512_mul_pd(rx, n2lo));
+            __m512d ehi = _mm512_fmadd_pd(rr, n1hi, _mm512_mul_pd(rx, n2hi));
+            __m512d ninf = _mm512_set1_pd(-__builtin_inf());
+            __m512d llo = _mm512_mask_sub_pd(ninf, vlo, slo, elo);
+            __m512d lhi = _mm512_mask_sub_pd(ninf, vhi, shi, ehi);
+            double m = _mm512_reduce_max_pd(_mm512_max_pd(llo, lhi));
+            if (m > low[b]) low[b] = m;
+            __m512d ulo = _mm512_add_pd(slo, elo), uhi = _mm512_add_pd(shi, ehi);
+            __m512d lb = _mm512_set1_pd(low[b]);
+            unsigned hit = (unsigned)_mm512_mask_cmp_pd_mask(vlo, ulo, lb, _CMP_GE_OQ) |
+                           ((unsigned)_mm512_mask_cmp_pd_mask(vhi, uhi, lb, _CMP_GE_OQ) << 8);
+            double ups[SV];
+            if (hit) {
+              _mm512_storeu_pd(ups, ulo);
+              _mm512_storeu_pd(ups + 8, uhi);
+            }
+            while (hit && !failed) {
+              int l = __builtin_ctz(hit);
+              hit &= hit - 1;
+              if (n == cap) {
+                int grown = cap ? 2 * cap : 256;
+                screen_hit *more = realloc(mine, sizeof(screen_hit) * (size_t)grown);
+                if (!more) {
+                  failed = 1;
+                  break;
+                }
+                mine = more, cap = grown;
+              }
+              mine[n].b = b, mine[n].j = t * SV + l, mine[n].upper = ups[l];
+              n++;
+            }
+          }
+        }
+        b0 += nb;
+      }
+    }
+    hits[tid] = mine;
+    counts[tid] = failed ? -1 : n;
+  }
+  size_t total = 0;
+  for (int t = 0; t < threads; t++) {
+    if (counts[t] < 0) status = -1;
+    else total += (size_t)counts[t];
+  }
+  /* The hits by row (each thread's are in vocabulary order). */
+  starts = calloc((size_t)B + 1, sizeof(size_t));
+  byrow = malloc(sizeof(screen_hit) * (total ? total : 1));
+  if (status || !starts || !byrow) {
+    status = -1;
+    goto done;
+  }
+  for (int t = 0; t < threads; t++)
+    for (int h = 0; h < counts[t]; h++) starts[hits[t][h].b + 1]++;
+  for (int b = 0; b < B; b++) starts[b + 1] += starts[b];
+  for (int t = 0; t < threads; t++)
+    for (int h = 0; h < counts[t]; h++) {
+      screen_hit e = hits[t][h];
+      byrow[starts[e.b]++] = e;
+    }
+  for (int b = B; b > 0; b--) starts[b] = starts[b - 1];
+  starts[0] = 0;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int b = 0; b < B; b++) {
+    const float *xr = xp + (size_t)b * D;
+    int best_j = -1, fallback = whole[b], js[TJ], nj = 0;
+    float best = 0.0f, o[TJ];
+    double floor_b = -__builtin_inf();
+    for (int t = 0; t < threads; t++)
+      if (lows[(size_t)t * B + b] > floor_b) floor_b = lows[(size_t)t * B + b];
+    const uint8_t *q[TJ];
+    const float *s[TJ], *bi[TJ];
+    for (size_t h = starts[b]; h <= starts[b + 1] && !fallback; h++) {
+      int last = h == starts[b + 1];
+      if (!last) {
+        if (!(byrow[h].upper >= floor_b)) continue;
+        js[nj++] = byrow[h].j;
+      }
+      if (nj == TJ || (last && nj)) {
+        tile_rows(codes, scales, biases, row_bytes, ng, js, nj, q, s, bi);
+        if (bits == 8)
+          tile_1_4_8(xr, D, G, q, s, bi, o, 1, nj, 0);
+        else
+          tile_1_4_4(xr, D, G, q, s, bi, o, 1, nj, 0);
+        for (int r = 0; r < nj; r++) {
+          if (!(__builtin_fabsf(o[r]) <= 3.0e38f)) fallback = 1;
+          else if (best_j < 0 || o[r] > best || (o[r] == best && js[r] < best_j))
+            best = o[r], best_j = js[r];
+        }
+        nj = 0;
+      }
+    }
+    if (fallback || best_j < 0) best_j = whole_argmax(xr, D, G, bits, codes, scales, biases, V);
+    out[b] = (float)best_j;
+  }
+done:
+  for (int t = 0; hits && t < threads; t++) free(hits[t]);
+  free(starts), free(byrow), free(hits), free(counts), free(whole), free(lows);
+  free(ex), free(er), free(a), free(qs), free(xq), free(xp);
+  return status;
+#endif
+}
+
+/* The graph calls' form: inputs x, codes, scales, biases, the screen's codes, scales,
+   biases and norms; params B, D, V, G, bits. */
+int kv_qhead_greedy_call(const void *const *in, const double *p, void *out) {
+  return kv_qhead_greedy((const float *)in[0], (int)p[0], (int)p[1], (const uint32_t *)in[1],
+                         (const float *)in[2], (const float *)in[3], (int)p[2], (int)p[3],
+                         (int)p[4], (const uint8_t *)in[4], (const float *)in[5],
+                         (const float *)in[6], (const double *)in[7], (float *)out);
 }
 
 /* The graph calls' form (kv_metal_kernels._graph_call): inputs x, codes, scales, biases;

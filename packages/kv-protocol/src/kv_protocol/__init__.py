@@ -49,6 +49,7 @@ from ._pool_values import (
 from ._protocols import (
     DecodeKVCache,
     GatedActivationKernel,
+    GreedyHeadProjection,
     KernelSet,
     KVBufferStorage,
     KVCache,
@@ -129,6 +130,7 @@ __all__ = [
     "PagedDecodeAttention",
     "PagedQueryAttention",
     "PrefillAttention",
+    "GreedyHeadProjection",
     "QuantizedHeadKernel",
     "SlotWriter",
     "NormRopeKernel",

@@ -37,6 +37,7 @@ __all__ = [
     "PageAllocator",
     "PagedDecodeAttention",
     "PrefillAttention",
+    "GreedyHeadProjection",
     "QuantizedHeadKernel",
     "RopeScatterKernel",
     "TokenHashes",
@@ -647,6 +648,28 @@ class NormRopeKernel(Protocol):
 
 
 @runtime_checkable
+class GreedyHeadProjection(Protocol):
+    """A vocabulary head's projection that can also pick each row's argmax more cheaply.
+
+    ``QuantizedHeadKernel.prepare`` may return one: the engine then takes a greedy step's
+    tokens from :meth:`greedy` instead of an argmax of the full logits.
+    """
+
+    def __call__(self, rows: mx.array) -> mx.array:
+        """The logits ``(..., vocab)`` float32 of ``rows (..., hidden)`` float32."""
+        ...
+
+    def greedy(self, rows: mx.array) -> mx.array | None:
+        """``mx.argmax(self(rows), axis=-1)`` exactly, ``(...,)`` uint32, or ``None``.
+
+        The same token in every row, ties included (the first maximum; the first NaN where
+        a row has one), computed without all the logits where it can be; ``None`` where it
+        is not served here (the caller takes the argmax of the logits).
+        """
+        ...
+
+
+@runtime_checkable
 class QuantizedHeadKernel(Protocol):
     """A faster product of a few rows with a large affine-quantized ``(vocab, hidden)`` head.
 
@@ -675,7 +698,7 @@ class QuantizedHeadKernel(Protocol):
         order). ``None`` where the kernel does not serve this head (its bits, group size or
         shape, or no kernel on this machine): the caller keeps MLX's own product. The
         projection returns a lazy array (a node of MLX's graph) or evaluates ``rows`` and
-        returns an evaluated one.
+        returns an evaluated one. It may be a :class:`GreedyHeadProjection`.
         """
         ...
 
