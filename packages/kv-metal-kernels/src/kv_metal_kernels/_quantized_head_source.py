@@ -192,20 +192,22 @@ int kv_qhead(const float *x, int B, int D, const uint32_t *codes, const float *s
 
 /* ---- The greedy head: the argmax of kv_qhead's logits without computing all of them. ----
 
-   Screen: each input row x is rounded to 8 bits, x = a * xq + r (a = max|x| / 127, |xq| <=
-   127), and multiplied by the head's codes in integers (AVX-512 VNNI: 64 byte products an
-   instruction) in a layout of 16 vocabulary rows a vector, lane = vocabulary row:
-   S_j = a * sum_g (s_jg * I_jg + b_jg * Q_g), I_jg the integer product of group g, Q_g the
-   sum of xq over it. The logit kv_qhead computes, F_j, differs from S_j by at most
-   E_j = max|r| * N1_j + max|x| * c * N2_j, N1_j = sum_i |q_ji s_jg + b_jg| (the row's L1
-   norm), N2_j = sum_i (q_ji |s_jg| + |b_jg|) and c = 2 u (D / 16 + 2 D / G + 16) (u = 2^-24):
-   the first term is the rounding of x, the second covers the float roundings of both
-   sums (kv_qhead's: at most D / 16 + 4 roundings a lane; the screen's 2 D / G + 1). So the
-   argmax lies among the rows whose S_j + E_j reaches L = max_k (S_k - E_k), and those
-   (typically tens for Gemma 3 270M) are computed by kv_qhead's own tile, whose arithmetic
-   for an output depends on nothing but that output's row and input: the same bits. Ties go
-   to the lowest index, as MLX's argmax. A row that is not finite, all zero or too large
-   for the bound to stay finite is computed whole (NaN first, as MLX's argmax). */
+   Screen: each group g of an input row x is rounded to 8 bits, x_i = a_g * xq_i + r_i
+   (a_g = max over the group of |x| / 127, |xq| <= 127: a scale per group keeps a few large
+   features from coarsening the rest), and multiplied by the head's codes in integers
+   (AVX-512 VNNI: 64 byte products an instruction) in a layout of 16 vocabulary rows a
+   vector, lane = vocabulary row: S_j = sum_g a_g (s_jg I_jg + b_jg Q_g), I_jg the integer
+   product of group g, Q_g the sum of its xq. The logit kv_qhead computes, F_j, differs from
+   S_j by at most E_j = sum_g max_g|r| N_jg + max|x| c M_j, N_jg = sum_{i in g} |q_ji s_jg +
+   b_jg| (the row's L1 norm over the group), M_j = sum_i (q_ji |s_jg| + |b_jg|) and c = 2 u
+   (D / 16 + 2 D / G + 16) (u = 2^-24): the first term is the rounding of x, the second
+   covers the float roundings of both sums (kv_qhead's: at most D / 16 + 4 a lane; the
+   screen's about D / G + 3). So the argmax lies among the rows whose S_j + E_j reaches
+   L = max_k (S_k - E_k), and those (one to a few for Gemma 3 270M) are computed by
+   kv_qhead's own tile, whose arithmetic for an output depends on nothing but that output's
+   row and input: the same bits. Ties go to the lowest index, as MLX's argmax. A row that is
+   not finite, all zero or too large for the bound to stay finite is computed whole (NaN
+   first, as MLX's argmax). */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
     defined(__AVX512DQ__)
 #define KV_SCREEN 1
@@ -227,12 +229,25 @@ int kv_qhead_screen_supported(void) { return KV_SCREEN; }
 /* The screen's tiles of a V-row head. */
 static int screen_tiles(int V) { return (V + SV - 1) / SV; }
 
+/* The smallest float at least v (v >= 0, finite). */
+static float float_up(double v) {
+  float f = (float)v;
+  if ((double)f < v) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u++;
+    memcpy(&f, &u, 4);
+  }
+  return f;
+}
+
 /* The screen's layout of a head: codes (tiles of SV rows: for each group, for each 4 inputs
-   of it, 64 bytes, lane l's 4 codes at 4 l; rows past V are zero), scales and biases
-   ([tile][group][lane]) and norms ([tile][N1 lanes, N2 lanes], double). */
+   of it, 64 bytes, lane l's 4 codes at 4 l; rows past V are zero), scales, biases and the
+   group norms N (float, rounded up) [tile][group][lane], and the rows' M [tile][lane]
+   (double). */
 int kv_qhead_screen_layout(const uint32_t *codes, const float *scales, const float *biases,
                            int V, int D, int G, int bits, uint8_t *tcodes, float *tscales,
-                           float *tbiases, double *norms) {
+                           float *tbiases, float *tnorms, double *norms) {
   int ng = D / G, kc = G / 4, tiles = screen_tiles(V);
   size_t row_bytes = (size_t)D * bits / 8;
 #pragma omp parallel for schedule(static)
@@ -240,38 +255,42 @@ int kv_qhead_screen_layout(const uint32_t *codes, const float *scales, const flo
     for (int l = 0; l < SV; l++) {
       int j = t * SV + l;
       const uint8_t *q = (const uint8_t *)codes + (size_t)(j < V ? j : 0) * row_bytes;
-      double n1 = 0, n2 = 0;
+      double m = 0;
       for (int g = 0; g < ng; g++) {
         float sc = j < V ? scales[(size_t)j * ng + g] : 0.0f;
         float bc = j < V ? biases[(size_t)j * ng + g] : 0.0f;
-        tscales[((size_t)t * ng + g) * SV + l] = sc;
-        tbiases[((size_t)t * ng + g) * SV + l] = bc;
+        size_t at = ((size_t)t * ng + g) * SV + l;
+        double n = 0;
         for (int i = 0; i < G; i++) {
           int d = g * G + i;
           int c = j >= V ? 0 : bits == 8 ? q[d] : (q[d >> 1] >> (4 * (d & 1))) & 15;
           tcodes[(((size_t)t * ng + g) * kc + i / 4) * 64 + l * 4 + (i & 3)] = (uint8_t)c;
-          n1 += __builtin_fabs((double)c * sc + bc);
-          n2 += (double)c * __builtin_fabs((double)sc) + __builtin_fabs((double)bc);
+          n += __builtin_fabs((double)c * sc + bc);
+          m += (double)c * __builtin_fabs((double)sc) + __builtin_fabs((double)bc);
         }
+        tscales[at] = sc;
+        tbiases[at] = bc;
+        /* Each sum's own rounding is below 2^-40 of it. */
+        tnorms[at] = float_up(n * (1.0 + 0x1p-30));
       }
-      /* Each sum's own rounding is below 2^-43 of it. */
-      norms[(size_t)t * 2 * SV + l] = n1 * (1.0 + 0x1p-30);
-      norms[(size_t)t * 2 * SV + SV + l] = n2 * (1.0 + 0x1p-30);
+      norms[(size_t)t * SV + l] = m * (1.0 + 0x1p-30);
     }
   return 0;
 }
 
 #if KV_SCREEN
-/* NB rows' screen values of one tile: f[b] lane l = sum_g (s * I + b * Q) of row l. KC:
-   4-input steps a group (0: kc, known at run time only). Each group's integer products
-   are NB independent chains of dependent VNNI instructions, converted at the group's end. */
+/* NB rows' screen values of one tile: f[b] lane l = S of row l, e[b] lane l = the sum of
+   the groups' rounding bounds (float, rounded below their sum by at most ng + 1 float
+   roundings). KC: 4-input steps a group (0: kc, known at run time only). Each group's
+   integer products are NB independent chains of dependent VNNI instructions. */
 #define SCREEN(NB, KC)                                                                      \
-  static void screen_##NB##_##KC(const uint8_t *tc, const float *ts, const float *tb, int ng, \
-                                 int kc, const int32_t *xq, size_t xstride, const float *qs, \
-                                 __m512 *f) {                                                \
-    __m512 sum[NB];                                                                          \
+  static void screen_##NB##_##KC(const uint8_t *tc, const float *ts, const float *tb,        \
+                                 const float *tn, int ng, int kc, const int32_t *xq,         \
+                                 size_t xstride, const float *qs, const float *ag,           \
+                                 const float *rg, __m512 *f, __m512 *e) {                    \
+    __m512 sum[NB], err[NB];                                                                 \
     int steps = KC ? KC : kc;                                                                \
-    for (int bb = 0; bb < NB; bb++) sum[bb] = _mm512_setzero_ps();                           \
+    for (int bb = 0; bb < NB; bb++) sum[bb] = err[bb] = _mm512_setzero_ps();                 \
     for (int g = 0; g < ng; g++) {                                                           \
       __m512i acc[NB];                                                                       \
       for (int bb = 0; bb < NB; bb++) acc[bb] = _mm512_setzero_si512();                      \
@@ -283,12 +302,16 @@ int kv_qhead_screen_layout(const uint32_t *codes, const float *scales, const flo
           acc[bb] = _mm512_dpbusd_epi32(acc[bb], wv, _mm512_set1_epi32(xg[bb * xstride + k])); \
       }                                                                                      \
       __m512 sv = _mm512_loadu_ps(ts + g * SV), bv = _mm512_loadu_ps(tb + g * SV);           \
+      __m512 nv = _mm512_loadu_ps(tn + g * SV);                                              \
       for (int bb = 0; bb < NB; bb++) {                                                      \
-        sum[bb] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(acc[bb]), sum[bb]);                 \
-        sum[bb] = _mm512_fmadd_ps(bv, _mm512_set1_ps(qs[bb * ng + g]), sum[bb]);             \
+        size_t at = (size_t)bb * ng + g;                                                     \
+        __m512 part = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(acc[bb]),                       \
+                                      _mm512_mul_ps(bv, _mm512_set1_ps(qs[at])));            \
+        sum[bb] = _mm512_fmadd_ps(part, _mm512_set1_ps(ag[at]), sum[bb]);                    \
+        err[bb] = _mm512_fmadd_ps(nv, _mm512_set1_ps(rg[at]), err[bb]);                      \
       }                                                                                      \
     }                                                                                        \
-    for (int bb = 0; bb < NB; bb++) f[bb] = sum[bb];                                         \
+    for (int bb = 0; bb < NB; bb++) f[bb] = sum[bb], e[bb] = err[bb];                        \
   }
 SCREEN(8, 8) SCREEN(4, 8) SCREEN(2, 8) SCREEN(1, 8)
 SCREEN(8, 0) SCREEN(4, 0) SCREEN(2, 0) SCREEN(1, 0)
@@ -324,22 +347,63 @@ static int whole_argmax(const float *xr, int D, int G, int bits, const uint32_t 
   return best_j;
 }
 
+/* Rounds row x's groups to 8 bits: xq, the groups' sums of xq (qs), scales (ag) and
+   rounding bounds (rg, rounded up); returns max |x|, or -1 when the row is not finite. */
+static float screen_row(const float *x, int D, int G, int8_t *xq, float *qs, float *ag,
+                        float *rg) {
+  float top = 0.0f;
+  for (int g = 0; g < D / G; g++) {
+    const float *xg = x + (size_t)g * G;
+    float m = 0.0f;
+    for (int i = 0; i < G; i++) {
+      float v = __builtin_fabsf(xg[i]);
+      if (!(v <= 3.0e38f)) return -1.0f;
+      if (v > m) m = v;
+    }
+    float a = m / 127.0f;
+    double rmax = 0.0;
+    int sum = 0;
+    for (int i = 0; i < G; i++) {
+      int qi = 0;
+      if (a > 0.0f) {
+        float v = xg[i] / a;
+        qi = (int)(v + (v >= 0.0f ? 0.5f : -0.5f));
+        qi = qi > 127 ? 127 : qi < -127 ? -127 : qi;
+      }
+      /* Exact in double: both sides have at most 31 significant bits within 2^32 of x. */
+      double r = __builtin_fabs((double)xg[i] - (double)a * qi);
+      if (r > rmax) rmax = r;
+      xq[g * G + i] = (int8_t)qi;
+      sum += qi;
+    }
+    qs[g] = (float)sum;
+    ag[g] = a;
+    rg[g] = float_up(rmax * (1.0 + 0x1p-30));
+    if (m > top) top = m;
+  }
+  return top;
+}
+
 int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const float *scales,
                     const float *biases, int V, int G, int bits, const uint8_t *tcodes,
-                    const float *tscales, const float *tbiases, const double *norms,
-                    float *out) {
+                    const float *tscales, const float *tbiases, const float *tnorms,
+                    const double *norms, float *out) {
 #if !KV_SCREEN
   (void)x, (void)B, (void)D, (void)codes, (void)scales, (void)biases, (void)V, (void)G;
-  (void)bits, (void)tcodes, (void)tscales, (void)tbiases, (void)norms, (void)out;
+  (void)bits, (void)tcodes, (void)tscales, (void)tbiases, (void)tnorms, (void)norms;
+  (void)out;
   return -2;
 #else
   set_blocktime();
   int ng = D / G, kc = G / 4, tiles = screen_tiles(V), threads = omp_get_max_threads();
   size_t xstride = (size_t)D / 4, row_bytes = (size_t)D * bits / 8;
   double c = 2.0 * (D / 16 + 2 * ng + 16) * 0x1p-24;
+  /* The float sum of the groups' bounds is below the exact one by at most (ng + 1) u. */
+  double grow = 1.0 + 2.0 * (ng + 2) * 0x1p-24;
   int32_t *xq = (int32_t *)malloc((size_t)B * D + 64);
-  float *qs = (float *)malloc(sizeof(float) * (size_t)B * ng), *a = malloc(sizeof(float) * B);
-  double *er = malloc(sizeof(double) * B), *ex = malloc(sizeof(double) * B);
+  float *qs = malloc(sizeof(float) * (size_t)B * ng), *ag = malloc(sizeof(float) * (size_t)B * ng);
+  float *rg = malloc(sizeof(float) * (size_t)B * ng);
+  double *ex = malloc(sizeof(double) * B);
   double *lows = malloc(sizeof(double) * (size_t)threads * B);
   int *whole = malloc(sizeof(int) * B), *counts = calloc(threads, sizeof(int));
   screen_hit **hits = calloc(threads, sizeof(screen_hit *));
@@ -347,42 +411,20 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
   size_t *starts = NULL;
   screen_hit *byrow = NULL;
   int status = 0;
-  if (!xq || !qs || !a || !er || !ex || !lows || !whole || !counts || !hits || !xp) {
+  if (!xq || !qs || !ag || !rg || !ex || !lows || !whole || !counts || !hits || !xp) {
     status = -1;
     goto done;
   }
   for (int b = 0; b < B; b++) {
-    const float *xb = x + (size_t)b * D;
+    size_t at = (size_t)b * ng;
     int8_t *qb = (int8_t *)xq + (size_t)b * D;
-    float m = 0.0f;
-    int finite = 1;
-    for (int i = 0; i < D; i++) {
-      float v = __builtin_fabsf(xb[i]);
-      if (!(v <= 3.0e38f)) finite = 0;
-      else if (v > m) m = v;
+    float m = screen_row(x + (size_t)b * D, D, G, qb, qs + at, ag + at, rg + at);
+    whole[b] = !(m > 0.0f) || m > 1.0e30f;
+    if (whole[b]) {
+      memset(qb, 0, (size_t)D);
+      for (int g = 0; g < ng; g++) qs[at + g] = ag[at + g] = rg[at + g] = 0.0f;
     }
-    whole[b] = !finite || m == 0.0f || m > 1.0e30f;
-    float ab = whole[b] ? 1.0f : m / 127.0f;
-    double rmax = 0.0;
-    for (int g = 0; g < ng; g++) {
-      int sum = 0;
-      for (int i = 0; i < G; i++) {
-        int d = g * G + i, qi = 0;
-        if (!whole[b]) {
-          float v = xb[d] / ab;
-          qi = (int)(v + (v >= 0.0f ? 0.5f : -0.5f));
-          qi = qi > 127 ? 127 : qi < -127 ? -127 : qi;
-          double r = __builtin_fabs((double)xb[d] - (double)ab * qi);
-          if (r > rmax) rmax = r;
-        }
-        qb[d] = (int8_t)qi;
-        sum += qi;
-      }
-      qs[(size_t)b * ng + g] = (float)sum;
-    }
-    a[b] = ab;
-    er[b] = rmax * (1.0 + 0x1p-30);
-    ex[b] = (double)m * c;
+    ex[b] = whole[b] ? 0.0 : (double)m * c;
   }
 #pragma omp parallel
   {
@@ -391,70 +433,73 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
     for (int b = 0; b < B; b++) low[b] = -__builtin_inf();
     screen_hit *mine = NULL;
     int n = 0, cap = 0, failed = 0;
-    __m512 f[8];
+    __m512 f[8], e[8];
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
+      size_t tg = (size_t)t * ng * SV;
       const uint8_t *tc = tcodes + (size_t)t * ng * kc * 64;
-      const float *ts = tscales + (size_t)t * ng * SV, *tb = tbiases + (size_t)t * ng * SV;
+      const float *ts = tscales + tg, *tb = tbiases + tg, *tn = tnorms + tg;
+      const double *mt = norms + (size_t)t * SV;
+      __m512d mlo = _mm512_loadu_pd(mt), mhi = _mm512_loadu_pd(mt + 8);
+      int valid = V - t * SV < SV ? V - t * SV : SV;
+      __mmask8 vlo = valid >= 8 ? 0xff : (__mmask8)((1u << valid) - 1);
+      __mmask8 vhi = valid <= 8 ? 0 : (__mmask8)((1u << (valid - 8)) - 1);
       for (int b0 = 0; b0 < B;) {
         int nb = B - b0 >= 8 ? 8 : B - b0 >= 4 ? 4 : B - b0 >= 2 ? 2 : 1;
         const int32_t *xb = xq + (size_t)b0 * xstride;
-        const float *qb = qs + (size_t)b0 * ng;
+        size_t at = (size_t)b0 * ng;
 #define SCREEN_CALL(KC)                                                                     \
-  if (nb == 8) screen_8_##KC(tc, ts, tb, ng, kc, xb, xstride, qb, f);                        \
-  else if (nb == 4) screen_4_##KC(tc, ts, tb, ng, kc, xb, xstride, qb, f);                   \
-  else if (nb == 2) screen_2_##KC(tc, ts, tb, ng, kc, xb, xstride, qb, f);                   \
-  else screen_1_##KC(tc, ts, tb, ng, kc, xb, xstride, qb, f);
+  if (nb == 8)                                                                              \
+    screen_8_##KC(tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, f, e);     \
+  else if (nb == 4)                                                                         \
+    screen_4_##KC(tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, f, e);     \
+  else if (nb == 2)                                                                         \
+    screen_2_##KC(tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, f, e);     \
+  else                                                                                      \
+    screen_1_##KC(tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, f, e);
         if (kc == 8) {
           SCREEN_CALL(8)
         } else {
           SCREEN_CALL(0)
         }
-        {
-          const double *nt = norms + (size_t)t * 2 * SV;
-          __m512d n1lo = _mm512_loadu_pd(nt), n1hi = _mm512_loadu_pd(nt + 8);
-          __m512d n2lo = _mm512_loadu_pd(nt + SV), n2hi = _mm512_loadu_pd(nt + SV + 8);
-          int valid = V - t * SV < SV ? (V - t * SV > 0 ? V - t * SV : 0) : SV;
-          __mmask8 vlo = valid >= 8 ? 0xff : (__mmask8)((1u << valid) - 1);
-          __mmask8 vhi = valid <= 8 ? 0 : (__mmask8)((1u << (valid - 8)) - 1);
-          for (int bb = 0; bb < nb; bb++) {
-            int b = b0 + bb;
-            if (whole[b]) continue;
-            __m512 sf = _mm512_mul_ps(f[bb], _mm512_set1_ps(a[b]));
-            __m512d slo = _mm512_cvtps_pd(_mm512_castps512_ps256(sf));
-            __m512d shi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(sf, 1));
-            __m512d rr = _mm512_set1_pd(er[b]), rx = _mm512_set1_pd(ex[b]);
-            __m512d elo = _mm512_fmadd_pd(rr, n1lo, _mm512_mul_pd(rx, n2lo));
-            __m512d ehi = _mm512_fmadd_pd(rr, n1hi, _mm512_mul_pd(rx, n2hi));
-            __m512d ninf = _mm512_set1_pd(-__builtin_inf());
-            __m512d llo = _mm512_mask_sub_pd(ninf, vlo, slo, elo);
-            __m512d lhi = _mm512_mask_sub_pd(ninf, vhi, shi, ehi);
-            double m = _mm512_reduce_max_pd(_mm512_max_pd(llo, lhi));
-            if (m > low[b]) low[b] = m;
-            __m512d ulo = _mm512_add_pd(slo, elo), uhi = _mm512_add_pd(shi, ehi);
-            __m512d lb = _mm512_set1_pd(low[b]);
-            unsigned hit = (unsigned)_mm512_mask_cmp_pd_mask(vlo, ulo, lb, _CMP_GE_OQ) |
-                           ((unsigned)_mm512_mask_cmp_pd_mask(vhi, uhi, lb, _CMP_GE_OQ) << 8);
-            double ups[SV];
-            if (hit) {
-              _mm512_storeu_pd(ups, ulo);
-              _mm512_storeu_pd(ups + 8, uhi);
-            }
-            while (hit && !failed) {
-              int l = __builtin_ctz(hit);
-              hit &= hit - 1;
-              if (n == cap) {
-                int grown = cap ? 2 * cap : 256;
-                screen_hit *more = realloc(mine, sizeof(screen_hit) * (size_t)grown);
-                if (!more) {
-                  failed = 1;
-                  break;
-                }
-                mine = more, cap = grown;
+        for (int bb = 0; bb < nb; bb++) {
+          int b = b0 + bb;
+          if (whole[b]) continue;
+          __m512d slo = _mm512_cvtps_pd(_mm512_castps512_ps256(f[bb]));
+          __m512d shi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(f[bb], 1));
+          __m512d elo = _mm512_cvtps_pd(_mm512_castps512_ps256(e[bb]));
+          __m512d ehi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(e[bb], 1));
+          __m512d kg = _mm512_set1_pd(grow), rx = _mm512_set1_pd(ex[b]);
+          elo = _mm512_fmadd_pd(elo, kg, _mm512_mul_pd(rx, mlo));
+          ehi = _mm512_fmadd_pd(ehi, kg, _mm512_mul_pd(rx, mhi));
+          __m512d ninf = _mm512_set1_pd(-__builtin_inf());
+          __m512d llo = _mm512_mask_sub_pd(ninf, vlo, slo, elo);
+          __m512d lhi = _mm512_mask_sub_pd(ninf, vhi, shi, ehi);
+          double m = _mm512_reduce_max_pd(_mm512_max_pd(llo, lhi));
+          if (m > low[b]) low[b] = m;
+          __m512d ulo = _mm512_add_pd(slo, elo), uhi = _mm512_add_pd(shi, ehi);
+          __m512d lb = _mm512_set1_pd(low[b]);
+          unsigned hit = (unsigned)_mm512_mask_cmp_pd_mask(vlo, ulo, lb, _CMP_GE_OQ) |
+                         ((unsigned)_mm512_mask_cmp_pd_mask(vhi, uhi, lb, _CMP_GE_OQ) << 8);
+          double ups[SV];
+          if (hit) {
+            _mm512_storeu_pd(ups, ulo);
+            _mm512_storeu_pd(ups + 8, uhi);
+          }
+          while (hit && !failed) {
+            int l = __builtin_ctz(hit);
+            hit &= hit - 1;
+            if (n == cap) {
+              int grown = cap ? 2 * cap : 256;
+              screen_hit *more = realloc(mine, sizeof(screen_hit) * (size_t)grown);
+              if (!more) {
+                failed = 1;
+                break;
               }
-              mine[n].b = b, mine[n].j = t * SV + l, mine[n].upper = ups[l];
-              n++;
+              mine = more, cap = grown;
             }
+            mine[n].b = b, mine[n].j = t * SV + l, mine[n].upper = ups[l];
+            n++;
           }
         }
         b0 += nb;
@@ -521,18 +566,19 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
 done:
   for (int t = 0; hits && t < threads; t++) free(hits[t]);
   free(starts), free(byrow), free(hits), free(counts), free(whole), free(lows);
-  free(ex), free(er), free(a), free(qs), free(xq), free(xp);
+  free(ex), free(rg), free(ag), free(qs), free(xq), free(xp);
   return status;
 #endif
 }
 
 /* The graph calls' form: inputs x, codes, scales, biases, the screen's codes, scales,
-   biases and norms; params B, D, V, G, bits. */
+   biases, group norms and row norms; params B, D, V, G, bits. */
 int kv_qhead_greedy_call(const void *const *in, const double *p, void *out) {
   return kv_qhead_greedy((const float *)in[0], (int)p[0], (int)p[1], (const uint32_t *)in[1],
                          (const float *)in[2], (const float *)in[3], (int)p[2], (int)p[3],
                          (int)p[4], (const uint8_t *)in[4], (const float *)in[5],
-                         (const float *)in[6], (const double *)in[7], (float *)out);
+                         (const float *)in[6], (const float *)in[7], (const double *)in[8],
+                         (float *)out);
 }
 
 /* The graph calls' form (kv_metal_kernels._graph_call): inputs x, codes, scales, biases;
