@@ -207,7 +207,8 @@ class QuantizedHeadProjection:
         of 2^24 rows or more, or a device other than the CPU. The first call lays out the
         screen's copy of the codes (a byte a weight, with float32 scales, biases and norms
         for each group of each row: 222 MiB for Gemma 3 270M's 8-bit head). A lazy node
-        where the graph calls are available, else ``rows`` are evaluated here and the seconds go to ``kv_protocol.EVALUATION_CLOCK``.
+        where the graph calls are available, else ``rows`` are evaluated here and the
+        seconds go to ``kv_protocol.EVALUATION_CLOCK``.
         """
         if not self.screens or mx.default_device().type != mx.cpu:
             return None
