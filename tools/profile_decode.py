@@ -9,8 +9,10 @@ in the other operand order, ``(W @ h.T).T``; and as the engine projects on the C
 ``project_rows``: that order, one row padded to two, 6-112 rows padded and in vocabulary
 slices), the
 attention projections, the MLPs of all 18 layers (mlx-lm's modules, and with the engine's
-vectorised activation, ``FastGatedMLP``), and the greedy pick over the vocabulary; the table
-marks the variants the engine does not use. Each part is one evaluation of all
+vectorised activation, ``FastGatedMLP``), and the greedy pick over the vocabulary (the
+argmax of the logits, or the native head's integer screen, which picks a greedy step's tokens
+without them: what the engine runs where every row is greedy); the table marks the variants
+the engine does not use. Each part is one evaluation of all
 its layers' work, the best of ``--repeats``. Attention over the pages is the step's device
 time minus that of the same step with the paged kernel's work swapped for an identity after
 the engine is built (:func:`attention_cost`). The model is loaded as ``kv-serve`` loads
@@ -71,7 +73,9 @@ def best_seconds(work: Callable[[], Any], repeats: int) -> float:
 MLX_LM_HEAD = "vocabulary head, h @ W.T (mlx-lm)"
 WHOLE_HEAD = "vocabulary head, (W @ h.T).T whole"
 ENGINE_HEAD = "vocabulary head, project_rows (the engine)"
-KERNEL_HEAD = "vocabulary head, 8-bit through the native kernel (the engine)"
+KERNEL_HEAD = "vocabulary head, 8-bit through the native kernel (logits)"
+GREEDY_HEAD = "vocabulary head's greedy pick, the native kernel's integer screen"
+ARGMAX = "greedy pick (argmax over 262144)"
 MLX_LM_MLPS = "MLPs (18 layers), mlx-lm's modules"
 FAST_MLPS = "MLPs (18 layers), vectorised activation (the engine)"
 
@@ -128,6 +132,9 @@ def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
         assert project is not None, "the native CPU kernel does not build here"
         logits = project(rows)
         measured[KERNEL_HEAD] = best_seconds(lambda: project(rows), repeats)
+        if project.greedy(rows) is not None:
+            # A greedy step's tokens without the logits (AVX-512 VNNI).
+            measured[GREEDY_HEAD] = best_seconds(lambda: project.greedy(rows), repeats)
     else:
         logits = embedding.as_linear(hidden)
         mx.eval(logits)
@@ -141,9 +148,7 @@ def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
             measured[FAST_MLPS] = best_seconds(fast, repeats)
         finally:
             unpatch_model_mlps(model)
-    measured["greedy pick (argmax over 262144)"] = best_seconds(
-        lambda: mx.argmax(logits, axis=-1), repeats
-    )
+    measured[ARGMAX] = best_seconds(lambda: mx.argmax(logits, axis=-1), repeats)
     return measured
 
 
@@ -181,7 +186,9 @@ def engine_step(
         stats = engine.stats
         steps = max(stats.decode_steps, 1)
         head = ENGINE_HEAD if engine._runner.decode_forward is not None else MLX_LM_HEAD
-        used = {KERNEL_HEAD, head}
+        # Every step greedy: the screen picks the tokens where it serves, else the logits'
+        # argmax.
+        used = {GREEDY_HEAD} if stats.greedy_head_steps == steps else {KERNEL_HEAD, head, ARGMAX}
         used.add(FAST_MLPS if engine._runner.fast_mlps else MLX_LM_MLPS)
         return stats.decode_seconds / steps, stats.decode_device_seconds / steps, used
 
@@ -278,7 +285,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             measured = parts(model, batch, args.repeats)
             step, device, used = engine_step(model, batch, args.seed, lengths=args.lengths)
             attention = attention_cost(model, batch, args.seed, args.lengths)
-            variants = {MLX_LM_HEAD, WHOLE_HEAD, ENGINE_HEAD, MLX_LM_MLPS, FAST_MLPS}
+            variants = {
+                MLX_LM_HEAD,
+                WHOLE_HEAD,
+                ENGINE_HEAD,
+                KERNEL_HEAD,
+                GREEDY_HEAD,
+                ARGMAX,
+                MLX_LM_MLPS,
+                FAST_MLPS,
+            }
             print(f"\n### B = {batch}: engine decode step {1000 * step:.1f} ms\n")
             print("| part | ms | share of the step |")
             print("|---|---|---|")
