@@ -144,3 +144,30 @@ def test_without_the_screen_the_logits_decide(monkeypatch: pytest.MonkeyPatch) -
         out = engine.run()
         assert engine.stats.greedy_head_steps == 0
     assert [out[i] for i in ids] == want
+
+
+@needs_screen
+def test_verifying_steps_pick_their_rows_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Proposals verified inside the shared step: every row (each request's last token and
+    its proposal) picked by the head, and the tokens stay mlx-lm's."""
+    from kv_batching import NgramProposer, SpeculationConfig
+
+    record = Recording(monkeypatch)
+    model = quantized_model(8)
+    # Repetitive prompts: the n-gram proposer finds proposals in them.
+    prompts = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 6, [40, 41] * 8]
+    want = [mlx_lm_greedy(model, p, 12) for p in prompts]
+    config = SpeculationConfig(
+        shadow=False, compare_rates=False, proposer=NgramProposer(min_ngram=1), num_tokens=3
+    )
+    with build_engine(
+        model, max_running=4, max_context=96, page_size=4, speculative=config
+    ) as engine:
+        record.clear()
+        ids = [engine.submit(p, 12) for p in prompts]
+        out = engine.run()
+        stats = engine.stats
+    assert [out[i] for i in ids] == want
+    assert stats.speculative_steps > 0 and stats.decode_fallbacks == 0
+    assert max(record.picked) > len(prompts)  # a step with proposals' rows, picked
+    assert set(record.projected) == {1}  # only the prompts' last positions projected

@@ -1061,19 +1061,34 @@ class DecodeEngine:
         saved = self._sampler.save()
         try:
             out = self._runner.decode(reservation, inputs, [r.states or [] for r in batch])
-            logits = out.logits
             chosen: dict[int, tuple[int, TokenLogprob | None]] = {}
             pending: list[Any] = []
             sampled = None
-            if plain:
-                plain_batch = [batch[i] for i in plain]
-                rows_of_plain = logits[mx.array([first[i] for i in plain], dtype=mx.int32)]
-                masks = self._token_masks(plain_batch, rows_of_plain)
-                sampled = self._sampler.sample(
-                    rows_of_plain, [r.sampling_row() for r in plain_batch], masks
-                )
-                pending.append(sampled.arrays())
-            argmax = logits.argmax(axis=-1)
+            plain_rows = mx.array([first[i] for i in plain], dtype=mx.int32)
+            # Every request plainly greedy: the head picks every row's token, no logits.
+            picked = (
+                out.greedy_tokens()
+                if all(plain_greedy(r.params) and r.constraint is None for r in batch)
+                else None
+            )
+            logits: mx.array | None = None
+            if picked is not None:
+                self._stats.greedy_head_steps += 1
+                argmax = picked
+                if plain:
+                    sampled = self._sampler.picked(picked[plain_rows])
+                    pending.append(sampled.arrays())
+            else:
+                logits = out.logits
+                if plain:
+                    plain_batch = [batch[i] for i in plain]
+                    rows_of_plain = logits[plain_rows]
+                    masks = self._token_masks(plain_batch, rows_of_plain)
+                    sampled = self._sampler.sample(
+                        rows_of_plain, [r.sampling_row() for r in plain_batch], masks
+                    )
+                    pending.append(sampled.arrays())
+                argmax = logits.argmax(axis=-1)
             tic = time.perf_counter()
             mx.eval(pending, argmax, out.state_arrays())
             self._stats.decode_device_seconds += time.perf_counter() - tic + self._head_clock.take()
@@ -1087,7 +1102,8 @@ class DecodeEngine:
                     continue
                 rows = slice(first[i], first[i + 1])
                 greedy = greedy_all[rows] if request.params.greedy else None
-                verdicts[i] = self._accept(request, inputs[i][1:], logits[rows], greedy)
+                request_logits = None if logits is None else logits[rows]
+                verdicts[i] = self._accept(request, inputs[i][1:], request_logits, greedy)
         except BaseException:
             self._sampler.restore(saved)
             self._scheduler.rollback(reservation)
@@ -1299,21 +1315,24 @@ class DecodeEngine:
         self,
         request: EngineRequest,
         draft: list[int],
-        logits: mx.array,
+        logits: mx.array | None,
         greedy: list[int] | None,
     ) -> tuple[int, int]:
         """``(accepted, token)``: how much of ``draft`` is kept and the token after it.
 
         ``logits`` are the ``(len(draft) + 1, vocab)`` rows of the request's last token and
-        its proposal; ``greedy`` their argmax for a greedy request (exactly plain decoding's
-        tokens), ``None`` for a sampled one (the rejection rule of
-        :meth:`Sampler.verify_draft`, which keeps the request's distribution).
+        its proposal (``None`` where the head picked a greedy step's tokens without them);
+        ``greedy`` their argmax for a greedy request (exactly plain decoding's tokens),
+        ``None`` for a sampled one (the rejection rule of :meth:`Sampler.verify_draft`,
+        which keeps the request's distribution).
         """
         if greedy is not None:
             accepted = 0
             while accepted < len(draft) and draft[accepted] == greedy[accepted]:
                 accepted += 1
             return accepted, greedy[accepted]
+        if logits is None:
+            raise RequestStateError("a sampled request's proposal is verified on its logits")
         base = request.sampling_row()
         rows = [replace(base, generated=base.generated + i) for i in range(len(draft) + 1)]
         return self._sampler.verify_draft(logits, draft, rows)
