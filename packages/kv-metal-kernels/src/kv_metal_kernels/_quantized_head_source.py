@@ -426,11 +426,12 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
     }
     ex[b] = whole[b] ? 0.0 : (double)m * c;
   }
+  /* Every thread's slots start empty: a team may have fewer threads than the maximum. */
+  for (size_t i = 0; i < (size_t)threads * B; i++) lows[i] = -__builtin_inf();
 #pragma omp parallel
   {
     int tid = omp_get_thread_num();
     double *low = lows + (size_t)tid * B;
-    for (int b = 0; b < B; b++) low[b] = -__builtin_inf();
     screen_hit *mine = NULL;
     int n = 0, cap = 0, failed = 0;
     __m512 f[8], e[8];
