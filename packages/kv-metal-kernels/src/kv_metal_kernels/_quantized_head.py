@@ -130,18 +130,10 @@ class QuantizedHeadProjection:
         self._fn = library.kv_qhead
         self._fn.restype = ctypes.c_int
         pointer, integer = ctypes.c_void_p, ctypes.c_int
-        self._fn.argtypes = [
-            pointer,
-            integer,
-            integer,
-            pointer,
-            pointer,
-            pointer,
-            integer,
-            integer,
-            integer,
-            pointer,
-        ]
+        # x, B, D, codes, scales, biases, V, G, bits: both entry points start so.
+        head: list[Any] = [pointer, integer, integer, pointer, pointer, pointer, integer]
+        head += [integer, integer]
+        self._fn.argtypes = [*head, pointer]
         self.vocab = int(weight.shape[0])
         self.hidden = int(weight.shape[1]) * 32 // bits
         self.group_size = group_size
@@ -155,23 +147,8 @@ class QuantizedHeadProjection:
         self._greedy_graph: GraphEntry | None = None
         greedy_fn = library.kv_qhead_greedy
         greedy_fn.restype = ctypes.c_int
-        greedy_fn.argtypes = [
-            pointer,
-            integer,
-            integer,
-            pointer,
-            pointer,
-            pointer,
-            integer,
-            integer,
-            integer,
-            pointer,
-            pointer,
-            pointer,
-            pointer,
-            pointer,
-            pointer,
-        ]
+        # Then the screen's codes, scales, biases, group norms, row norms, and the tokens.
+        greedy_fn.argtypes = [*head, *[pointer] * 6]
         self._greedy_fn = greedy_fn
         supported = library.kv_qhead_screen_supported
         supported.restype = ctypes.c_int
@@ -185,6 +162,12 @@ class QuantizedHeadProjection:
         """The bytes of the codes, scales and biases it holds (and the screen's, once made)."""
         own = sum(a.nbytes for a in (self._weight, self._scales, self._biases))
         return own + (self._screen.nbytes if self._screen is not None else 0)
+
+    def _call_head(self, rows: int, m: int) -> tuple[int, ...]:
+        """The arguments both C entry points start with: ``m`` rows at ``rows``, the head."""
+        codes, scales, biases = self._pointers
+        hidden, vocab, group = self.hidden, self.vocab, self.group_size
+        return (rows, m, hidden, codes, scales, biases, vocab, group, self.bits)
 
     def _screen_layout(self) -> _ScreenLayout:
         if self._screen is None:
@@ -239,17 +222,8 @@ class QuantizedHeadProjection:
         rows = mx.contiguous(rows)
         mx.eval(rows)
         out = bytearray(4 * m)
-        codes, scales, biases = self._pointers
         status = self._greedy_fn(
-            _address(rows),
-            m,
-            self.hidden,
-            codes,
-            scales,
-            biases,
-            self.vocab,
-            self.group_size,
-            self.bits,
+            *self._call_head(_address(rows), m),
             *screen.pointers,
             ctypes.addressof(ctypes.c_char.from_buffer(out)),
         )
@@ -299,18 +273,8 @@ class QuantizedHeadProjection:
             view = memoryview(cast(Any, rows))
         out = bytearray(4 * m * self.vocab)
         target = ctypes.addressof(ctypes.c_char.from_buffer(out))
-        codes, scales, biases = self._pointers
         status = self._fn(
-            ctypes.addressof(ctypes.c_char.from_buffer(view)),
-            m,
-            self.hidden,
-            codes,
-            scales,
-            biases,
-            self.vocab,
-            self.group_size,
-            self.bits,
-            target,
+            *self._call_head(ctypes.addressof(ctypes.c_char.from_buffer(view)), m), target
         )
         if status != 0:
             raise MemoryError(f"the quantized head kernel could not allocate {m} rows")

@@ -136,8 +136,8 @@ static float *kernel_rows(const float *x, int B, int D, int bits) {
   return xp;
 }
 
-/* Vocabulary row j's 4 row pointers for a tile of rows j[0..rows) (the rest repeat the
-   last). */
+/* The code, scale and bias rows of a tile of vocabulary rows j[0..rows) (the TJ - rows
+   after them repeat the last). */
 static void tile_rows(const uint32_t *codes, const float *scales, const float *biases,
                       size_t row_bytes, int ng, const int *j, int rows, const uint8_t **q,
                       const float **s, const float **bi) {
@@ -162,12 +162,9 @@ int kv_qhead(const float *x, int B, int D, const uint32_t *codes, const float *s
     int j0 = t * TJ, rows = V - j0 < TJ ? V - j0 : TJ;
     const uint8_t *q[TJ];
     const float *s[TJ], *bi[TJ];
-    for (int r = 0; r < TJ; r++) {
-      int j = j0 + (r < rows ? r : rows - 1);
-      q[r] = (const uint8_t *)codes + (size_t)j * row_bytes;
-      s[r] = scales + (size_t)j * ng;
-      bi[r] = biases + (size_t)j * ng;
-    }
+    int js[TJ];
+    for (int r = 0; r < TJ; r++) js[r] = j0 + r;
+    tile_rows(codes, scales, biases, row_bytes, ng, js, rows, q, s, bi);
     int b = 0;
     float *o = out + j0;
 #define RUN8(BITS)                                                                      \
@@ -322,23 +319,29 @@ typedef struct {
   double upper;
 } screen_hit;
 
+/* kv_qhead's logits of row xr (in the tiles' input order) for the n <= TJ vocabulary rows
+   js, into o: each output by the same arithmetic as kv_qhead's. */
+static void logits_of(const float *xr, int D, int G, int bits, const uint32_t *codes,
+                      const float *scales, const float *biases, const int *js, int n, float *o) {
+  const uint8_t *q[TJ];
+  const float *s[TJ], *bi[TJ];
+  tile_rows(codes, scales, biases, (size_t)D * bits / 8, D / G, js, n, q, s, bi);
+  if (bits == 8)
+    tile_1_4_8(xr, D, G, q, s, bi, o, 1, n, 0);
+  else
+    tile_1_4_4(xr, D, G, q, s, bi, o, 1, n, 0);
+}
+
 /* Row x's argmax over all V logits (kv_qhead's), computed whole: the first NaN, else the
    first maximum. */
 static int whole_argmax(const float *xr, int D, int G, int bits, const uint32_t *codes,
                         const float *scales, const float *biases, int V) {
-  int ng = D / G, best_j = 0, js[TJ];
-  size_t row_bytes = (size_t)D * bits / 8;
+  int best_j = 0, js[TJ];
   float best = 0.0f, o[TJ];
-  const uint8_t *q[TJ];
-  const float *s[TJ], *bi[TJ];
   for (int j0 = 0; j0 < V; j0 += TJ) {
     int rows = V - j0 < TJ ? V - j0 : TJ;
     for (int r = 0; r < TJ; r++) js[r] = j0 + r;
-    tile_rows(codes, scales, biases, row_bytes, ng, js, rows, q, s, bi);
-    if (bits == 8)
-      tile_1_4_8(xr, D, G, q, s, bi, o, 1, rows, 0);
-    else
-      tile_1_4_4(xr, D, G, q, s, bi, o, 1, rows, 0);
+    logits_of(xr, D, G, bits, codes, scales, biases, js, rows, o);
     for (int r = 0; r < rows; r++) {
       if (o[r] != o[r]) return j0 + r;
       if (j0 + r == 0 || o[r] > best) best = o[r], best_j = j0 + r;
@@ -396,7 +399,7 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
 #else
   set_blocktime();
   int ng = D / G, kc = G / 4, tiles = screen_tiles(V), threads = omp_get_max_threads();
-  size_t xstride = (size_t)D / 4, row_bytes = (size_t)D * bits / 8;
+  size_t xstride = (size_t)D / 4;
   double c = 2.0 * (D / 16 + 2 * ng + 16) * 0x1p-24;
   /* The float sum of the groups' bounds is below the exact one by at most (ng + 1) u. */
   double grow = 1.0 + 2.0 * (ng + 2) * 0x1p-24;
@@ -539,8 +542,6 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
     double floor_b = -__builtin_inf();
     for (int t = 0; t < threads; t++)
       if (lows[(size_t)t * B + b] > floor_b) floor_b = lows[(size_t)t * B + b];
-    const uint8_t *q[TJ];
-    const float *s[TJ], *bi[TJ];
     for (size_t h = starts[b]; h <= starts[b + 1] && !fallback; h++) {
       int last = h == starts[b + 1];
       if (!last) {
@@ -548,11 +549,7 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
         js[nj++] = byrow[h].j;
       }
       if (nj == TJ || (last && nj)) {
-        tile_rows(codes, scales, biases, row_bytes, ng, js, nj, q, s, bi);
-        if (bits == 8)
-          tile_1_4_8(xr, D, G, q, s, bi, o, 1, nj, 0);
-        else
-          tile_1_4_4(xr, D, G, q, s, bi, o, 1, nj, 0);
+        logits_of(xr, D, G, bits, codes, scales, biases, js, nj, o);
         for (int r = 0; r < nj; r++) {
           if (!(__builtin_fabsf(o[r]) <= 3.0e38f)) fallback = 1;
           else if (best_j < 0 || o[r] > best || (o[r] == best && js[r] < best_j))
