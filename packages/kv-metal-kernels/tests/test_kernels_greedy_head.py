@@ -37,7 +37,7 @@ def head(
     """A random affine head (MLX's layout) whose last ``twins`` rows repeat earlier rows,
     one code apart or equal."""
     rng = np.random.default_rng(seed)
-    values = rng.integers(0, 1 << bits, (vocab, hidden), dtype=np.uint32)
+    values = rng.integers(0, 1 << bits, (vocab, hidden), dtype=np.uint8)
     scales = (rng.random((vocab, hidden // group)) * 0.01 + 1e-4).astype(np.float32)
     biases = (-scales * (1 << (bits - 1)) + rng.standard_normal(scales.shape) * 1e-3).astype(
         np.float32
@@ -48,10 +48,10 @@ def head(
         values[rows], scales[rows], biases[rows] = values[source], scales[source], biases[source]
         nudge = rows[rng.random(twins) < 0.5]
         values[nudge, 0] ^= 1  # the first code one step away: a near-tie
-    per_word = 32 // bits
-    words = values.reshape(vocab, hidden // per_word, per_word)
-    shifts = (np.arange(per_word, dtype=np.uint32) * bits)[None, None, :]
-    codes = np.bitwise_or.reduce(words << shifts, axis=-1).astype(np.uint32)
+    packed = values
+    if bits == 4:  # element k in bits 4k.. of a little-endian word: pairs share a byte
+        packed = (values[:, 0::2] | (values[:, 1::2] << 4)).astype(np.uint8)
+    codes = np.ascontiguousarray(packed).view(np.uint32)
     return mx.array(codes), mx.array(scales), mx.array(biases)
 
 
@@ -186,7 +186,7 @@ def test_the_heads_here_are_in_mlx_layout(group: int, bits: int) -> None:
     codes, scales, biases = head(40, 256, group, bits, seed=11, twins=5)
     dense = np.array(mx.dequantize(codes, scales, biases, group_size=group, bits=bits))
     rng = np.random.default_rng(11)
-    values = rng.integers(0, 1 << bits, (40, 256), dtype=np.uint32)
+    values = rng.integers(0, 1 << bits, (40, 256), dtype=np.uint8).astype(np.float32)
     expected = values[0] * np.repeat(np.array(scales)[0], group) + np.repeat(
         np.array(biases)[0], group
     )
