@@ -16,6 +16,13 @@ __all__ = ["QUANTIZED_HEAD_SOURCE"]
 #: Under Intel's OpenMP runtime the calling thread's team spins for at most 2 ms after a
 #: product. Returns 0, or -1 when its scratch cannot be allocated. Needs D and G multiples
 #: of 16 and G dividing D.
+#:
+#: ``kv_qhead_greedy(x, B, D, codes, scales, biases, V, G, bits, <the screen's layout>,
+#: out)``: ``out (B,)`` the argmax of each row of ``kv_qhead``'s logits (as float token ids),
+#: through an integer screen over ``kv_qhead_screen_layout``'s copy of the codes and a
+#: rigorous bound, the candidates recomputed by ``kv_qhead``'s own tile (the comment above
+#: that section in the source says how); -2 where the build has no AVX-512 VNNI
+#: (``kv_qhead_screen_supported``). Also needs G <= 256 and V < 2^24.
 QUANTIZED_HEAD_SOURCE = r"""
 #include <stdint.h>
 #include <stddef.h>
