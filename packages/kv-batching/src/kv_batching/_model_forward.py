@@ -276,7 +276,9 @@ def decode_forward(
     native kernel faster (Gemma 3 270M's 8-bit head: 18-19 against 51-54 ms for one row in
     float32). Either is used only when a probe's logits equal the model's own (to float
     rounding) with the same greedy token in every row; otherwise, and on other devices,
-    ``None``.
+    ``None``. The forward is a :class:`SplitDecodeForward`; where the quantized head's
+    projection also picks greedy tokens (``kv_protocol.GreedyHeadProjection``), its head
+    keeps that pick only when the probe's picks equal the argmax of its logits.
     """
     head = _cpu_head(model, quantized_head)
     backbone = getattr(model, "model", None)
