@@ -1064,7 +1064,7 @@ class DecodeEngine:
             chosen: dict[int, tuple[int, TokenLogprob | None]] = {}
             pending: list[Any] = []
             sampled = None
-            plain_rows = mx.array([first[i] for i in plain], dtype=mx.int32)
+            plain_rows = mx.array([first[i] for i in plain], dtype=mx.int32) if plain else None
             # Every request plainly greedy: the head picks every row's token, no logits.
             picked = (
                 out.greedy_tokens()
@@ -1075,12 +1075,12 @@ class DecodeEngine:
             if picked is not None:
                 self._stats.greedy_head_steps += 1
                 argmax = picked
-                if plain:
+                if plain_rows is not None:
                     sampled = self._sampler.picked(picked[plain_rows])
                     pending.append(sampled.arrays())
             else:
                 logits = out.logits
-                if plain:
+                if plain_rows is not None:
                     plain_batch = [batch[i] for i in plain]
                     rows_of_plain = logits[plain_rows]
                     masks = self._token_masks(plain_batch, rows_of_plain)
