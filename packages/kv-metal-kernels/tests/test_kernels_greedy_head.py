@@ -32,16 +32,28 @@ needs_screen = pytest.mark.skipif(
 
 
 def head(
-    vocab: int, hidden: int, group: int, bits: int, seed: int, twins: int
+    vocab: int,
+    hidden: int,
+    group: int,
+    bits: int,
+    seed: int,
+    twins: int,
+    zero: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """A random affine head (MLX's layout) whose last ``twins`` rows repeat earlier rows,
-    one code apart or equal."""
+    one code apart or equal; with ``zero`` a symmetric one (every bias exactly ``-zero``
+    times its scale, as a GGUF's Q8_0 / Q4_0 blocks)."""
     rng = np.random.default_rng(seed)
     values = rng.integers(0, 1 << bits, (vocab, hidden), dtype=np.uint8)
     scales = (rng.random((vocab, hidden // group)) * 0.01 + 1e-4).astype(np.float32)
-    biases = (-scales * (1 << (bits - 1)) + rng.standard_normal(scales.shape) * 1e-3).astype(
-        np.float32
-    )
+    if zero is None:
+        biases = (-scales * (1 << (bits - 1)) + rng.standard_normal(scales.shape) * 1e-3).astype(
+            np.float32
+        )
+    else:
+        # Scales of 14 significant bits: -zero * scale is exact in float32 for any zero.
+        scales = (np.round(scales * 2.0**21) / 2.0**21).astype(np.float32)
+        biases = (-np.float32(zero) * scales).astype(np.float32)
     if twins:
         source = rng.integers(0, max(vocab - twins, 1), twins)
         rows = np.arange(vocab - twins, vocab)
@@ -71,6 +83,7 @@ def argmax_of_logits(project: object, x: mx.array) -> mx.array:
     scale=st.sampled_from([1e-6, 1e-2, 1.0, 30.0, 1e4]),
     outlier=st.booleans(),
     twins=st.integers(0, 40),
+    zero=st.one_of(st.none(), st.sampled_from([0, 1, 7, 8, 100, 128, 255])),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_the_screen_picks_the_argmax_of_the_logits(
@@ -82,10 +95,13 @@ def test_the_screen_picks_the_argmax_of_the_logits(
     scale: float,
     outlier: bool,
     twins: int,
+    zero: int | None,
     seed: int,
 ) -> None:
     hidden = groups * group
-    codes, scales, biases = head(vocab, hidden, group, bits, seed, min(twins, vocab - 1))
+    if zero is not None:
+        zero %= 1 << bits
+    codes, scales, biases = head(vocab, hidden, group, bits, seed, min(twins, vocab - 1), zero)
     project = KERNEL.prepare(codes, scales, biases, group_size=group, bits=bits)
     assert project is not None and project.screens
     rng = np.random.default_rng(seed + 1)
@@ -96,6 +112,9 @@ def test_the_screen_picks_the_argmax_of_the_logits(
     got = project.greedy(x)
     assert got is not None and got.shape == (rows,) and got.dtype == mx.uint32
     assert mx.array_equal(got, argmax_of_logits(project, x))
+    # A symmetric head's screen takes the integer form of the bias term (its zero point).
+    layout = project._screen
+    assert layout is not None and layout.zero == (-1 if zero is None else zero)
 
 
 @needs_screen

@@ -71,17 +71,24 @@ class _ScreenLayout:
         tiles = -(-vocab // _SCREEN_ROWS)
         groups = hidden // group_size
         per_group = (tiles * groups * _SCREEN_ROWS,)
+        codes, scales, biases = (ctypes.c_void_p(p) for p in pointers)
+        zero_point = library.kv_qhead_zero_point
+        zero_point.restype = ctypes.c_int
+        zero_point.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        #: ``z`` where every bias is exactly ``-z`` times its group's scale (a symmetric
+        #: head, as a GGUF's ``Q8_0``: the screen keeps no biases and skips their term),
+        #: else -1.
+        self.zero = int(zero_point(scales, biases, vocab * groups, bits))
         self.arrays = [
             mx.zeros((tiles * _SCREEN_ROWS * hidden,), dtype=mx.uint8),  # codes
             mx.zeros(per_group, dtype=mx.float32),  # scales
-            mx.zeros(per_group, dtype=mx.float32),  # biases
+            mx.zeros(per_group if self.zero < 0 else (1,), dtype=mx.float32),  # biases
             mx.zeros(per_group, dtype=mx.float32),  # each group's L1 norm
             mx.zeros((tiles * _SCREEN_ROWS,), dtype=mx.float64, stream=mx.cpu),  # rows' M
         ]
         mx.eval(*self.arrays)
         fn = library.kv_qhead_screen_layout
         fn.restype = ctypes.c_int
-        codes, scales, biases = (ctypes.c_void_p(p) for p in pointers)
         fn(
             codes,
             scales,
@@ -90,6 +97,7 @@ class _ScreenLayout:
             hidden,
             group_size,
             bits,
+            self.zero,
             *(ctypes.c_void_p(_address(a)) for a in self.arrays),
         )
         self.pointers = [_address(a) for a in self.arrays]
@@ -147,8 +155,9 @@ class QuantizedHeadProjection:
         self._greedy_graph: GraphEntry | None = None
         greedy_fn = library.kv_qhead_greedy
         greedy_fn.restype = ctypes.c_int
-        # Then the screen's codes, scales, biases, group norms, row norms, and the tokens.
-        greedy_fn.argtypes = [*head, *[pointer] * 6]
+        # Then the screen's codes, scales, biases, group norms, row norms, the head's zero
+        # point, and the tokens.
+        greedy_fn.argtypes = [*head, *[pointer] * 5, ctypes.c_int, pointer]
         self._greedy_fn = greedy_fn
         supported = library.kv_qhead_screen_supported
         supported.restype = ctypes.c_int
@@ -189,7 +198,8 @@ class QuantizedHeadProjection:
         not served: no AVX-512 VNNI in this build, a group larger than 256 or a vocabulary
         of 2^24 rows or more, or a device other than the CPU. The first call lays out the
         screen's copy of the codes (a byte a weight, with float32 scales, biases and norms
-        for each group of each row: 222 MiB for Gemma 3 270M's 8-bit head). A lazy node
+        for each group of each row, no biases for a symmetric head: 202 MiB for Gemma 3
+        270M's 8-bit head). A lazy node
         where the graph calls are available, else ``rows`` are evaluated here and the
         seconds go to ``kv_protocol.EVALUATION_CLOCK``.
         """
@@ -214,7 +224,7 @@ class QuantizedHeadProjection:
                 kernel,
                 "KvGreedyRows",
                 [rows, self._weight, self._scales, self._biases, *screen.arrays],
-                [m, self.hidden, self.vocab, self.group_size, self.bits],
+                [m, self.hidden, self.vocab, self.group_size, self.bits, screen.zero],
                 shape,
             )
             return tokens.astype(mx.uint32)
@@ -225,6 +235,7 @@ class QuantizedHeadProjection:
         status = self._greedy_fn(
             *self._call_head(_address(rows), m),
             *screen.pointers,
+            screen.zero,
             ctypes.addressof(ctypes.c_char.from_buffer(out)),
         )
         if status != 0:

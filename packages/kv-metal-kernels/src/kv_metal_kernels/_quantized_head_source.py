@@ -245,13 +245,28 @@ static float float_up(double v) {
   return f;
 }
 
+/* The head's zero point: z where every group's bias is exactly -z times its scale (a
+   symmetric head, as a GGUF's Q8_0 or Q4_0 blocks), 0 <= z < 2^bits; else -1. n: the
+   number of groups (rows times groups a row). */
+int kv_qhead_zero_point(const float *scales, const float *biases, size_t n, int bits) {
+  double z = -1.0;
+  for (size_t i = 0; i < n && z < 0.0; i++)
+    if (scales[i] != 0.0f) z = __builtin_round(-(double)biases[i] / (double)scales[i]);
+  if (z < 0.0) z = 0.0; /* every scale zero: symmetric only if every bias is zero too */
+  if (z > (double)((1 << bits) - 1)) return -1;
+  /* Exact in double: z has at most 8 significant bits and the scale 24. */
+  for (size_t i = 0; i < n; i++)
+    if ((double)biases[i] != -z * (double)scales[i]) return -1;
+  return (int)z;
+}
+
 /* The screen's layout of a head: codes (tiles of SV rows: for each group, for each 4 inputs
-   of it, 64 bytes, lane l's 4 codes at 4 l; rows past V are zero), scales, biases and the
-   group norms N (float, rounded up) [tile][group][lane], and the rows' M [tile][lane]
-   (double). */
+   of it, 64 bytes, lane l's 4 codes at 4 l; rows past V are zero), scales, biases (not
+   written for a symmetric head: zero >= 0, its kv_qhead_zero_point) and the group norms N
+   (float, rounded up) [tile][group][lane], and the rows' M [tile][lane] (double). */
 int kv_qhead_screen_layout(const uint32_t *codes, const float *scales, const float *biases,
-                           int V, int D, int G, int bits, uint8_t *tcodes, float *tscales,
-                           float *tbiases, float *tnorms, double *norms) {
+                           int V, int D, int G, int bits, int zero, uint8_t *tcodes,
+                           float *tscales, float *tbiases, float *tnorms, double *norms) {
   int ng = D / G, kc = G / 4, tiles = screen_tiles(V);
   size_t row_bytes = (size_t)D * bits / 8;
 #pragma omp parallel for schedule(static)
@@ -273,7 +288,7 @@ int kv_qhead_screen_layout(const uint32_t *codes, const float *scales, const flo
           m += (double)c * __builtin_fabs((double)sc) + __builtin_fabs((double)bc);
         }
         tscales[at] = sc;
-        tbiases[at] = bc;
+        if (zero < 0) tbiases[at] = bc;
         /* Each sum's own rounding is below 2^-40 of it. */
         tnorms[at] = float_up(n * (1.0 + 0x1p-30));
       }
@@ -286,18 +301,23 @@ int kv_qhead_screen_layout(const uint32_t *codes, const float *scales, const flo
 /* NB rows' screen values of one tile: f[b] lane l = S of row l, e[b] lane l = the sum of
    the groups' rounding bounds (float, rounded below their sum by at most ng + 1 float
    roundings). KC: 4-input steps a group (0: kc, known at run time only). Each group's
-   integer products are NB independent chains of dependent VNNI instructions. */
-#define SCREEN(NB, KC)                                                                      \
-  static void screen_##NB##_##KC(const uint8_t *tc, const float *ts, const float *tb,        \
+   integer products are NB independent chains of dependent VNNI instructions. SYM: the head
+   is symmetric with zero point z (head_zero), and zq[b][g] = -z Q_g: a group's integer sum
+   starts there, so it is I_jg - z Q_g, exact (|.| < 2^24 for groups of up to 256), and
+   S_j = sum_g a_g s_jg (I_jg - z Q_g), the same value without the bias term's two float
+   operations. */
+#define SCREEN(NB, KC, SYM)                                                                 \
+  static void screen_##NB##_##KC##_##SYM(const uint8_t *tc, const float *ts, const float *tb,\
                                  const float *tn, int ng, int kc, const int32_t *xq,         \
                                  size_t xstride, const float *qs, const float *ag,           \
-                                 const float *rg, __m512 *f, __m512 *e) {                    \
+                                 const float *rg, const int32_t *zq, __m512 *f, __m512 *e) { \
     __m512 sum[NB], err[NB];                                                                 \
     int steps = KC ? KC : kc;                                                                \
     for (int bb = 0; bb < NB; bb++) sum[bb] = err[bb] = _mm512_setzero_ps();                 \
     for (int g = 0; g < ng; g++) {                                                           \
       __m512i acc[NB];                                                                       \
-      for (int bb = 0; bb < NB; bb++) acc[bb] = _mm512_setzero_si512();                      \
+      for (int bb = 0; bb < NB; bb++)                                                        \
+        acc[bb] = SYM ? _mm512_set1_epi32(zq[(size_t)bb * ng + g]) : _mm512_setzero_si512();  \
       const uint8_t *w = tc + (size_t)g * steps * 64;                                        \
       const int32_t *xg = xq + (size_t)g * steps;                                            \
       for (int k = 0; k < steps; k++) {                                                      \
@@ -309,16 +329,19 @@ int kv_qhead_screen_layout(const uint32_t *codes, const float *scales, const flo
       __m512 nv = _mm512_loadu_ps(tn + g * SV);                                              \
       for (int bb = 0; bb < NB; bb++) {                                                      \
         size_t at = (size_t)bb * ng + g;                                                     \
-        __m512 part = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(acc[bb]),                       \
-                                      _mm512_mul_ps(bv, _mm512_set1_ps(qs[at])));            \
+        __m512 part = SYM ? _mm512_mul_ps(sv, _mm512_cvtepi32_ps(acc[bb]))                   \
+                          : _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(acc[bb]),                 \
+                                            _mm512_mul_ps(bv, _mm512_set1_ps(qs[at])));      \
         sum[bb] = _mm512_fmadd_ps(part, _mm512_set1_ps(ag[at]), sum[bb]);                    \
         err[bb] = _mm512_fmadd_ps(nv, _mm512_set1_ps(rg[at]), err[bb]);                      \
       }                                                                                      \
     }                                                                                        \
     for (int bb = 0; bb < NB; bb++) f[bb] = sum[bb], e[bb] = err[bb];                        \
   }
-SCREEN(8, 8) SCREEN(4, 8) SCREEN(2, 8) SCREEN(1, 8)
-SCREEN(8, 0) SCREEN(4, 0) SCREEN(2, 0) SCREEN(1, 0)
+SCREEN(8, 8, 0) SCREEN(4, 8, 0) SCREEN(2, 8, 0) SCREEN(1, 8, 0)
+SCREEN(8, 0, 0) SCREEN(4, 0, 0) SCREEN(2, 0, 0) SCREEN(1, 0, 0)
+SCREEN(8, 8, 1) SCREEN(4, 8, 1) SCREEN(2, 8, 1) SCREEN(1, 8, 1)
+SCREEN(8, 0, 1) SCREEN(4, 0, 1) SCREEN(2, 0, 1) SCREEN(1, 0, 1)
 #endif
 
 typedef struct {
@@ -397,11 +420,11 @@ static float screen_row(const float *x, int D, int G, int8_t *xq, float *qs, flo
 int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const float *scales,
                     const float *biases, int V, int G, int bits, const uint8_t *tcodes,
                     const float *tscales, const float *tbiases, const float *tnorms,
-                    const double *norms, float *out) {
+                    const double *norms, int zero, float *out) {
 #if !KV_SCREEN
   (void)x, (void)B, (void)D, (void)codes, (void)scales, (void)biases, (void)V, (void)G;
   (void)bits, (void)tcodes, (void)tscales, (void)tbiases, (void)tnorms, (void)norms;
-  (void)out;
+  (void)zero, (void)out;
   return -2;
 #else
   set_blocktime();
@@ -413,6 +436,7 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
   int32_t *xq = (int32_t *)malloc((size_t)B * D + 64);
   float *qs = malloc(sizeof(float) * (size_t)B * ng), *ag = malloc(sizeof(float) * (size_t)B * ng);
   float *rg = malloc(sizeof(float) * (size_t)B * ng);
+  int32_t *zq = malloc(sizeof(int32_t) * (size_t)B * ng);
   double *ex = malloc(sizeof(double) * B);
   double *lows = malloc(sizeof(double) * (size_t)threads * B);
   int *whole = malloc(sizeof(int) * B), *counts = calloc(threads, sizeof(int));
@@ -421,7 +445,7 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
   size_t *starts = NULL;
   screen_hit *byrow = NULL;
   int status = 0;
-  if (!xq || !qs || !ag || !rg || !ex || !lows || !whole || !counts || !hits || !xp) {
+  if (!xq || !qs || !ag || !rg || !zq || !ex || !lows || !whole || !counts || !hits || !xp) {
     status = -1;
     goto done;
   }
@@ -435,6 +459,7 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
       for (int g = 0; g < ng; g++) qs[at + g] = ag[at + g] = rg[at + g] = 0.0f;
     }
     ex[b] = whole[b] ? 0.0 : (double)m * c;
+    for (int g = 0; g < ng; g++) zq[at + g] = zero > 0 ? -zero * (int32_t)qs[at + g] : 0;
   }
   /* Every thread's slots start empty: a team may have fewer threads than the maximum. */
   for (size_t i = 0; i < (size_t)threads * B; i++) lows[i] = -__builtin_inf();
@@ -459,19 +484,26 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
         int nb = B - b0 >= 8 ? 8 : B - b0 >= 4 ? 4 : B - b0 >= 2 ? 2 : 1;
         const int32_t *xb = xq + (size_t)b0 * xstride;
         size_t at = (size_t)b0 * ng;
-#define SCREEN_CALL(KC)                                                                     \
+#define SCREEN_ARGS tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, zq + at, f, e
+#define SCREEN_CALL(KC, SYM)                                                                \
   if (nb == 8)                                                                              \
-    screen_8_##KC(tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, f, e);     \
+    screen_8_##KC##_##SYM(SCREEN_ARGS);                                                     \
   else if (nb == 4)                                                                         \
-    screen_4_##KC(tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, f, e);     \
+    screen_4_##KC##_##SYM(SCREEN_ARGS);                                                     \
   else if (nb == 2)                                                                         \
-    screen_2_##KC(tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, f, e);     \
+    screen_2_##KC##_##SYM(SCREEN_ARGS);                                                     \
   else                                                                                      \
-    screen_1_##KC(tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, f, e);
-        if (kc == 8) {
-          SCREEN_CALL(8)
+    screen_1_##KC##_##SYM(SCREEN_ARGS);
+        if (zero >= 0) {
+          if (kc == 8) {
+            SCREEN_CALL(8, 1)
+          } else {
+            SCREEN_CALL(0, 1)
+          }
+        } else if (kc == 8) {
+          SCREEN_CALL(8, 0)
         } else {
-          SCREEN_CALL(0)
+          SCREEN_CALL(0, 0)
         }
         for (int bb = 0; bb < nb; bb++) {
           int b = b0 + bb;
@@ -571,19 +603,19 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
 done:
   for (int t = 0; hits && t < threads; t++) free(hits[t]);
   free(starts), free(byrow), free(hits), free(counts), free(whole), free(lows);
-  free(ex), free(rg), free(ag), free(qs), free(xq), free(xp);
+  free(ex), free(zq), free(rg), free(ag), free(qs), free(xq), free(xp);
   return status;
 #endif
 }
 
 /* The graph calls' form: inputs x, codes, scales, biases, the screen's codes, scales,
-   biases, group norms and row norms; params B, D, V, G, bits. */
+   biases, group norms and row norms; params B, D, V, G, bits, the head's zero point. */
 int kv_qhead_greedy_call(const void *const *in, const double *p, void *out) {
   return kv_qhead_greedy((const float *)in[0], (int)p[0], (int)p[1], (const uint32_t *)in[1],
                          (const float *)in[2], (const float *)in[3], (int)p[2], (int)p[3],
                          (int)p[4], (const uint8_t *)in[4], (const float *)in[5],
                          (const float *)in[6], (const float *)in[7], (const double *)in[8],
-                         (float *)out);
+                         (int)p[5], (float *)out);
 }
 
 /* The graph calls' form (kv_metal_kernels._graph_call): inputs x, codes, scales, biases;
