@@ -166,3 +166,58 @@ def test_the_native_products_count_their_seconds_on_the_evaluation_clock() -> No
         scale=0.125,
     )
     assert EVALUATION_CLOCK.take() > 0.0
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(
+    vocab=st.integers(1, 60),
+    bits=st.sampled_from([4, 8]),
+    rows=st.integers(1, 9),
+    cut=st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+    evaluating=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_a_rows_view_projects_its_columns_of_the_whole_head(
+    vocab: int,
+    bits: int,
+    rows: int,
+    cut: tuple[float, float],
+    evaluating: bool,
+    seed: int,
+) -> None:
+    codes, scales, biases = quantized(vocab, 64, 32, bits, seed)
+    whole = KERNEL.prepare(codes, scales, biases, group_size=32, bits=bits)
+    assert whole is not None
+    start = min(int(cut[0] * vocab), vocab - 1)
+    stop = start + 1 + int(cut[1] * (vocab - start - 1))
+    view = whole.rows(start, stop)
+    if evaluating:  # the ctypes path (KV_CPU_GRAPH=off) reads the same offsets
+        view._graph = ()  # type: ignore[assignment]
+    x = mx.random.normal((rows, 64), key=mx.random.key(seed + 1))
+    got = view(x)
+    assert got.shape == (rows, stop - start)
+    # The same bits as the whole head's columns and as a head of those rows alone.
+    assert mx.array_equal(got, whole(x)[:, start:stop])
+    alone = KERNEL.prepare(
+        codes[start:stop], scales[start:stop], biases[start:stop], group_size=32, bits=bits
+    )
+    assert alone is not None and mx.array_equal(got, alone(x))
+    # Nothing copied: the view counts its rows' share of the buffers it reads.
+    assert view.nbytes * vocab == whole.nbytes * (stop - start)
+    # A view of a view, and its greedy pick (the screen laid out from the view's rows).
+    inner = view.rows(0, stop - start)
+    assert mx.array_equal(inner(x), got)
+    picked = view.greedy(x)
+    if picked is not None:
+        assert mx.array_equal(picked, mx.argmax(got, axis=-1).astype(mx.uint32))
+
+
+@needs_kernel
+def test_a_rows_view_outside_the_head_is_refused() -> None:
+    codes, scales, biases = quantized(10, 64, 32, 8, seed=3)
+    whole = KERNEL.prepare(codes, scales, biases, group_size=32, bits=8)
+    assert whole is not None
+    for start, stop in ((-1, 3), (4, 4), (5, 11), (7, 2)):
+        with pytest.raises(ValueError, match=r"rows must be a non-empty range within 0 \.\. 10"):
+            whole.rows(start, stop)

@@ -23,7 +23,12 @@ from kv_metal_kernels import CpuQuantizedHead
 from kv_protocol import UnsupportedModelError
 from kv_serve import load_model
 from kv_serve._gguf import KERNEL_CODES_FILE
-from kv_serve._kernel_linears import KERNEL_MAX_ROWS, KernelLinear, attach_kernel_codes
+from kv_serve._kernel_linears import (
+    KERNEL_MAX_ROWS,
+    KernelLinear,
+    SiblingRows,
+    attach_kernel_codes,
+)
 from kv_testing import mlx_lm_greedy, save_tiny_model_dir
 
 needs_kernel = pytest.mark.skipif(
@@ -166,3 +171,101 @@ def test_dual_is_refused_where_keep_is(tmp_path: Path) -> None:
     model_dir = save_tiny_model_dir(tmp_path / "tiny")
     with pytest.raises(UnsupportedModelError, match="'dual' is for GGUF files"):
         load_model(model_dir, gguf_weights="dual")
+
+
+class _Product:
+    """A projection ``x @ W.T`` that counts the calls it computed."""
+
+    def __init__(self, weight: mx.array) -> None:
+        self.weight = weight
+        self.calls = 0
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self.calls += 1
+        return x @ self.weight.T
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    widths=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+    calls=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2)), max_size=30),
+    seed=st.integers(0, 2**16),
+)
+def test_siblings_take_their_columns_of_one_product_and_nothing_else(
+    widths: list[int], calls: list[tuple[int, int]], seed: int
+) -> None:
+    weight = mx.random.normal((sum(widths), 8), key=mx.random.key(seed))
+    bounds: list[tuple[int, int]] = []
+    for width in widths:
+        start = bounds[-1][1] if bounds else 0
+        bounds.append((start, start + width))
+    fused = _Product(weight)
+    parts = [_Product(weight[a:b]) for a, b in bounds]
+    rows = SiblingRows(fused, parts, bounds)
+    inputs = [mx.random.normal((3, 8), key=mx.random.key(seed + 1 + i)) for i in range(3)]
+    # Any order of calls on any inputs: each is its own rows' product.
+    for sibling, which in calls:
+        sibling %= len(widths)
+        x = inputs[which]
+        a, b = bounds[sibling]
+        assert mx.allclose(rows.project(sibling, x), x @ weight[a:b].T, atol=1e-5)
+    # A forward that calls every sibling in order on one input computes one product while
+    # they are together; once apart, each its own.
+    before = fused.calls, sum(p.calls for p in parts)
+    x = mx.random.normal((3, 8), key=mx.random.key(seed + 9))
+    for sibling in range(len(widths)):
+        rows.project(sibling, x)
+    after = fused.calls, sum(p.calls for p in parts)
+    if rows.together:
+        assert (after[0] - before[0], after[1] - before[1]) == (1, 0)
+    else:
+        assert (after[0] - before[0], after[1] - before[1]) == (0, len(widths))
+
+
+def test_siblings_a_forward_skips_part_ways_for_good() -> None:
+    weight = mx.random.normal((6, 4), key=mx.random.key(1))
+    fused = _Product(weight)
+    parts = [_Product(weight[:2]), _Product(weight[2:])]
+    rows = SiblingRows(fused, parts, [(0, 2), (2, 6)])
+    x, y = mx.ones((1, 4)), mx.zeros((1, 4))
+    rows.project(0, x)
+    rows.project(0, x)  # the same input again: the same product
+    assert (fused.calls, rows.together) == (1, True)
+    rows.project(0, y)  # sibling 1 never took x's product: a forward that skips it
+    assert not rows.together and (fused.calls, parts[0].calls) == (1, 1)
+    rows.project(1, y)
+    assert (fused.calls, parts[1].calls) == (1, 1)
+    with pytest.raises(ValueError, match="at least two"):
+        SiblingRows(fused, parts[:1], [(0, 2)])
+
+
+@needs_kernel
+def test_dual_gemma_siblings_share_one_product_of_their_own_bits(
+    dual_gemma: tuple[Any, Path],
+) -> None:
+    model, directory = dual_gemma
+    arrays = cast(dict[str, mx.array], mx.load(str(directory / KERNEL_CODES_FILE)))
+    layer = model.model.layers[4]
+    modules = {
+        "self_attn": ("q_proj", "k_proj", "v_proj"),
+        "mlp": ("gate_proj", "up_proj"),
+    }
+    for parent, names in modules.items():
+        x = mx.random.normal((5, 640), key=mx.random.key(len(names)))
+        for name in names:
+            mine = getattr(getattr(layer, parent), name)
+            prefix = f"model.layers.4.{parent}.{name}"
+            form = json.loads((directory / "kv-serve.json").read_text())["kernel_codes"][prefix]
+            alone = CpuQuantizedHead().prepare(
+                arrays[f"{prefix}.codes"],
+                arrays[f"{prefix}.scales"],
+                arrays[f"{prefix}.biases"],
+                group_size=form["group_size"],
+                bits=form["bits"],
+            )
+            assert alone is not None
+            # The sibling's columns of the stacked product: the same bits as its own codes.
+            assert mx.array_equal(mine(x), alone(x))
+            assert mine.codes_nbytes == alone.nbytes
+        first = getattr(getattr(layer, parent), names[0])
+        assert first._projection._rows.together

@@ -63,7 +63,14 @@ mx::array *array_of(void *object, void *type) {
 
 void copy_strided(const char *src, char *&dst, const mx::Shape &shape, const mx::Strides &strides,
                   size_t item, int axis) {
-  if (axis == static_cast<int>(shape.size())) {
+  int last = static_cast<int>(shape.size()) - 1;
+  if (axis == last && strides[axis] == 1) {  // a contiguous run (a column slice's row)
+    size_t run = static_cast<size_t>(shape[axis]) * item;
+    std::memcpy(dst, src, run);
+    dst += run;
+    return;
+  }
+  if (axis > last) {
     std::memcpy(dst, src, item);
     dst += item;
     return;

@@ -26,6 +26,7 @@ one row about even (reading the codes bounds both).
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import time
 from typing import Any, cast
@@ -151,6 +152,7 @@ class QuantizedHeadProjection:
         self._biases = mx.contiguous(biases.astype(mx.float32))
         mx.eval(self._weight, self._scales, self._biases)
         self._pointers = [_address(a) for a in (self._weight, self._scales, self._biases)]
+        self._row0 = 0  # the first of the arrays' rows this projection reads (rows())
         self._screen: _ScreenLayout | None = None
         self._greedy_graph: GraphEntry | None = None
         greedy_fn = library.kv_qhead_greedy
@@ -168,9 +170,33 @@ class QuantizedHeadProjection:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the codes, scales and biases it holds (and the screen's, once made)."""
-        own = sum(a.nbytes for a in (self._weight, self._scales, self._biases))
+        """The bytes of the codes, scales and biases of its rows (and the screen's, once made).
+
+        A :meth:`rows` view counts its own rows' share of the buffers it reads.
+        """
+        arrays = (self._weight, self._scales, self._biases)
+        own = sum(a.nbytes * self.vocab // int(a.shape[0]) for a in arrays)
         return own + (self._screen.nbytes if self._screen is not None else 0)
+
+    def rows(self, start: int, stop: int) -> QuantizedHeadProjection:
+        """The projection onto this head's rows ``start .. stop - 1``, reading the same buffers.
+
+        Its outputs are those columns of this projection's, bit for bit (each output is
+        computed from its own row and the input alone); nothing is copied.
+        """
+        if not 0 <= start < stop <= self.vocab:
+            raise ValueError(
+                f"rows must be a non-empty range within 0 .. {self.vocab}, got {start} .. {stop}"
+            )
+        view = copy.copy(self)
+        view.vocab = stop - start
+        view._row0 = self._row0 + start
+        groups = self.hidden // self.group_size
+        row_bytes = (self.hidden * self.bits // 8, 4 * groups, 4 * groups)
+        view._pointers = [p + start * n for p, n in zip(self._pointers, row_bytes, strict=True)]
+        view._screen = None
+        view.screens = self.screens and view.vocab < _SCREEN_MAX_VOCAB
+        return view
 
     def _call_head(self, rows: int, m: int) -> tuple[int, ...]:
         """The arguments both C entry points start with: ``m`` rows at ``rows``, the head."""
@@ -224,7 +250,7 @@ class QuantizedHeadProjection:
                 kernel,
                 "KvGreedyRows",
                 [rows, self._weight, self._scales, self._biases, *screen.arrays],
-                [m, self.hidden, self.vocab, self.group_size, self.bits, screen.zero],
+                [m, self.hidden, self.vocab, self.group_size, self.bits, self._row0, screen.zero],
                 shape,
             )
             return tokens.astype(mx.uint32)
@@ -272,7 +298,7 @@ class QuantizedHeadProjection:
                 kernel,
                 "KvQuantizedRows",
                 [rows, self._weight, self._scales, self._biases],
-                [m, self.hidden, self.vocab, self.group_size, self.bits],
+                [m, self.hidden, self.vocab, self.group_size, self.bits, self._row0],
                 shape,
             )
         tic = time.perf_counter()

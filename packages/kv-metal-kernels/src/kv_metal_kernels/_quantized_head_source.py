@@ -608,21 +608,35 @@ done:
 #endif
 }
 
+/* The head's rows from row0 on: its codes, scales and biases. */
+static void head_rows(const void *const *in, const double *p, const uint32_t **codes,
+                      const float **scales, const float **biases) {
+  size_t row0 = (size_t)p[5], ng = (size_t)p[1] / (size_t)p[3];
+  *codes = (const uint32_t *)((const uint8_t *)in[1] + row0 * (size_t)p[1] * (size_t)p[4] / 8);
+  *scales = (const float *)in[2] + row0 * ng;
+  *biases = (const float *)in[3] + row0 * ng;
+}
+
 /* The graph calls' form: inputs x, codes, scales, biases, the screen's codes, scales,
-   biases, group norms and row norms; params B, D, V, G, bits, the head's zero point. */
+   biases, group norms and row norms; params B, D, V, G, bits, the first row of the head's
+   arrays (V rows from there), the head's zero point. */
 int kv_qhead_greedy_call(const void *const *in, const double *p, void *out) {
-  return kv_qhead_greedy((const float *)in[0], (int)p[0], (int)p[1], (const uint32_t *)in[1],
-                         (const float *)in[2], (const float *)in[3], (int)p[2], (int)p[3],
-                         (int)p[4], (const uint8_t *)in[4], (const float *)in[5],
-                         (const float *)in[6], (const float *)in[7], (const double *)in[8],
-                         (int)p[5], (float *)out);
+  const uint32_t *codes;
+  const float *scales, *biases;
+  head_rows(in, p, &codes, &scales, &biases);
+  return kv_qhead_greedy((const float *)in[0], (int)p[0], (int)p[1], codes, scales, biases,
+                         (int)p[2], (int)p[3], (int)p[4], (const uint8_t *)in[4],
+                         (const float *)in[5], (const float *)in[6], (const float *)in[7],
+                         (const double *)in[8], (int)p[6], (float *)out);
 }
 
 /* The graph calls' form (kv_metal_kernels._graph_call): inputs x, codes, scales, biases;
-   params B, D, V, G, bits. */
+   params B, D, V, G, bits, the first row of the head's arrays (V rows from there). */
 int kv_qhead_call(const void *const *in, const double *p, void *out) {
-  return kv_qhead((const float *)in[0], (int)p[0], (int)p[1], (const uint32_t *)in[1],
-                  (const float *)in[2], (const float *)in[3], (int)p[2], (int)p[3], (int)p[4],
-                  (float *)out);
+  const uint32_t *codes;
+  const float *scales, *biases;
+  head_rows(in, p, &codes, &scales, &biases);
+  return kv_qhead((const float *)in[0], (int)p[0], (int)p[1], codes, scales, biases, (int)p[2],
+                  (int)p[3], (int)p[4], (float *)out);
 }
 """

@@ -8,12 +8,19 @@ bound by arithmetic instead, where MKL's float32 product is faster than the kern
 :class:`KernelLinear` keeps both: the layer's float32 weight for more than ``max_rows``
 rows and the codes (the same values) for up to ``max_rows``. Each kernel product is an
 evaluation point of MLX's lazy graph (its input is evaluated first).
+
+Sibling layers that read the same input in one forward (attention's ``q_proj``, ``k_proj``
+and ``v_proj``; a gated MLP's ``gate_proj`` and ``up_proj``) share one kernel product over
+their codes stacked (:class:`SiblingRows`): one call instead of three or two, whose outputs
+are the separate products' bits (the kernel computes each output from its own row and the
+input alone). Gemma 3 270M, 2-core x86_64, a layer's q/k/v at 1 / 4 / 16 rows 77 / 112 /
+352 us against 120 / 161 / 413 separately, gate/up 118 / 292 / 1018 against 134 / 305 / 1091.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,7 +32,20 @@ from kv_protocol import QuantizedHeadKernel
 
 from ._gguf import KERNEL_CODES_FILE
 
-__all__ = ["KERNEL_MAX_ROWS", "KernelLinear", "attach_kernel_codes"]
+__all__ = [
+    "KERNEL_MAX_ROWS",
+    "SIBLING_LAYERS",
+    "KernelLinear",
+    "SiblingRows",
+    "attach_kernel_codes",
+]
+
+#: Names of sibling linear layers under one module that mlx-lm's forwards call in this order
+#: on the same input: their kernel products are computed together (:class:`SiblingRows`).
+SIBLING_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+)
 
 #: The most rows a :class:`KernelLinear` sends to the kernel by default. Gemma 3 270M's
 #: decode step on a 2-core x86_64 with MKL, engines with each limit in one process, steps
@@ -81,6 +101,99 @@ class KernelLinear(nn.Linear):
         return super().__call__(x)
 
 
+class SiblingRows:
+    """One kernel product for sibling layers that read the same input: their rows stacked.
+
+    ``fused`` projects the siblings' codes stacked in order (``bounds[i]``: sibling ``i``'s
+    output columns of it), ``parts[i]`` sibling ``i``'s codes alone (views of the same
+    buffers). :meth:`project` for sibling 0 computes the stacked product and keeps it with
+    its input (called again on that input, it takes it again); the next siblings called
+    on that same input object take their columns of it, in order. A sibling called on
+    another input, or out of order, computes its own rows alone, and when the
+    stacked product was not used up by every sibling before sibling 0 came again (a
+    forward that skips a sibling, as layers sharing another layer's K/V), the siblings
+    project apart from then on: nothing is computed twice, nothing for nothing twice.
+    Like MLX's own graph, it trusts that an array is not written in place while held.
+    """
+
+    def __init__(
+        self,
+        fused: Callable[[mx.array], mx.array],
+        parts: Sequence[Callable[[mx.array], mx.array]],
+        bounds: Sequence[tuple[int, int]],
+    ) -> None:
+        if len(parts) != len(bounds) or len(parts) < 2:
+            raise ValueError("siblings need a part and bounds each, at least two of them")
+        self._fused = fused
+        self._parts = list(parts)
+        self._bounds = list(bounds)
+        self._together = True
+        # The stacked product's input and value, and the next sibling expected to use it.
+        self._held: tuple[mx.array, mx.array, int] | None = None
+
+    @property
+    def together(self) -> bool:
+        """Whether the siblings still share one product (else each projects its own rows)."""
+        return self._together
+
+    def nbytes(self, index: int) -> int:
+        """The bytes of sibling ``index``'s codes."""
+        return int(getattr(self._parts[index], "nbytes", 0))
+
+    def project(self, index: int, x: mx.array) -> mx.array:
+        """Sibling ``index``'s product of ``x`` (``(..., in) -> (..., out_index)``)."""
+        held = self._held
+        if index == 0 and self._together:
+            if held is not None and held[0] is x:  # the same input again: the same product
+                self._held = (x, held[1], 1)
+                return self._column(held[1], 0)
+            if held is not None:  # the last stacked product was not used up
+                self._together = False
+                self._held = None
+                return self._parts[0](x)
+            out = self._fused(x)
+            self._held = (x, out, 1)
+            return self._column(out, 0)
+        if held is not None and held[0] is x and held[2] == index:
+            self._held = None if index + 1 == len(self._parts) else (x, held[1], index + 1)
+            return self._column(held[1], index)
+        return self._parts[index](x)
+
+    def _column(self, out: mx.array, index: int) -> mx.array:
+        start, stop = self._bounds[index]
+        return out[..., start:stop]
+
+
+class _Sibling:
+    """Sibling ``index`` of a :class:`SiblingRows` as a ``KernelLinear`` projection."""
+
+    def __init__(self, rows: SiblingRows, index: int) -> None:
+        self._rows = rows
+        self._index = index
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of this sibling's codes."""
+        return self._rows.nbytes(self._index)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._rows.project(self._index, x)
+
+
+def _sibling_sets(names: Sequence[str]) -> list[list[str]]:
+    """The groups of ``names`` that are one module's :data:`SIBLING_LAYERS`, all present."""
+    present = set(names)
+    found: list[list[str]] = []
+    parents = sorted({name.rpartition(".")[0] for name in names})
+    for parent in parents:
+        prefix = f"{parent}." if parent else ""
+        for children in SIBLING_LAYERS:
+            full = [prefix + child for child in children]
+            if all(name in present for name in full):
+                found.append(full)
+    return found
+
+
 def attach_kernel_codes(
     model: nn.Module,
     directory: Path,
@@ -100,7 +213,7 @@ def attach_kernel_codes(
     described = json.loads((directory / "kv-serve.json").read_text()).get("kernel_codes", {})
     arrays = cast(dict[str, mx.array], mx.load(str(path)))
     modules = dict(model.named_modules())
-    replaced: list[tuple[str, Any]] = []
+    usable: dict[str, tuple[int, int]] = {}  # name -> (bits, group size)
     for name, form in sorted(described.items()):
         layer = modules.get(name)
         if type(layer) is not nn.Linear or layer.weight.dtype != mx.float32:
@@ -112,17 +225,59 @@ def attach_kernel_codes(
             or codes.shape[1] * 32 // bits != (layer.weight.shape[1])
         ):
             continue
-        projection = kernel.prepare(
-            codes,
-            arrays[f"{name}.scales"],
-            arrays[f"{name}.biases"],
-            group_size=group,
-            bits=bits,
-        )
-        if projection is None:
-            continue
+        usable[name] = (bits, group)
+    projections: dict[str, Callable[[mx.array], mx.array]] = {}
+    for names in _sibling_sets(list(usable)):
+        forms = {usable[name] for name in names}
+        widths = {int(modules[name].weight.shape[1]) for name in names}
+        if len(forms) == 1 and len(widths) == 1:
+            projections.update(_siblings(names, arrays, kernel, *forms.pop()))
+    for name, (bits, group) in usable.items():
+        if name not in projections:
+            single = kernel.prepare(
+                arrays[f"{name}.codes"],
+                arrays[f"{name}.scales"],
+                arrays[f"{name}.biases"],
+                group_size=group,
+                bits=bits,
+            )
+            if single is not None:
+                projections[name] = single
+    replaced: list[tuple[str, Any]] = []
+    for name, projection in sorted(projections.items()):
+        layer = modules[name]
         bias = layer.get("bias")
         replaced.append((name, KernelLinear(layer.weight, bias, projection, max_rows=max_rows)))
     if replaced:
         model.update_modules(tree_unflatten(replaced))
     return len(replaced)
+
+
+def _siblings(
+    names: Sequence[str],
+    arrays: dict[str, mx.array],
+    kernel: QuantizedHeadKernel,
+    bits: int,
+    group: int,
+) -> dict[str, Callable[[mx.array], mx.array]]:
+    """The projections of sibling layers ``names`` sharing one :class:`SiblingRows` (or none).
+
+    The stacked codes are one buffer; each sibling's own projection is a view of its rows
+    (``QuantizedHeadProjection.rows``; another kernel's projections are not stacked).
+    """
+    stacked = [
+        mx.concatenate([arrays[f"{name}.{part}"] for name in names])
+        for part in ("codes", "scales", "biases")
+    ]
+    fused = kernel.prepare(*stacked, group_size=group, bits=bits)
+    view: Any = getattr(fused, "rows", None)
+    if fused is None or not callable(view):
+        return {}
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for name in names:
+        stop = start + int(arrays[f"{name}.codes"].shape[0])
+        bounds.append((start, stop))
+        start = stop
+    rows = SiblingRows(fused, [view(*b) for b in bounds], bounds)
+    return {name: _Sibling(rows, index) for index, name in enumerate(names)}
