@@ -22,6 +22,12 @@ kernels' evaluation counts as device time. What nothing covers (norms, RoPE, the
 writes, sampling bookkeeping) is the step minus their sum. ``--lengths`` sets the prompts
 (the real prompts' lengths give a ragged batch, whose attention costs more).
 
+A second table times the same step from inside: the native kernels' calls as they run in the
+engine's decode steps (the graph calls' timing, ``GraphCalls.set_timing``: a clock read either
+side of each kernel call, summed by node), the host's part, and what remains of the device
+time (MLX's own operations, its scheduling of the step's few hundred nodes, the kernels'
+input copies).
+
 With ``--weights-bits 8`` / ``4`` the model's weights are quantized at load (MLX's affine
 quantization, ``kv_serve.load_model(weights_bits=)``), with ``--gguf-kept`` the GGUF's own
 blocks stay quantized (``load_model(gguf_weights="keep")``), and only the engine's step is
@@ -87,7 +93,7 @@ def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
 
     from kv_batching._fast_mlp import fast_mlps, patch_model_mlps, unpatch_model_mlps
     from kv_batching._model_forward import project_rows
-    from kv_metal_kernels import CpuQuantizedHead
+    from kv_metal_kernels import CpuQuantizedHead, select_kernels
 
     layers = model.model.layers
     embedding = model.model.embed_tokens
@@ -113,8 +119,11 @@ def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
     def mlps() -> list[Any]:
         return [layer.mlp(mlp_in) for layer in layers]
 
+    # The engine's activation: the kernel set's native one where it builds (else compiled).
+    activation = select_kernels().gated_activation
+
     def fast() -> list[Any]:
-        with fast_mlps():
+        with fast_mlps(kernel=activation):
             return [layer.mlp(mlp_in) for layer in layers]
 
     del inner
@@ -191,6 +200,77 @@ def engine_step(
         used = {GREEDY_HEAD} if stats.greedy_head_steps == steps else {KERNEL_HEAD, head, ARGMAX}
         used.add(FAST_MLPS if engine._runner.fast_mlps else MLX_LM_MLPS)
         return stats.decode_seconds / steps, stats.decode_device_seconds / steps, used
+
+
+#: What each native kernel's graph node computes in a decode step.
+KERNEL_PARTS = {
+    "KvQuantizedRows": "linear layers' products (native kernel over the GGUF's codes)",
+    "KvGreedyRows": "vocabulary head's greedy pick (integer screen)",
+    "KvPagedAttention": "attention over the pages",
+    "KvRmsNorm": "RMS norms",
+    "KvNormRope": "q/k norms with RoPE",
+    "KvGatedActivation": "MLP activations",
+    "KvScatterRows": "K/V rows written to the pool",
+}
+
+
+def kernel_times(
+    model: Any, batch: int, seed: int, *, lengths: Sequence[int] = (PROMPT,)
+) -> tuple[float, float, dict[str, tuple[float, float]]]:
+    """The engine's decode steps timed from inside.
+
+    Seconds a step, its device part, and each native kernel's (seconds, calls) a step,
+    over the steps after every prompt's prefill (the graph calls' timing; empty where
+    they are not available).
+    """
+    from kv_metal_kernels._graph_call import graph_calls
+    from kv_serve import build_engine
+
+    calls = graph_calls()
+    rng = random.Random(seed)
+    sizes = [lengths[i % len(lengths)] for i in range(batch)]
+    prompts = [[rng.randrange(1000, 200000) for _ in range(n)] for n in sizes]
+    with build_engine(
+        model, max_running=batch, max_context=max(sizes) + DECODE, prefix_caching=False
+    ) as engine:
+        ids = [engine.submit(prompt, DECODE) for prompt in prompts]
+        while not all(engine.output(i).tokens for i in ids):
+            engine.step()
+        stats = engine.stats
+        before = stats.decode_steps, stats.decode_seconds, stats.decode_device_seconds
+        calls.take_timing()
+        calls.set_timing(True)
+        try:
+            engine.run()
+        finally:
+            calls.set_timing(False)
+        timed = calls.take_timing()
+        steps = max(stats.decode_steps - before[0], 1)
+        step = (stats.decode_seconds - before[1]) / steps
+        device = (stats.decode_device_seconds - before[2]) / steps
+    return step, device, {name: (t / steps, n / steps) for name, (t, n) in timed.items()}
+
+
+def _print_kernel_times(
+    step: float, device: float, kernels: dict[str, tuple[float, float]]
+) -> None:
+    print("\nInside the engine's step (the native kernels timed where they run):\n")
+    print("| part | ms | calls a step | share of the step |")
+    print("|---|---|---|---|")
+    print(
+        f"| host (not waiting for MLX) | {1000 * (step - device):.1f} | | "
+        f"{100 * (step - device) / step:.0f}% |"
+    )
+    inside = 0.0
+    for name, (seconds, count) in sorted(kernels.items(), key=lambda item: -item[1][0]):
+        inside += seconds
+        label = KERNEL_PARTS.get(name, name)
+        print(f"| {label} | {1000 * seconds:.1f} | {count:.0f} | {100 * seconds / step:.0f}% |")
+    rest = device - inside
+    print(
+        f"| the rest of the device time (MLX's own operations and scheduling, the kernels' "
+        f"input copies) | {1000 * rest:.1f} | | {100 * rest / step:.0f}% |"
+    )
 
 
 def _query_only(q: Any, k_pool: Any, v_pool: Any, *args: Any, **kwargs: Any) -> Any:
@@ -321,6 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"| the rest of the device time (norms, RoPE, pool writes, parts measured "
                 f"alone faster than in the step) | {1000 * rest:.1f} | {100 * rest / step:.0f}% |"
             )
+            timed_step, timed_device, kernels = kernel_times(
+                model, batch, args.seed, lengths=args.lengths
+            )
+            if kernels:
+                _print_kernel_times(timed_step, timed_device, kernels)
     report.write(args.markdown, prog="tools.profile_decode", argv=argv)
     return 0
 

@@ -249,3 +249,26 @@ def test_a_slot_out_of_range_raises_when_evaluated() -> None:
     assert WRITER(buffer, mx.array([4], dtype=mx.int32), mx.ones((1, 1, 4)))
     with pytest.raises(RuntimeError, match="KvScatterRows: the native kernel failed"):
         mx.eval(buffer)
+
+
+@needs_calls
+def test_timing_sums_each_node_names_kernel_calls_while_on() -> None:
+    codes, scales, biases = mx.quantize(mx.ones((16, 64)), group_size=32, bits=8)
+    project = HEAD.prepare(codes, scales, biases, group_size=32, bits=8)
+    assert project is not None
+    CALLS.take_timing()
+    mx.eval(project(mx.ones((2, 64))))  # off: not counted
+    assert CALLS.take_timing() == {}
+    CALLS.set_timing(True)
+    try:
+        mx.eval(project(mx.ones((2, 64))), project(mx.ones((3, 64)) * 2.0))
+        mx.eval(project(mx.ones((1, 64))))
+    finally:
+        CALLS.set_timing(False)
+    timed = CALLS.take_timing()
+    assert set(timed) == {"KvQuantizedRows"}
+    seconds, calls = timed["KvQuantizedRows"]
+    assert calls == 3 and 0.0 < seconds < 10.0
+    assert CALLS.take_timing() == {}  # taken: cleared
+    mx.eval(project(mx.ones((2, 64))))
+    assert CALLS.take_timing() == {}  # off again

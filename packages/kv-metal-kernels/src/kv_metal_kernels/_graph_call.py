@@ -103,6 +103,37 @@ class GraphCalls:
         """Whether :meth:`call` builds graph nodes here."""
         return self._call is not None
 
+    def set_timing(self, on: bool) -> None:
+        """Time every node's kernel call from now (``on``) or stop (a profiling aid).
+
+        The times are the kernel calls alone (a clock read either side), summed by node
+        name until :meth:`take_timing`; off, a node pays one flag read. Nothing happens
+        where the graph calls are not available.
+        """
+        handle = self._library.handle
+        if self._call is not None and handle is not None:
+            handle.kv_graph_timing(ctypes.c_int(1 if on else 0))
+
+    def take_timing(self) -> dict[str, tuple[float, int]]:
+        """Seconds and calls of each node name timed since the last take; then cleared."""
+        handle = self._library.handle
+        if self._call is None or handle is None:
+            return {}
+        take = handle.kv_graph_timing_take
+        take.restype = ctypes.c_int
+        take.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        size = 1 << 16  # a line a node name: a few dozen bytes each
+        buffer = ctypes.create_string_buffer(size)
+        needed = int(take(buffer, size))
+        lines = buffer.value.decode().splitlines()
+        if needed >= size:
+            lines = lines[:-1]  # the text was cut: its last line is not whole
+        sums: dict[str, tuple[float, int]] = {}
+        for line in lines:
+            name, seconds, calls = line.rsplit(" ", 2)
+            sums[name] = (float(seconds), int(calls))
+        return sums
+
     @property
     def reason(self) -> str:
         """Why the graph calls are not available (``""`` when they are)."""

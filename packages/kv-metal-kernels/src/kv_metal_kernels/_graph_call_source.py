@@ -21,15 +21,23 @@ __all__ = ["GRAPH_CALL_SOURCE"]
 #: Every object is checked to be of the ``mx.array`` type the caller passes. With Python's
 #: headers (``KV_WITH_PYTHON``) ``kv_graph_function`` also makes a CPython function doing
 #: the same without ctypes' argument conversions. ``scatter_rows`` is the library's own
-#: kernel: a step's K/V rows copied to their slots of a head-major pool buffer.
+#: kernel: a step's K/V rows copied to their slots of a head-major pool buffer. While
+#: ``kv_graph_timing(1)`` is on, each node's kernel call is timed (a clock read either side
+#: of the kernel, its input copies not included) and summed by node name;
+#: ``kv_graph_timing_take`` writes those sums as ``name seconds calls`` lines and clears them.
 GRAPH_CALL_SOURCE = r"""
 #ifdef KV_WITH_PYTHON
 #include <Python.h>
 #endif
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -46,6 +54,10 @@ namespace mx = mlx::core;
 typedef int (*native_kernel)(const void *const *inputs, const double *params, void *out);
 
 namespace {
+
+std::atomic<bool> timing_on{false};
+std::mutex timing_mutex;
+std::map<std::string, std::pair<double, long>> timing_sums;
 
 mx::array *array_of(void *object, void *type) {
   char *base = static_cast<char *>(object);
@@ -142,7 +154,19 @@ class NativeCall : public mx::UnaryPrimitive {
         copy_strided(input.data<char>(), dst, input.shape(), input.strides(), input.itemsize(), 0);
         pointers.push_back(copies.back().data());
       }
-      if (kernel(pointers.data(), params.data(), out.data<char>()) != 0) {
+      bool timed = timing_on.load(std::memory_order_relaxed);
+      using clock = std::chrono::steady_clock;
+      auto start = timed ? clock::now() : clock::time_point{};
+      int status = kernel(pointers.data(), params.data(), out.data<char>());
+      if (timed) {
+        double seconds =
+            std::chrono::duration<double>(clock::now() - start).count();
+        std::lock_guard<std::mutex> lock(timing_mutex);
+        auto &sum = timing_sums[name];
+        sum.first += seconds;
+        sum.second += 1;
+      }
+      if (status != 0) {
         throw std::runtime_error(name + ": the native kernel failed (its scratch could not be "
                                         "allocated, or an index was out of range)");
       }
@@ -198,6 +222,31 @@ int scatter_rows(const void *const *inputs, const double *params, void *out) {
 }  // namespace
 
 extern "C" void *kv_graph_scatter_rows() { return reinterpret_cast<void *>(&scatter_rows); }
+
+extern "C" void kv_graph_timing(int on) { timing_on.store(on != 0); }
+
+// The timed sums as "name seconds calls" lines into buf (at most cap bytes with the final
+// NUL), then cleared; returns the bytes the whole text needs (without the NUL).
+extern "C" int kv_graph_timing_take(char *buf, int cap) {
+  std::string text;
+  {
+    std::lock_guard<std::mutex> lock(timing_mutex);
+    for (const auto &entry : timing_sums) {
+      char numbers[64];
+      std::snprintf(numbers, sizeof numbers, " %.9f %ld\n", entry.second.first,
+                    entry.second.second);
+      text += entry.first + numbers;
+    }
+    timing_sums.clear();
+  }
+  if (cap > 0) {
+    size_t room = static_cast<size_t>(cap - 1);
+    size_t n = text.size() < room ? text.size() : room;
+    std::memcpy(buf, text.data(), n);
+    buf[n] = 0;
+  }
+  return static_cast<int>(text.size());
+}
 
 extern "C" int kv_graph_probe(void *object, void *type, int64_t *info) {
   mx::array *a = array_of(object, type);
