@@ -80,6 +80,7 @@ FACES: dict[str, set[str]] = {
         "CpuNormRope",
         "CpuPagedAttention",
         "CpuQuantizedHead",
+        "CpuQuantizedLinear",
         "CpuRmsNorm",
         "CpuSlotWriter",
         "DensePrefillAttention",

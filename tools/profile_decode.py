@@ -204,7 +204,9 @@ def engine_step(
 
 #: What each native kernel's graph node computes in a decode step.
 KERNEL_PARTS = {
-    "KvQuantizedRows": "linear layers' products (native kernel over the GGUF's codes)",
+    "KvQuantizedLinear": "linear layers' products (native kernel over the GGUF's codes)",
+    "KvQuantizedRows": "products through the head kernel's layout (its logits; linear layers "
+    "where the linear kernel does not build)",
     "KvGreedyRows": "vocabulary head's greedy pick (integer screen)",
     "KvPagedAttention": "attention over the pages",
     "KvRmsNorm": "RMS norms",

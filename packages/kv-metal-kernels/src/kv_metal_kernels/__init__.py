@@ -1,6 +1,7 @@
 """Fused RoPE + pool scatter and paged decode attention for MLX (reference, Metal, CUDA).
 
 On the CPU, :class:`CpuQuantizedHead` projects a large quantized vocabulary head,
+:class:`CpuQuantizedLinear` a model's quantized linear layers for a few rows,
 :class:`CpuPagedAttention` attends the pages in place, :class:`CpuRmsNorm` normalises
 rows, :class:`CpuNormRope` normalises and rotates a decode step's query and key rows and
 :class:`CpuGatedActivation` computes a gated MLP's activation, each through a C kernel
@@ -27,6 +28,7 @@ from ._native import (
 from ._paged_reference import ReferencePagedAttention
 from ._prefill_attention import DensePrefillAttention
 from ._quantized_head import CpuQuantizedHead
+from ._quantized_linear import CpuQuantizedLinear
 from ._rope_reference import ReferenceRopeScatter
 from ._select import (
     ATTENTION_ENV,
@@ -44,6 +46,7 @@ __all__ = [
     "CpuNormRope",
     "CpuPagedAttention",
     "CpuQuantizedHead",
+    "CpuQuantizedLinear",
     "CpuRmsNorm",
     "CpuSlotWriter",
     "DensePrefillAttention",

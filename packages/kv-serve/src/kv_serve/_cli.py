@@ -534,14 +534,13 @@ def _native_kernels(model: Any) -> str:
     """What the CPU's native quantized kernel is (built, or why not) and the layers using it."""
     import mlx.core as mx
 
-    from kv_metal_kernels import CpuQuantizedHead
-
-    from ._kernel_linears import KernelLinear
+    from ._kernel_linears import KernelLinear, linear_kernel
 
     if mx.default_device().type != mx.cpu:
         return "none on this device (MLX's own kernels)"
     layers = sum(isinstance(m, KernelLinear) for _, m in model.named_modules())
-    return f"{CpuQuantizedHead().library.describe()}; {layers} linear layers read its codes"
+    kernel: Any = linear_kernel()
+    return f"{kernel.library.describe()}; {layers} linear layers read its codes"
 
 
 def _load_model(

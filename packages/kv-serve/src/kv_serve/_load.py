@@ -15,7 +15,7 @@ from kv_protocol import UnsupportedModelError
 
 from ._chat_templates import CHAT_TEMPLATES, resolve_chat_template
 from ._gguf import Progress, convert_gguf
-from ._kernel_linears import attach_kernel_codes
+from ._kernel_linears import attach_kernel_codes, linear_kernel
 
 __all__ = ["GEMMA3_270M", "default_cache_dir", "encode_prompt", "load_model", "stop_token_ids"]
 
@@ -187,7 +187,7 @@ def load_model(
     if weights_bits is not None:
         quantize_weights(model, weights_bits, weights_group_size)
     if not lazy and mx.default_device() == mx.cpu:
-        attach_kernel_codes(model, path, CpuQuantizedHead())
+        attach_kernel_codes(model, path, linear_kernel())
     return model, tokenizer
 
 
