@@ -229,6 +229,13 @@ static int omp_get_thread_num(void) { return 0; }
 int kv_qhead_screen_supported(void) { return KV_SCREEN; }
 
 #define SV 16 /* vocabulary rows a screen tile: the lanes of a vector */
+/* While a thread's first input rows screen a tile, the tile SCREEN_AHEAD ahead (the
+   thread's next ones: its tiles are consecutive) is fetched, a group's lines at a time:
+   without it the screen waited on the codes (Gemma 3 270M's head at 16 rows, 2-core AMD
+   EPYC: 6.0 against 11.2 ms, one row 3.9 against 4.9). */
+#ifndef SCREEN_AHEAD
+#define SCREEN_AHEAD 2
+#endif
 
 /* The screen's tiles of a V-row head. */
 static int screen_tiles(int V) { return (V + SV - 1) / SV; }
@@ -310,12 +317,20 @@ int kv_qhead_screen_layout(const uint32_t *codes, const float *scales, const flo
   static void screen_##NB##_##KC##_##SYM(const uint8_t *tc, const float *ts, const float *tb,\
                                  const float *tn, int ng, int kc, const int32_t *xq,         \
                                  size_t xstride, const float *qs, const float *ag,           \
-                                 const float *rg, const int32_t *zq, __m512 *f, __m512 *e) { \
+                                 const float *rg, const int32_t *zq, __m512 *f, __m512 *e,  \
+                                 size_t ahead) {                                             \
     __m512 sum[NB], err[NB];                                                                 \
     int steps = KC ? KC : kc;                                                                \
     for (int bb = 0; bb < NB; bb++) sum[bb] = err[bb] = _mm512_setzero_ps();                 \
     for (int g = 0; g < ng; g++) {                                                           \
       __m512i acc[NB];                                                                       \
+      if (ahead) {                                                                           \
+        const char *pc = (const char *)(tc + ahead * ng * steps * 64 + (size_t)g * steps * 64); \
+        for (int line = 0; line < steps; line++) __builtin_prefetch(pc + line * 64, 0, 0);   \
+        __builtin_prefetch(ts + ahead * ng * SV + (size_t)g * SV, 0, 0);                     \
+        __builtin_prefetch(tn + ahead * ng * SV + (size_t)g * SV, 0, 0);                     \
+        if (!SYM) __builtin_prefetch(tb + ahead * ng * SV + (size_t)g * SV, 0, 0);           \
+      }                                                                                      \
       for (int bb = 0; bb < NB; bb++)                                                        \
         acc[bb] = SYM ? _mm512_set1_epi32(zq[(size_t)bb * ng + g]) : _mm512_setzero_si512();  \
       const uint8_t *w = tc + (size_t)g * steps * 64;                                        \
@@ -484,7 +499,8 @@ int kv_qhead_greedy(const float *x, int B, int D, const uint32_t *codes, const f
         int nb = B - b0 >= 8 ? 8 : B - b0 >= 4 ? 4 : B - b0 >= 2 ? 2 : 1;
         const int32_t *xb = xq + (size_t)b0 * xstride;
         size_t at = (size_t)b0 * ng;
-#define SCREEN_ARGS tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, zq + at, f, e
+#define SCREEN_ARGS tc, ts, tb, tn, ng, kc, xb, xstride, qs + at, ag + at, rg + at, zq + at, f, e, \
+                    b0 == 0 && t + SCREEN_AHEAD < tiles ? (size_t)SCREEN_AHEAD : 0
 #define SCREEN_CALL(KC, SYM)                                                                \
   if (nb == 8)                                                                              \
     screen_8_##KC##_##SYM(SCREEN_ARGS);                                                     \
