@@ -45,6 +45,22 @@ static inline float dot(const float *a, const float *b, int n) {
   return r;
 }
 
+/* Key and value rows are fetched ROW_AHEAD positions ahead of their use: a request's rows
+   are in pages scattered over the pool, whose reads waited on memory (16 rows of 160-175
+   positions in randomly placed pages, 4 query heads on one kv head of 256, 18 pools:
+   3.2 against 8.5 ms on a 2-core AMD EPYC). */
+#ifndef ROW_AHEAD
+#define ROW_AHEAD 4
+#endif
+
+static inline void row_prefetch(const float *base, const int32_t *pages, int page_size,
+                                long long j, int D) {
+  size_t slot = (size_t)pages[j / page_size] * page_size + (size_t)(j % page_size);
+  const char *row = (const char *)(base + slot * D);
+  for (size_t line = 0; line < (size_t)D * sizeof(float); line += 64)
+    __builtin_prefetch(row + line, 0, 0);
+}
+
 int kv_paged_attention(const float *q, int B, int Hq, int T, int D, const float *k_pool,
                        const float *v_pool, int Hkv, long long num_slots,
                        const int32_t *table, int max_pages, const int32_t *seq_lens,
@@ -93,6 +109,7 @@ int kv_paged_attention(const float *q, int B, int Hq, int T, int D, const float 
       for (long long j = lo; j <= p; j++) {
         size_t slot = (size_t)pages[j / page_size] * page_size + (size_t)(j % page_size);
         const float *k = keys + slot * D;
+        if (j + ROW_AHEAD <= p) row_prefetch(keys, pages, page_size, j + ROW_AHEAD, D);
         for (int i = 0; i < heads; i++) {
           float s = dot(qs + (size_t)i * D, k, D);
           scores[(size_t)i * span + (size_t)(j - lo)] = s;
@@ -107,6 +124,7 @@ int kv_paged_attention(const float *q, int B, int Hq, int T, int D, const float 
       for (long long j = lo; j <= p; j++) {
         size_t slot = (size_t)pages[j / page_size] * page_size + (size_t)(j % page_size);
         const float *v = vals + slot * D;
+        if (j + ROW_AHEAD <= p) row_prefetch(vals, pages, page_size, j + ROW_AHEAD, D);
         for (int i = 0; i < heads; i++) {
           float w = expf(scores[(size_t)i * span + (size_t)(j - lo)] - peaks[i]);
           float *a = acc + (size_t)i * D;
