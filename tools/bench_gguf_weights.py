@@ -3,7 +3,7 @@
 The packaged GGUF loaded three ways: ``dequantize`` (every tensor float32), ``embedding``
 (the tied ``Q8_0`` head kept as 8-bit groups for the native head kernel) and ``dual`` (that,
 and every other linear layer also as the kernel's codes for products of up to
-``KERNEL_MAX_ROWS`` rows). For each batch size ``B`` an engine per model (``build_engine``
+``kernel_max_rows`` rows). For each batch size ``B`` an engine per model (``build_engine``
 defaults, prefix caching off) takes ``B`` prompts of 128 random tokens; once each has its
 first token, the engines' decode steps alternate (order reversed every round, in one
 process) and the median step is reported, with the tokens compared against

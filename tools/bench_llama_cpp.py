@@ -5,8 +5,9 @@ THREADS -npp 128 -ntg 64 -npl 1,4,16``: ``B`` separate prompts of 128 tokens, 64
 tokens each); the engine runs the same shapes: ``B`` prompts of 128 random tokens submitted at
 once, 64 greedy tokens each (no stop tokens), ``build_engine`` defaults with prefix caching
 off, the weights as ``load_model`` gives them (on the CPU ``gguf_weights="dual"``: fp32
-dequantized from the same GGUF for prompts, the GGUF's own codes read by the native kernel
-for decode steps of up to ``KERNEL_MAX_ROWS`` rows, the tied ``Q8_0`` embedding kept as
+dequantized from the same GGUF, and the GGUF's own codes read by the native kernel for
+products of up to ``kernel_max_rows`` rows, prompts too where ``CpuQuantizedLinear``
+builds; the tied ``Q8_0`` embedding kept as
 8-bit groups for the native head kernel), MLX's BLAS with its own threads (all cores:
 ``--threads`` is the core count by default, the same on both). For both:
 the prompt phase (``T_PP``: until every sequence has its first token; llama.cpp's prefill
@@ -207,13 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _weights(model: Any) -> str:
     """How the engine's model holds its weights (``load_model``'s default for this device)."""
-    from kv_serve._kernel_linears import KERNEL_MAX_ROWS, KernelLinear
+    from kv_serve._kernel_linears import KernelLinear
 
-    coded = sum(isinstance(m, KernelLinear) for _, m in model.named_modules())
+    coded = [m for _, m in model.named_modules() if isinstance(m, KernelLinear)]
     quantized = sum(type(m).__name__.startswith("Quantized") for _, m in model.named_modules())
+    limit = max((m.max_rows for m in coded), default=0)
     return (
-        f"fp32 with {quantized} quantized and {coded} kernel-coded layers, codes read for up "
-        f"to {KERNEL_MAX_ROWS} rows"
+        f"fp32 with {quantized} quantized and {len(coded)} kernel-coded layers, codes read for "
+        f"up to {limit} rows"
     )
 
 

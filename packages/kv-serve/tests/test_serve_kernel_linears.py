@@ -28,6 +28,7 @@ from kv_serve._kernel_linears import (
     KernelLinear,
     SiblingRows,
     attach_kernel_codes,
+    kernel_max_rows,
     linear_kernel,
 )
 from kv_testing import mlx_lm_greedy, save_tiny_model_dir
@@ -139,6 +140,10 @@ def test_dual_gemma_reads_codes_for_every_decoder_linear(
     assert described["model.layers.0.mlp.down_proj"] == {"bits": 8, "group_size": 16}
     linears = [m for _, m in model.named_modules() if isinstance(m, KernelLinear)]
     assert len(linears) == 7 * len(layers)
+    # The linear kernel takes prompt chunks too; the head's kernel decode steps only.
+    limit = kernel_max_rows(linear_kernel())
+    assert all(m.max_rows == limit for m in linears)
+    assert kernel_max_rows(CpuQuantizedHead()) == KERNEL_MAX_ROWS
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
     for mine, theirs in (
         (layers[0].self_attn.q_proj, dense.model.layers[0].self_attn.q_proj),
@@ -146,7 +151,7 @@ def test_dual_gemma_reads_codes_for_every_decoder_linear(
         (layers[2].mlp.down_proj, dense.model.layers[2].mlp.down_proj),  # Q4_K
     ):
         assert mx.array_equal(mine.weight, theirs.weight)
-        for rows in (1, 5, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 3):
+        for rows in (1, 5, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 3, 300):
             x = mx.random.normal((rows, theirs.weight.shape[1]), key=mx.random.key(rows))
             expected = theirs(x)
             scale = float(cast(float, mx.abs(expected).max().item()))

@@ -5,11 +5,12 @@ that product is bound by reading the weights, so reading a GGUF's 4- or 8-bit co
 instead of float32 values makes it several times cheaper (:func:`linear_kernel`:
 ``kv_metal_kernels``' ``CpuQuantizedLinear``, which lays each layer out 16 output rows a
 vector, or where that does not build, ``CpuQuantizedHead``, the vocabulary head's kernel,
-which reads the codes as they are). A prompt's many rows are
-bound by arithmetic instead, where MKL's float32 product is faster than the kernel, so a
-:class:`KernelLinear` keeps both: the layer's float32 weight for more than ``max_rows``
-rows and the codes (the same values) for up to ``max_rows``. Each kernel product is an
-evaluation point of MLX's lazy graph (its input is evaluated first).
+which reads the codes as they are). A prompt's many rows are bound by arithmetic instead:
+there the head kernel is slower than MKL's float32 product, ``CpuQuantizedLinear`` faster
+(:data:`LINEAR_MAX_ROWS`). A :class:`KernelLinear` keeps both: the layer's float32 weight
+for more than ``max_rows`` rows (and other dtypes) and the codes (the same values) for up
+to ``max_rows``. Each kernel product is a node of MLX's lazy graph where the graph calls
+build, else an evaluation point.
 
 Sibling layers that read the same input in one forward (attention's ``q_proj``, ``k_proj``
 and ``v_proj``; a gated MLP's ``gate_proj`` and ``up_proj``) share one kernel product over
@@ -36,10 +37,12 @@ from ._gguf import KERNEL_CODES_FILE
 
 __all__ = [
     "KERNEL_MAX_ROWS",
+    "LINEAR_MAX_ROWS",
     "SIBLING_LAYERS",
     "KernelLinear",
     "SiblingRows",
     "attach_kernel_codes",
+    "kernel_max_rows",
     "linear_kernel",
 ]
 
@@ -57,6 +60,13 @@ SIBLING_LAYERS: tuple[tuple[str, ...], ...] = (
 #: 212, 24 rows 189 against 198, 32 rows 264 against 269. (Before the prefetch the kernel
 #: lost from 16 rows: 186 against 175 ms.)
 KERNEL_MAX_ROWS = 32
+
+#: The most rows a :class:`KernelLinear` sends to ``CpuQuantizedLinear`` (every prompt
+#: chunk): it is faster than MLX's float32 product with MKL at every row count measured
+#: (2-core AMD EPYC with AVX-512, where MKL runs its AVX2 code: Gemma 3 270M's 640 x 4096
+#: 8-bit layer 234 / 877 / 3420 / 7052 us at 16 / 64 / 256 / 512 rows against 717 / 2100 /
+#: 6929 / 15464 us; its 16 x 128-token prompts 1042 against 601 tok/s, the same tokens).
+LINEAR_MAX_ROWS = 1 << 16
 
 
 class KernelLinear(nn.Linear):
@@ -210,19 +220,33 @@ def linear_kernel() -> QuantizedHeadKernel:
     return linear if linear.library.handle is not None else CpuQuantizedHead()
 
 
+def kernel_max_rows(kernel: QuantizedHeadKernel) -> int:
+    """The most rows the linear layers send to ``kernel`` (its measured crossover).
+
+    :data:`LINEAR_MAX_ROWS` for ``CpuQuantizedLinear``, :data:`KERNEL_MAX_ROWS` for another
+    kernel (the head's).
+    """
+    from kv_metal_kernels import CpuQuantizedLinear
+
+    return LINEAR_MAX_ROWS if isinstance(kernel, CpuQuantizedLinear) else KERNEL_MAX_ROWS
+
+
 def attach_kernel_codes(
     model: nn.Module,
     directory: Path,
     kernel: QuantizedHeadKernel,
     *,
-    max_rows: int = KERNEL_MAX_ROWS,
+    max_rows: int | None = None,
 ) -> int:
     """Replace ``model``'s float linear layers that have codes in ``directory``; returns how many.
 
     ``directory`` is a ``convert_gguf(keep_quantized="dual")`` conversion (no codes file:
     nothing is replaced). A layer is replaced only where it is a float32 ``nn.Linear`` whose
     weight has the codes' shape and ``kernel`` serves the codes; others stay as they are.
+    ``max_rows`` (default :func:`kernel_max_rows`) is the most rows the kernel projects.
     """
+    if max_rows is None:
+        max_rows = kernel_max_rows(kernel)
     path = directory / KERNEL_CODES_FILE
     if not path.exists():
         return 0

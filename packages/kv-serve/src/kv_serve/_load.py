@@ -96,7 +96,8 @@ def load_model(
     table, 640 to 170 MiB), ``"dual"`` keeps the embedding so and every other linear layer
     twice, in float32 for products over many rows (prompts) and as the native CPU kernel's
     4- or 8-bit codes of the same values for products over at most
-    ``kv_serve._kernel_linears.KERNEL_MAX_ROWS`` rows (decode steps; ``Q6_K`` too, in groups
+    ``kv_serve._kernel_linears.kernel_max_rows`` rows (with ``CpuQuantizedLinear``, prompt
+    chunks too; with the head's kernel decode steps only; ``Q6_K`` too, in groups
     of 16; the layers become :class:`~kv_serve._kernel_linears.KernelLinear`, about 110 MiB
     more than ``"embedding"`` for the packaged model), ``"dequantize"`` turns every tensor
     into ``dtype``, and ``"auto"`` (the default) keeps them all where MLX computes on a GPU
