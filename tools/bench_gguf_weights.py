@@ -19,9 +19,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, cast
-
-from mlx.utils import tree_flatten
+from typing import Any
 
 from tools.cli_args import ArgumentParser, add_run_options, positive_int
 from tools.harness import Report, quantile
@@ -62,10 +60,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _weight_mib(model: Any) -> float:
-    from kv_serve._kernel_linears import KernelLinear
+    """The bytes the model holds: its resident parameters and its kernel layers' codes.
 
-    flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
-    total = int(sum(v.nbytes for _, v in flat))
+    A kernel layer's float32 weight that ``load_model`` left unevaluated (the kernel takes
+    every float32 row: ``kv_serve._load.resident_parameters``) is not held.
+    """
+    from kv_serve._kernel_linears import KernelLinear
+    from kv_serve._load import resident_parameters
+
+    total = int(sum(v.nbytes for v in resident_parameters(model)))
     total += sum(m.codes_nbytes for _, m in model.named_modules() if isinstance(m, KernelLinear))
     return total / 2**20
 

@@ -275,3 +275,52 @@ def test_dual_gemma_siblings_share_one_product_of_their_own_bits(
             assert mine.codes_nbytes == getattr(alone, "nbytes", None)
         first = getattr(getattr(layer, parent), names[0])
         assert first._projection._rows.together
+
+
+_RESIDENT = """
+import json
+from kv_serve import load_fast_blas
+load_fast_blas()
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from kv_serve import load_model
+from kv_serve._kernel_linears import KernelLinear
+from kv_serve._load import resident_parameters
+model, _ = load_model("gemma3-270m")
+kernel_weights = sum(
+    m.weight.nbytes for _, m in model.named_modules() if isinstance(m, KernelLinear)
+)
+parameters = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+resident = sum(v.nbytes for v in resident_parameters(model))
+print(json.dumps({"active": mx.get_active_memory(), "kernel_weights": kernel_weights,
+                  "parameters": parameters, "resident": resident}))
+"""
+
+
+@needs_kernel
+def test_a_coded_model_holds_its_codes_not_the_float_weights_they_replace() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _RESIDENT], capture_output=True, text=True, check=True, timeout=600
+    )
+    sizes = json.loads(done.stdout.strip().splitlines()[-1])
+    # Every kernel layer's float32 weight is left unread (about 400 MB for Gemma 3 270M).
+    assert sizes["resident"] == sizes["parameters"] - sizes["kernel_weights"]
+    assert sizes["kernel_weights"] > 300 * 2**20
+    # What the process holds after loading: the resident parameters and the codes, not the
+    # float32 weights (their bytes would put it past the parameters' total).
+    assert sizes["active"] < sizes["parameters"] - sizes["kernel_weights"] // 2
+
+
+@needs_kernel
+def test_a_coded_layer_s_float_weight_is_still_read_where_it_is_used(
+    dual_gemma: tuple[Any, Path], gemma_dense: tuple[Any, Any]
+) -> None:
+    model, _ = dual_gemma
+    dense = gemma_dense[0]
+    mine, theirs = model.model.layers[3].mlp.up_proj, dense.model.layers[3].mlp.up_proj
+    x = mx.random.normal((2, 640), key=mx.random.key(4)).astype(mx.float16)
+    # Another dtype is nn.Linear's own product of the float32 weight, read from the file.
+    assert mx.array_equal(mine(x), theirs(x))

@@ -5,17 +5,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from kv_metal_kernels import CpuQuantizedHead
 from kv_protocol import UnsupportedModelError
 
 from ._chat_templates import CHAT_TEMPLATES, resolve_chat_template
-from ._gguf import Progress, convert_gguf
-from ._kernel_linears import attach_kernel_codes, linear_kernel
+from ._gguf import KERNEL_CODES_FILE, Progress, convert_gguf
+from ._kernel_linears import LINEAR_MAX_ROWS, KernelLinear, attach_kernel_codes, linear_kernel
 
 __all__ = ["GEMMA3_270M", "default_cache_dir", "encode_prompt", "load_model", "stop_token_ids"]
 
@@ -180,16 +181,37 @@ def load_model(
         extra["chat_template"] = template.text
         if template.tool_parser is not None:
             extra["tool_parser_type"] = template.tool_parser
-    loaded = load(str(path), tokenizer_config=extra or None, lazy=lazy)
+    coded = not lazy and mx.default_device() == mx.cpu and (path / KERNEL_CODES_FILE).exists()
+    # A model with kernel codes loads lazily: its layers' float32 weights are read from the
+    # file only where something still needs them (see resident_parameters).
+    loaded = load(str(path), tokenizer_config=extra or None, lazy=lazy or coded)
     tokenizer = loaded[1]
     if choice == "none":
         tokenizer._tokenizer.chat_template = None
     model = loaded[0]
     if weights_bits is not None:
         quantize_weights(model, weights_bits, weights_group_size)
-    if not lazy and mx.default_device() == mx.cpu:
+    if coded:
         attach_kernel_codes(model, path, linear_kernel())
+        mx.eval(resident_parameters(model))
     return model, tokenizer
+
+
+def resident_parameters(model: nn.Module) -> list[mx.array]:
+    """``model``'s parameters but the float32 weights its kernel layers never multiply.
+
+    A :class:`~kv_serve._kernel_linears.KernelLinear` whose kernel takes every float32 row
+    (``max_rows`` of at least ``LINEAR_MAX_ROWS``) multiplies its float32 weight only for
+    another dtype or a larger product: ``load_model`` leaves that weight unevaluated (read
+    from the converted file if it is ever used), so the process holds the codes alone.
+    """
+    lazy = {
+        id(module.weight)
+        for _, module in model.named_modules()
+        if isinstance(module, KernelLinear) and module.max_rows >= LINEAR_MAX_ROWS
+    }
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return [a for _, a in flat if id(a) not in lazy]
 
 
 def quantize_weights(model: nn.Module, bits: int, group_size: int) -> int:
