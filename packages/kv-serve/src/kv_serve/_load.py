@@ -95,12 +95,14 @@ def load_model(
     values as dequantized), ``"embedding"`` keeps only the token embedding so (Gemma's tied
     vocabulary head; where it is exactly 8- or 4-bit groups: the packaged model's ``Q8_0``
     table, 640 to 170 MiB), ``"dual"`` keeps the embedding so and every other linear layer
-    twice, in float32 for products over many rows (prompts) and as the native CPU kernel's
-    4- or 8-bit codes of the same values for products over at most
-    ``kv_serve._kernel_linears.kernel_max_rows`` rows (with ``CpuQuantizedLinear``, prompt
-    chunks too; with the head's kernel decode steps only; ``Q6_K`` too, in groups
-    of 16; the layers become :class:`~kv_serve._kernel_linears.KernelLinear`, about 110 MiB
-    more than ``"embedding"`` for the packaged model), ``"dequantize"`` turns every tensor
+    twice, in float32 and as the native CPU kernel's 4- or 8-bit codes of the same values
+    for products over at most ``kv_serve._kernel_linears.kernel_max_rows`` rows (``Q6_K``
+    too, in groups of 16; the layers become :class:`~kv_serve._kernel_linears.KernelLinear`).
+    With ``CpuQuantizedLinear`` the codes serve every float32 product, prompts too, and the
+    float32 weights are left unread in the converted file (:func:`resident_parameters`:
+    the packaged model holds 311 MiB); with the head's kernel they serve decode steps and
+    the float32 weights the prompts (110 MiB more than ``"embedding"``).
+    ``"dequantize"`` turns every tensor
     into ``dtype``, and ``"auto"`` (the default) keeps them all where MLX computes on a GPU
     (Metal, CUDA); on the CPU, where MLX's quantized matmuls are measured slower than
     float32 ones, it is ``"dual"`` where the native kernel
