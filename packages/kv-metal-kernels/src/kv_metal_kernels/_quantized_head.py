@@ -39,7 +39,7 @@ from ._cpu_library import CpuLibrary, build_cpu_library
 from ._graph_call import GraphEntry, graph_entry
 from ._quantized_head_source import QUANTIZED_HEAD_SOURCE
 
-__all__ = ["CpuQuantizedHead", "QuantizedHeadProjection"]
+__all__ = ["CpuQuantizedHead", "QuantizedHeadProjection", "affine_layout"]
 
 _LANES = 16
 #: The bits the kernel reads.
@@ -320,6 +320,35 @@ class QuantizedHeadProjection:
         return result
 
 
+def affine_layout(
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    *,
+    group_size: int,
+    bits: int,
+    lanes: int,
+) -> bool:
+    """Whether ``weight``, ``scales`` and ``biases`` are MLX's affine layout of 4 or 8 bits.
+
+    Packed ``uint32`` codes, float scales and biases per group, and a group size that is a
+    multiple of ``lanes`` and divides the row's width.
+    """
+    if bits not in SUPPORTED_BITS or weight.ndim != 2 or weight.dtype != mx.uint32:
+        return False
+    hidden = int(weight.shape[1]) * 32 // bits
+    groups = hidden // group_size if group_size > 0 else 0
+    return not (
+        group_size <= 0
+        or group_size % lanes
+        or hidden % group_size
+        or tuple(scales.shape) != (weight.shape[0], groups)
+        or tuple(biases.shape) != (weight.shape[0], groups)
+        or not mx.issubdtype(scales.dtype, mx.floating)
+        or not mx.issubdtype(biases.dtype, mx.floating)
+    )
+
+
 class CpuQuantizedHead:
     """``kv_protocol.QuantizedHeadKernel`` on the CPU: a C kernel built on first use.
 
@@ -345,18 +374,8 @@ class CpuQuantizedHead:
         bits: int,
     ) -> QuantizedHeadProjection | None:
         """A :class:`QuantizedHeadProjection` of this head, or ``None`` where it is not served."""
-        if bits not in SUPPORTED_BITS or weight.ndim != 2 or weight.dtype != mx.uint32:
-            return None
-        hidden = int(weight.shape[1]) * 32 // bits
-        groups = hidden // group_size if group_size > 0 else 0
-        if (
-            group_size <= 0
-            or group_size % _LANES
-            or hidden % group_size
-            or tuple(scales.shape) != (weight.shape[0], groups)
-            or tuple(biases.shape) != (weight.shape[0], groups)
-            or not mx.issubdtype(scales.dtype, mx.floating)
-            or not mx.issubdtype(biases.dtype, mx.floating)
+        if not affine_layout(
+            weight, scales, biases, group_size=group_size, bits=bits, lanes=_LANES
         ):
             return None
         handle = self.library.handle

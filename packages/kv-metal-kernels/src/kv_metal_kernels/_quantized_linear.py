@@ -26,6 +26,7 @@ from kv_protocol import EVALUATION_CLOCK
 
 from ._cpu_library import CpuLibrary, build_cpu_library
 from ._graph_call import GraphEntry, graph_entry
+from ._quantized_head import affine_layout
 from ._quantized_linear_source import QUANTIZED_LINEAR_SOURCE
 
 __all__ = ["CpuQuantizedLinear", "QuantizedLinearProjection"]
@@ -33,7 +34,6 @@ __all__ = ["CpuQuantizedLinear", "QuantizedLinearProjection"]
 #: Output rows a tile of the layout (a vector's lanes); a :meth:`~QuantizedLinearProjection.rows`
 #: view starts at a multiple of it.
 TILE_ROWS = 16
-_BITS = (4, 8)
 
 
 def _address(array: mx.array) -> int:
@@ -197,20 +197,8 @@ class CpuQuantizedLinear:
         bits: int,
     ) -> QuantizedLinearProjection | None:
         """A :class:`QuantizedLinearProjection` of this layer, or ``None`` where not served."""
-        if bits not in _BITS or weight.ndim != 2 or weight.dtype != mx.uint32:
-            return None
-        hidden = int(weight.shape[1]) * 32 // bits
-        groups = hidden // group_size if group_size > 0 else 0
-        if (
-            group_size <= 0
-            or group_size % 2
-            or hidden % group_size
-            or weight.shape[0] == 0
-            or tuple(scales.shape) != (weight.shape[0], groups)
-            or tuple(biases.shape) != (weight.shape[0], groups)
-            or not mx.issubdtype(scales.dtype, mx.floating)
-            or not mx.issubdtype(biases.dtype, mx.floating)
-        ):
+        layout = affine_layout(weight, scales, biases, group_size=group_size, bits=bits, lanes=2)
+        if not layout or weight.shape[0] == 0:
             return None
         handle = self.library.handle
         if handle is None:
