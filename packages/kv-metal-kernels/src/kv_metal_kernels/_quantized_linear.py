@@ -28,7 +28,7 @@ from kv_protocol import EVALUATION_CLOCK
 
 from ._cpu_library import CpuLibrary, build_cpu_library
 from ._graph_call import GraphEntry, graph_entry
-from ._quantized_head import affine_layout
+from ._quantized_head import _address, affine_layout
 from ._quantized_linear_source import QUANTIZED_LINEAR_SOURCE
 
 __all__ = ["CpuQuantizedLinear", "QuantizedLinearProjection"]
@@ -36,11 +36,6 @@ __all__ = ["CpuQuantizedLinear", "QuantizedLinearProjection"]
 #: Output rows a tile of the layout (a vector's lanes); a :meth:`~QuantizedLinearProjection.rows`
 #: view starts at a multiple of it.
 TILE_ROWS = 16
-
-
-def _address(array: mx.array) -> int:
-    view = memoryview(cast(Any, array))
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class QuantizedLinearProjection:

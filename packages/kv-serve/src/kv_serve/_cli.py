@@ -539,8 +539,7 @@ def _native_kernels(model: Any) -> str:
     if mx.default_device().type != mx.cpu:
         return "none on this device (MLX's own kernels)"
     layers = sum(isinstance(m, KernelLinear) for _, m in model.named_modules())
-    kernel: Any = linear_kernel()
-    return f"{kernel.library.describe()}; {layers} linear layers read its codes"
+    return f"{linear_kernel().library.describe()}; {layers} linear layers read its codes"
 
 
 def _load_model(

@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from kv_metal_kernels import CpuQuantizedHead, CpuQuantizedLinear
 from kv_protocol import QuantizedHeadKernel
 
 from ._gguf import KERNEL_CODES_FILE
@@ -207,7 +208,7 @@ def _sibling_sets(names: Sequence[str]) -> list[list[str]]:
     return found
 
 
-def linear_kernel() -> QuantizedHeadKernel:
+def linear_kernel() -> CpuQuantizedLinear | CpuQuantizedHead:
     """The kernel that projects the linear layers' codes here.
 
     ``kv_metal_kernels.CpuQuantizedLinear`` where it builds (a 640 x 4096 4-bit layer, the
@@ -215,8 +216,6 @@ def linear_kernel() -> QuantizedHeadKernel:
     200 us at 1 / 4 / 16 rows against 64 / 134 / 465 us through the head kernel), else
     ``CpuQuantizedHead``.
     """
-    from kv_metal_kernels import CpuQuantizedHead, CpuQuantizedLinear
-
     linear = CpuQuantizedLinear()
     return linear if linear.library.handle is not None else CpuQuantizedHead()
 
@@ -227,8 +226,6 @@ def kernel_max_rows(kernel: QuantizedHeadKernel) -> int:
     :data:`LINEAR_MAX_ROWS` for ``CpuQuantizedLinear``, :data:`KERNEL_MAX_ROWS` for another
     kernel (the head's).
     """
-    from kv_metal_kernels import CpuQuantizedLinear
-
     return LINEAR_MAX_ROWS if isinstance(kernel, CpuQuantizedLinear) else KERNEL_MAX_ROWS
 
 
