@@ -47,7 +47,7 @@ def test_a_large_head_decodes_in_the_fast_order_with_mlx_lm_tokens() -> None:
     ]
     want = [mlx_lm_greedy(model, p, 10) for p in prompts]
     with build_engine(model, max_running=8, max_context=64, page_size=4) as engine:
-        assert engine._runner.decode_forward is not None
+        assert engine._core.runner.decode_forward is not None
         ids = [engine.submit(p, 10) for p in prompts]
         out = engine.run()
     assert [out[i] for i in ids] == want
@@ -106,7 +106,7 @@ def test_a_large_quantized_head_decodes_natively_with_mlx_lms_tokens(
     ]
     want = [mlx_lm_greedy(model, p, 8) for p in prompts]
     with build_engine(model, max_running=8, max_context=64, page_size=4) as engine:
-        assert engine._runner.decode_forward is not None
+        assert engine._core.runner.decode_forward is not None
         calls.clear()
         ids = [engine.submit(p, 8) for p in prompts]
         out = engine.run()

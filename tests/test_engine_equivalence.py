@@ -82,7 +82,7 @@ def test_engine_matches_mlx_lm_alone(arch: str, page_size: int, fused: bool) -> 
     num_pages = 8 * (-(-(max(PROMPT_LENGTHS) + MAX_TOKENS) // page_size) + 1) + 1
     engine, pool = make_engine(model, page_size=page_size, fused=fused, num_pages=num_pages)
     if fused:
-        assert engine._runner.kernels.rope is not None
+        assert engine._core.runner.kernels.rope is not None
     got = run_staggered(engine, prompts(0, PROMPT_LENGTHS))
     for n, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
         assert mine == theirs, f"{arch} prompt #{n} (length {PROMPT_LENGTHS[n]})"

@@ -113,9 +113,9 @@ def hooked(engine: DecodeEngine, point: str, fault: Fault) -> Iterator[None]:
     target: Any
     name: str
     if point == "factory":
-        target, name = engine, "_make_prefill_cache"
+        target, name = engine._core, "make_prefill_cache"
     elif point == "sample":
-        target, name = engine._sampler, "sample"
+        target, name = engine._core.sampler, "sample"
     elif point == "try_reserve_batch":
         target, name = engine.pool, "try_reserve_batch"
     else:
@@ -219,7 +219,7 @@ def test_a_request_that_keeps_failing_alone_is_finished_and_the_others_go_on() -
     engine = make_engine()
     rids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
     poisoned = rids[2]
-    runner = engine._runner
+    runner = engine._core.runner
     real = runner.decode
 
     def decode(reservation: Any, *args: Any) -> Any:

@@ -152,7 +152,7 @@ def test_decode_paths_fused_rope_and_per_kind_quantization(
         r.getMessage() for r in caplog.records if "fused RoPE + scatter kernel" in r.getMessage()
     ]
     if fused:  # the kernel writes plain pages: it is not used on quantized layers, and says so
-        assert engine._runner.kernels.rope is not None
+        assert engine._core.runner.kernels.rope is not None
         assert len(said) == 1 and "their pages are quantized" in said[0]
     batch = prompts(3)
     got = engine_tokens(engine, batch)

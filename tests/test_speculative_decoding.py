@@ -193,17 +193,17 @@ def test_state_hybrids_verify_inside_the_shared_step(
 ) -> None:
     """Requests of 1, 3 and 5 proposed tokens (partly wrong: states roll back) and plain rows
     share one forward; the tokens are mlx-lm's."""
-    from kv_batching._engine import DecodeEngine
+    from kv_batching._verification import Verifier
 
     steps = spy_on_decode_steps(monkeypatch)
     forwards: list[int] = []
-    replay_by_forward = DecodeEngine._replay_state
+    replay_by_forward = Verifier.replay_state
 
-    def spy(self: DecodeEngine, request: Any, *args: Any) -> None:
+    def spy(self: Verifier, request: Any, *args: Any) -> None:
         forwards.append(request.rid)
         replay_by_forward(self, request, *args)
 
-    monkeypatch.setattr(DecodeEngine, "_replay_state", spy)
+    monkeypatch.setattr(Verifier, "replay_state", spy)
     config = SpeculationConfig(
         shadow=False, compare_rates=False, proposer=RaggedProposer(arch, right=3), num_tokens=5
     )
@@ -645,12 +645,19 @@ class _SlowVerification(StepRates):
         super().record(batch, verified, 1 if verified else 100, 1.0)
 
 
+def _verifier(engine: Any) -> Any:
+    """The engine's verifier (it speculates)."""
+    verifier = engine._decode_phase.verifier
+    assert verifier is not None
+    return verifier
+
+
 def test_speculation_beside_others_stops_where_plain_steps_are_faster() -> None:
     arch = "llama"
     want = [greedy(arch, tuple(p)) for p in PROMPTS]
     config = SpeculationConfig(proposer=OracleProposer(arch, right=8), num_tokens=4, shadow=False)
     engine = build_engine(model(arch), max_running=4, max_context=128, speculative=config)
-    engine._step_rates = _SlowVerification()
+    _verifier(engine).step_rates = _SlowVerification()
     ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
     engine.run()
     assert [tuple(engine.output(i).tokens) for i in ids] == want
@@ -661,10 +668,10 @@ def test_speculation_beside_others_stops_where_plain_steps_are_faster() -> None:
     # Where plain steps are slower the proposals are verified.
     engine = build_engine(model(arch), max_running=4, max_context=128, speculative=config)
     ids = [engine.submit(p, MAX_TOKENS) for p in PROMPTS]
-    engine._step_rates = StepRates()
+    rates = _verifier(engine).step_rates = StepRates()
     for size in (1, 2, 3):
-        engine._step_rates.record(size, False, 1, 1.0)
-        engine._step_rates.record(size, True, 100, 1.0)
+        rates.record(size, False, 1, 1.0)
+        rates.record(size, True, 100, 1.0)
     engine.run()
     assert [tuple(engine.output(i).tokens) for i in ids] == want
     assert engine.stats.speculative_steps > 0

@@ -144,11 +144,11 @@ class SpeculationMachine(RuleBasedStateMachine):
             self.engine.step()
         self.check_finished()
 
-    @precondition(lambda self: bool(self.engine._scheduler.running))
+    @precondition(lambda self: bool(self.engine._core.scheduler.running))
     @rule(newest=st.booleans())
     def preempt(self, newest: bool) -> None:
-        running = self.engine._scheduler.running
-        self.engine._scheduler.preempt(running[-1] if newest else running[0])
+        running = self.engine._core.scheduler.running
+        self.engine._core.scheduler.preempt(running[-1] if newest else running[0])
 
     @precondition(lambda self: bool(self.prompts))
     @rule(data=st.data())
@@ -176,7 +176,7 @@ class SpeculationMachine(RuleBasedStateMachine):
         model computes over its tokens: speculation left nothing of a rejected token."""
         layout = layout_from_model(model(self.arch))
         pool = self.engine.pool
-        for request in self.engine._scheduler.running:
+        for request in self.engine._core.scheduler.running:
             tokens = [*request.prompt, *request.generated[:-1]]
             want_kv = mlx_lm_full_kv(self.arch, tuple(tokens))
             for layer_id, (keys, values) in want_kv.items():
@@ -192,7 +192,7 @@ class SpeculationMachine(RuleBasedStateMachine):
     def pages_held_are_pages_needed(self) -> None:
         pool = self.engine.pool
         assert isinstance(pool, HybridKVPool)
-        scheduler = self.engine._scheduler
+        scheduler = self.engine._core.scheduler
         expected = {r.rid: len(r.prompt) + len(r.generated) - 1 for r in scheduler.running}
         if scheduler.prefilling is not None:
             expected[scheduler.prefilling.rid] = scheduler.prefilling.prefilled
@@ -234,7 +234,7 @@ class PerRequestVerificationMachine(SpeculationMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        runner = self.engine._runner
+        runner = self.engine._core.runner
         assert runner.ragged_state_mixers is not None
         runner.ragged_state_mixers.uninstall()
         runner.ragged_state_mixers = None

@@ -67,9 +67,10 @@ def test_restored_state_is_the_state_of_exactly_that_prefix() -> None:
         engine.run()
         rid = engine.submit(SHARED, 2)
         engine.step()  # admitted with its hit, prefilled past it: check the copy it took
-        snapshots = engine._snapshots
-        assert snapshots is not None
-        request = engine._requests.get(rid)
+        policy = engine._snapshots
+        assert policy is not None
+        snapshots = policy.cache
+        request = engine._core.requests.get(rid)
         assert request.hashes is not None
         snapshot = snapshots.get(request.hashes.prefix_hash(24))
         assert snapshot is not None and snapshot.position == 24
@@ -140,8 +141,9 @@ def test_budget_evicts_least_recently_used_and_bytes_stay_under_it() -> None:
         assert kept is not None
         # 8, 16, 24, 32 and 40 (the prompt's end) were taken; the three newest stay.
         assert kept.snapshots == 3 and kept.bytes == 3 * per and kept.evictions == 2
-        snapshots, cache = engine._snapshots, engine.pool.prefix_cache
-        assert snapshots is not None and cache is not None
+        policy, cache = engine._snapshots, engine.pool.prefix_cache
+        assert policy is not None and cache is not None
+        snapshots = policy.cache
         hashes = cache.hash_tokens(FIRST)
         held = [p for p in range(8, 41, 8) if hashes.prefix_hash(p) in snapshots]
         assert held == [24, 32, 40]
@@ -317,7 +319,7 @@ def test_an_interrupted_chunk_puts_the_snapshot_back_and_the_text_is_unchanged()
         with build_engine(
             model, page_size=4, max_context=96, prefill_chunk=64, state_snapshot_interval=8
         ) as engine:
-            real = engine._make_prefill_cache
+            real = engine._core.make_prefill_cache
             count = {"n": 0}
 
             def faulty(*args: Any, _real: Any = real, _count: Any = count, _at: int = at) -> Any:
@@ -326,7 +328,7 @@ def test_an_interrupted_chunk_puts_the_snapshot_back_and_the_text_is_unchanged()
                     raise Interrupt
                 return _real(*args)
 
-            engine._make_prefill_cache = faulty  # type: ignore[method-assign]
+            engine._core.make_prefill_cache = faulty  # type: ignore[method-assign]
             ids = [engine.submit(FIRST, MAX_TOKENS)]
             interrupted = 0
             while engine.has_work or len(ids) < 2:

@@ -65,7 +65,7 @@ class SnapshotMachine(RuleBasedStateMachine):
         self.prompts: dict[int, tuple[int, ...]] = {}
         self.max_tokens: dict[int, int] = {}
         self.resumed = 0
-        real = self.engine._reuse_prefix
+        real = self.engine._prefill_phase.reuse_prefix
 
         def checked(request: Any) -> None:
             real(request)
@@ -76,7 +76,7 @@ class SnapshotMachine(RuleBasedStateMachine):
                 assert states_close(request.states, mlx_lm_states(model(), prefix)), prefix
                 self.resumed += 1
 
-        self.engine._reuse_prefix = checked  # type: ignore[method-assign]
+        self.engine._prefill_phase.reuse_prefix = checked  # type: ignore[method-assign]
 
     @rule(
         base=st.integers(0, len(BASES) - 1),
@@ -102,11 +102,11 @@ class SnapshotMachine(RuleBasedStateMachine):
         assert cache_ is not None
         cache_.drop_cached()  # type: ignore[attr-defined]
 
-    @precondition(lambda self: bool(self.engine._scheduler.running))
+    @precondition(lambda self: bool(self.engine._core.scheduler.running))
     @rule(newest=st.booleans())
     def preempt(self, newest: bool) -> None:
-        running = self.engine._scheduler.running
-        self.engine._scheduler.preempt(running[-1] if newest else running[0])
+        running = self.engine._core.scheduler.running
+        self.engine._core.scheduler.preempt(running[-1] if newest else running[0])
 
     @precondition(lambda self: bool(self.prompts))
     @rule(data=st.data())
@@ -126,8 +126,9 @@ class SnapshotMachine(RuleBasedStateMachine):
 
     @invariant()
     def snapshot_books_balance(self) -> None:
-        snapshots = self.engine._snapshots
-        assert snapshots is not None
+        policy = self.engine._snapshots
+        assert policy is not None
+        snapshots = policy.cache
         entries = snapshots._entries
         stats = snapshots.stats()
         assert stats.bytes == sum(s.nbytes for s in entries.values()) <= stats.budget_bytes

@@ -103,7 +103,7 @@ def run(
         prefix_caching=False,
         speculative=speculation,
     ) as engine:
-        runner = engine._runner
+        runner = engine._core.runner
         if speculation is not None and not shared and runner.ragged_state_mixers is not None:
             runner.ragged_state_mixers.uninstall()
             runner.ragged_state_mixers = None

@@ -186,7 +186,7 @@ def engine_step(
         model, max_running=batch, max_context=max(sizes) + DECODE, prefix_caching=False
     ) as engine:
         if not attention:
-            kernel: Any = engine._runner.kernels.attention
+            kernel: Any = engine._core.runner.kernels.attention
             # The reference's rows call, or the CPU kernel's (same arguments).
             kernel._attend_rows = kernel._attend = _query_only
         for prompt in prompts:
@@ -194,11 +194,11 @@ def engine_step(
         engine.run()
         stats = engine.stats
         steps = max(stats.decode_steps, 1)
-        head = ENGINE_HEAD if engine._runner.decode_forward is not None else MLX_LM_HEAD
+        head = ENGINE_HEAD if engine._core.runner.decode_forward is not None else MLX_LM_HEAD
         # Every step greedy: the screen picks the tokens where it serves, else the logits'
         # argmax.
         used = {GREEDY_HEAD} if stats.greedy_head_steps == steps else {KERNEL_HEAD, head, ARGMAX}
-        used.add(FAST_MLPS if engine._runner.fast_mlps else MLX_LM_MLPS)
+        used.add(FAST_MLPS if engine._core.runner.fast_mlps else MLX_LM_MLPS)
         return stats.decode_seconds / steps, stats.decode_device_seconds / steps, used
 
 
@@ -300,7 +300,7 @@ def attention_cost(model: Any, batch: int, seed: int, lengths: Sequence[int]) ->
     from kv_serve import build_engine
 
     with build_engine(model, max_running=1, max_context=64, prefix_caching=False) as probe:
-        kernel = probe._runner.kernels.attention
+        kernel = probe._core.runner.kernels.attention
         if not isinstance(kernel, (ReferencePagedAttention, CpuPagedAttention)):
             return None
     with_attention: list[float] = []

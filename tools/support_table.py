@@ -287,17 +287,17 @@ def check_speculation(model: Any) -> str:
             ids = [engine.submit(p, MAX_TOKENS) for p in prompts]
             out = engine.run()
             ids += [engine.submit(p, MAX_TOKENS) for p in later]
-            while len(engine._scheduler.running) < len(later) and engine.has_work:
+            while len(engine._core.scheduler.running) < len(later) and engine.has_work:
                 engine.step()
             for _ in range(2):
                 engine.step()
-            if engine._scheduler.running:
-                engine._scheduler.preempt(engine._scheduler.running[-1])
+            if engine._core.scheduler.running:
+                engine._core.scheduler.preempt(engine._core.scheduler.running[-1])
             out.update(engine.run())
             prompts = [*prompts, *later]
             steps = engine.stats.speculative_steps
             hits, preemptions = engine.stats.prefix_hit_tokens, engine.stats.preemptions
-            runner = engine._runner
+            runner = engine._core.runner
             if not runner.state_layer_ids:
                 how = ""
             elif runner.ragged_state_mixers is None:

@@ -141,7 +141,7 @@ def test_a_prompt_arriving_beside_a_decode_is_prefilled_in_small_chunks() -> Non
     assert list(plain.stats.prefill_chunk_tokens) == [3, 64, 26]
     # A stall bound far below any real cost: every chunk beside a decode is the smallest.
     bounded = engine(prefill_stall=1e-9)
-    assert bounded._prefill_budget.min_chunk == 16
+    assert bounded._prefill_phase.budget.min_chunk == 16
     tokens = run_with_arrival(bounded)
     assert list(bounded.stats.prefill_chunk_tokens) == [3, 16, 16, 16, 16, 16, 10]
     assert bounded.stats.prefill_chunks == 7
