@@ -25,6 +25,7 @@ FACES: dict[str, set[str]] = {
         "DecodeEngine",
         "DecodePlan",
         "DecodeRoute",
+        "EngineConfig",
         "EngineMemoryReport",
         "EngineStats",
         "FUSED_ROPE_MAP_ERROR",
@@ -228,6 +229,7 @@ POOL_MEMBERS = {
 ENGINE_MEMBERS = {
     "abort",
     "close",
+    "config",
     "fingerprint",
     "decode_plan",
     "has_work",

@@ -3,10 +3,11 @@
 :class:`DecodeEngine` serves many requests on one model through any ``kv_protocol.KVPool``:
 admission by pool capacity, chunked prefill, one batched decode per step, one pool reservation
 per decode batch and per prefill chunk, and speculative decoding (:class:`SpeculationConfig`,
-:class:`NgramProposer`). :class:`BatchedDecodeContext` is the padding and
-position arithmetic of one batched step; :func:`patch_model_attention` wraps a model's attention
-modules for the paged fast path. Everything else (the scheduler, the runner, the per-layer
-decode caches, the recurrent-state helpers) stays importable from the private modules.
+:class:`NgramProposer`); its settings are one :class:`EngineConfig`.
+:class:`BatchedDecodeContext` is the padding and position arithmetic of one batched step;
+:func:`patch_model_attention` wraps a model's attention modules for the paged fast path.
+Everything else (the step's phases, the scheduler, the runner, the per-layer decode caches,
+the recurrent-state helpers) stays importable from the private modules.
 """
 
 from ._agreement import RankAgreement
@@ -14,6 +15,7 @@ from ._context import FUSED_ROPE_MAP_ERROR, BatchedDecodeContext
 from ._decode_paths import DecodePlan
 from ._decode_step import DecodeRoute
 from ._engine import DEFAULT_STATE_CACHE_BYTES, DecodeEngine, PrefillCacheFactory
+from ._engine_config import EngineConfig
 from ._engine_stats import EngineMemoryReport, EngineStats
 from ._model_forward import last_position_forward, vocabulary_size
 from ._patching import is_patched, patch_model_attention, unpatch_model_attention
@@ -39,6 +41,7 @@ __all__ = [
     "DecodeEngine",
     "DecodePlan",
     "DecodeRoute",
+    "EngineConfig",
     "EngineMemoryReport",
     "EngineStats",
     "NgramProposer",

@@ -41,8 +41,9 @@ from ._cache_nesting import CacheNesting
 from ._decode_paths import DecodePlan, choose_decode_paths
 from ._decode_phase import DecodePhase
 from ._decode_step import PoolAddressing
+from ._engine_config import EngineConfig
 from ._engine_core import EngineCore, PrefillCacheFactory, kv_length
-from ._engine_stats import DEFAULT_STATS_WINDOW, EngineMemoryReport, EngineStats
+from ._engine_stats import EngineMemoryReport, EngineStats
 from ._fast_mlp import patch_model_mlps, unpatch_model_mlps
 from ._model_forward import (
     decode_forward,
@@ -59,7 +60,6 @@ from ._requests import EngineRequest, RequestOutput, RequestStatus, RequestTable
 from ._sampling import Sampler, SamplingParams, TokenLogprob
 from ._scheduler import Scheduler
 from ._snapshot_policy import DEFAULT_STATE_CACHE_BYTES, SnapshotPolicy, snapshot_at
-from ._speculative import SpeculationConfig
 from ._state_cache import StateCacheFactory, model_state_caches, request_state_bytes
 from ._verification import Verifier
 
@@ -105,6 +105,9 @@ def _choose_prefix_cache(pool: KVPool, wanted: bool | None) -> KVPrefixCache | N
 
 class DecodeEngine:
     """Serve many generation requests on one model through a paged KV pool.
+
+    The settings are one :class:`EngineConfig` (``config``, checked when it is made); each of
+    its fields may also be given by keyword (``max_running=4``), replacing the config's.
 
     ``make_prefill_cache(pool, reservation, layer_id)`` builds the per-layer caches a prompt
     chunk is prefilled through (the original model path, in chunks of at most
@@ -188,58 +191,39 @@ class DecodeEngine:
         pool: KVPool,
         kernels: KernelSet,
         make_prefill_cache: PrefillCacheFactory,
+        config: EngineConfig | None = None,
         *,
-        max_running: int = 16,
-        prefill_chunk: int = 512,
-        seed: int = 0,
-        record_pages: bool = True,
-        vocab_size: int | None = None,
-        prefill_last_logits: bool = True,
-        stats_window: int | None = DEFAULT_STATS_WINDOW,
-        decode_path: str = "auto",
         make_state_caches: StateCacheFactory | None = None,
-        state_budget_bytes: int | None = None,
-        prefix_caching: bool | None = None,
-        prefill_stall: float | None = None,
-        state_snapshot_interval: int | None = None,
-        state_cache_bytes: int | None = None,
-        step_snapshots: bool = False,
-        speculation: SpeculationConfig | None = None,
         agreement: RankAgreement | None = None,
-        fast_activations: bool = True,
+        **settings: Any,
     ) -> None:
-        max_running = check_int(max_running, "max_running", minimum=1)
-        if not isinstance(fast_activations, bool):
-            raise RequestStateError(f"fast_activations must be a bool, got {fast_activations!r}")
-        if speculation is not None and not isinstance(speculation, SpeculationConfig):
-            raise RequestStateError(
-                f"speculation must be a SpeculationConfig or None, got {type(speculation)!r}"
-            )
+        config = EngineConfig.from_settings(config, settings)
+        self._config = config
+        speculation = config.speculation
         if speculation is not None and agreement is not None:
             raise RequestStateError(
                 "speculative decoding does not run on tensor-parallel ranks (speculation= "
                 "and agreement= together); serve with one of them"
             )
-        if state_budget_bytes is not None:
-            state_budget_bytes = check_int(state_budget_bytes, "state_budget_bytes", minimum=1)
-        prefill_budget = PrefillBudget(prefill_chunk, prefill_stall=prefill_stall)
-        seed = check_int(seed, "seed", minimum=0, maximum=2**64 - 1)
+        prefill_budget = PrefillBudget(config.prefill_chunk, prefill_stall=config.prefill_stall)
         model_layout = layout_from_model(model)
         _check_layouts(model_layout, pool.layout)
         nesting = CacheNesting.from_model(model)
         state_layer_ids = tuple(model_layout.state_layer_ids)
         self._model = model
         # Checked before anything is built (the decode paths patch the model).
-        prefix_cache = _choose_prefix_cache(pool, prefix_caching)
+        prefix_cache = _choose_prefix_cache(pool, config.prefix_caching)
         snapshots = SnapshotPolicy.choose(
-            prefix_cache, bool(state_layer_ids), state_snapshot_interval, state_cache_bytes
+            prefix_cache,
+            bool(state_layer_ids),
+            config.state_snapshot_interval,
+            config.state_cache_bytes,
         )
-        if not isinstance(step_snapshots, bool):
-            raise RequestStateError(f"step_snapshots must be a bool, got {step_snapshots!r}")
-        step_snapshots = step_snapshots and bool(state_layer_ids)
+        step_snapshots = config.step_snapshots and bool(state_layer_ids)
         if state_layer_ids and make_state_caches is None:
             make_state_caches = model_state_caches(model, model_layout)
         table_rows = vocabulary_size(model)
+        vocab_size = config.vocab_size
         if vocab_size is None:
             if table_rows is None:
                 raise UnsupportedModelError(
@@ -247,7 +231,6 @@ class DecodeEngine:
                     "table, no args.vocab_size): pass vocab_size= to DecodeEngine"
                 )
             vocab_size = table_rows
-        vocab_size = check_int(vocab_size, "vocab_size", minimum=1)
         if table_rows is not None and vocab_size > table_rows:
             raise UnsupportedModelError(
                 f"vocab_size={vocab_size} is larger than the model's embedding table "
@@ -257,7 +240,7 @@ class DecodeEngine:
         quantized_head = getattr(kernels, "quantized_head", None)
         self._prefill_forward = (
             last_position_forward(model, vocab_size, quantized_head)
-            if prefill_last_logits
+            if config.prefill_last_logits
             else None
         )
         head_decode_forward = decode_forward(model, vocab_size, quantized_head)
@@ -266,7 +249,7 @@ class DecodeEngine:
             pool,
             kernels,
             make_prefill_cache,
-            decode_path,
+            config.decode_path,
             vocab_size=vocab_size,
             num_layers=model_layout.num_layers,
             state_caches=make_state_caches,
@@ -275,9 +258,9 @@ class DecodeEngine:
             prefill_forward=self._prefill_forward,
             decode_forward=head_decode_forward,
         )
-        self._record_pages = record_pages
+        self._record_pages = config.record_pages
         self._vocab_size = vocab_size
-        stats = EngineStats(window=stats_window)
+        stats = EngineStats(window=config.stats_window)
         runner = ModelRunner(
             model,
             pool,
@@ -288,7 +271,7 @@ class DecodeEngine:
             prefill_forward=self._prefill_forward,
             decode_forward=head_decode_forward,
             # Outside the runner's forwards a swapped MLP is the model's own call.
-            fast_mlps=fast_activations and patch_model_mlps(model) > 0,
+            fast_mlps=config.fast_activations and patch_model_mlps(model) > 0,
         )
         #: Evaluation inside the forward (native CPU kernels'), counted as device time.
         EVALUATION_CLOCK.take()  # the construction probes' evaluations
@@ -299,7 +282,10 @@ class DecodeEngine:
                 model, nesting, model_layout.num_layers, state_layer_ids, make_state_caches
             )
         scheduler = Scheduler(
-            pool, stats, max_running=max_running, state_budget_bytes=state_budget_bytes
+            pool,
+            stats,
+            max_running=config.max_running,
+            state_budget_bytes=config.state_budget_bytes,
         )
         if state_layer_ids:
             # Known before the first admission, so a state budget holds from the start.
@@ -313,7 +299,7 @@ class DecodeEngine:
             pool=pool,
             scheduler=scheduler,
             runner=runner,
-            sampler=Sampler(seed, agree=None if agreement is None else agreement.tokens),
+            sampler=Sampler(config.seed, agree=None if agreement is None else agreement.tokens),
             stats=stats,
             requests=RequestTable(),
             make_prefill_cache=make_prefill_cache,
@@ -351,6 +337,11 @@ class DecodeEngine:
         )
         # Tokens of a step that raised, handed out by the next step.
         self._undelivered: dict[int, list[int]] = {}
+
+    @property
+    def config(self) -> EngineConfig:
+        """The settings this engine was built with (checked, in their normal forms)."""
+        return self._config
 
     @property
     def pool(self) -> KVPool:
