@@ -55,6 +55,7 @@ from ._server_messages import (
     messages_to_chat,
     stop_reason,
 )
+from ._server_metrics import ServerMetrics, metrics_text
 from ._server_page import PAGE_HTML, status_payload
 from ._server_protocol import (
     CompletionRequest,
@@ -94,65 +95,12 @@ __all__ = ["KVServer", "RunningServer", "ServerMetrics"]
 
 logger = logging.getLogger("kv_serve.server")
 
-#: Latency histogram bucket bounds, seconds (Prometheus ``le``).
-_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 #: How often a waiting handler checks whether its client is still there, seconds.
 _DISCONNECT_POLL = 0.25
 
 
 class _ClientGone(Exception):
     """The client disconnected while its request waited or ran."""
-
-
-class _Histogram:
-    """A fixed-bucket histogram (bounded memory, Prometheus cumulative buckets)."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * len(_BUCKETS)
-        self.total = 0
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.total += 1
-        self.sum += seconds
-        for i, bound in enumerate(_BUCKETS):
-            if seconds <= bound:
-                self.counts[i] += 1
-                break
-
-    def lines(self, name: str) -> list[str]:
-        out, running = [], 0
-        for bound, count in zip(_BUCKETS, self.counts, strict=True):
-            running += count
-            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.total}')
-        out.append(f"{name}_sum {self.sum:.6f}")
-        out.append(f"{name}_count {self.total}")
-        return out
-
-
-class ServerMetrics:
-    """Request counters and latency histograms of a server (updated on its event loop)."""
-
-    def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.requests: dict[str, int] = {}
-        self.rejected: dict[int, int] = {}
-        self.latency = _Histogram()
-        self.first_token = _Histogram()
-        self.inter_token = _Histogram()
-
-    def finished(self, reason: str, prompt: int, generated: int, seconds: float) -> None:
-        """Account a request that ran (whatever its end)."""
-        self.requests[reason] = self.requests.get(reason, 0) + 1
-        self.prompt_tokens += prompt
-        self.generation_tokens += generated
-        self.latency.observe(seconds)
-
-    def reject(self, status: int) -> None:
-        """Account a request answered with an error status before or instead of running."""
-        self.rejected[status] = self.rejected.get(status, 0) + 1
 
 
 @dataclass
@@ -1172,124 +1120,7 @@ class KVServer:
 
     def metrics_text(self) -> str:
         """The Prometheus text exposition of the server's state."""
-        snap = self.worker.snapshot()
-        m = self.metrics
-        lines = [
-            "# HELP kv_serve_up Whether the engine thread runs.",
-            "# TYPE kv_serve_up gauge",
-            f"kv_serve_up {int(snap.alive)}",
-            "# HELP kv_serve_requests_running Requests decoding in the engine.",
-            "# TYPE kv_serve_requests_running gauge",
-            f"kv_serve_requests_running {snap.running}",
-            "# HELP kv_serve_requests_queued Requests waiting for admission.",
-            "# TYPE kv_serve_requests_queued gauge",
-            f"kv_serve_requests_queued {self.worker.waiting}",
-            "# HELP kv_serve_engine_requests Requests the engine keeps (active, unreleased).",
-            "# TYPE kv_serve_engine_requests gauge",
-            f"kv_serve_engine_requests {snap.engine_requests}",
-            "# HELP kv_serve_world_size Ranks the model is sharded over (tensor parallel).",
-            "# TYPE kv_serve_world_size gauge",
-            f"kv_serve_world_size {snap.world_size}",
-            "# HELP kv_serve_pool_kv_bytes Bytes of this rank's KV pool at its cap (its own "
-            "KV heads).",
-            "# TYPE kv_serve_pool_kv_bytes gauge",
-            f"kv_serve_pool_kv_bytes {snap.pool_bytes}",
-            "# HELP kv_serve_pool_committed_bytes Bytes the KV pool's buffers hold now (they "
-            "grow with use up to the cap and shrink when idle).",
-            "# TYPE kv_serve_pool_committed_bytes gauge",
-            f"kv_serve_pool_committed_bytes {snap.pool_committed_bytes}",
-            "# HELP kv_serve_pool_pages_used KV pages in use per sub-pool.",
-            "# TYPE kv_serve_pool_pages_used gauge",
-        ]
-        lines += [
-            f'kv_serve_pool_pages_used{{sub_pool="{n}"}} {v}' for n, v in snap.pages_used.items()
-        ]
-        lines += [
-            "# HELP kv_serve_pool_pages_total KV pages per sub-pool (null page included).",
-            "# TYPE kv_serve_pool_pages_total gauge",
-        ]
-        lines += [
-            f'kv_serve_pool_pages_total{{sub_pool="{n}"}} {v}' for n, v in snap.pages_total.items()
-        ]
-        lines += [
-            "# HELP kv_serve_pool_kv_bits Bits per value of a sub-pool's quantized KV pages "
-            "(0: the model's dtype).",
-            "# TYPE kv_serve_pool_kv_bits gauge",
-        ]
-        lines += [f'kv_serve_pool_kv_bits{{sub_pool="{n}"}} {v}' for n, v in snap.kv_bits.items()]
-        lines += [
-            "# HELP kv_serve_state_bytes Bytes of recurrent state the running requests hold.",
-            "# TYPE kv_serve_state_bytes gauge",
-            f"kv_serve_state_bytes {snap.state_bytes}",
-            "# HELP kv_serve_prefix_cache_hit_tokens_total Prompt tokens reused from the prefix "
-            "cache instead of prefilled.",
-            "# TYPE kv_serve_prefix_cache_hit_tokens_total counter",
-            f"kv_serve_prefix_cache_hit_tokens_total {snap.prefix_hit_tokens}",
-            "# HELP kv_serve_prefix_cache_pages Pages no request holds that keep a prompt "
-            "prefix for reuse (evictable).",
-            "# TYPE kv_serve_prefix_cache_pages gauge",
-            f"kv_serve_prefix_cache_pages {snap.prefix_cached_pages}",
-            "# HELP kv_serve_prefix_cache_evictions_total Cached prefix pages evicted.",
-            "# TYPE kv_serve_prefix_cache_evictions_total counter",
-            f"kv_serve_prefix_cache_evictions_total {snap.prefix_evictions}",
-            "# HELP kv_serve_state_snapshots Recurrent-state snapshots kept for prefix reuse.",
-            "# TYPE kv_serve_state_snapshots gauge",
-            f"kv_serve_state_snapshots {snap.state_snapshots}",
-            "# HELP kv_serve_state_snapshot_bytes Bytes of the recurrent-state snapshots kept.",
-            "# TYPE kv_serve_state_snapshot_bytes gauge",
-            f"kv_serve_state_snapshot_bytes {snap.state_snapshot_bytes}",
-            "# HELP kv_serve_state_snapshot_budget_bytes The snapshots' own byte budget.",
-            "# TYPE kv_serve_state_snapshot_budget_bytes gauge",
-            f"kv_serve_state_snapshot_budget_bytes {snap.state_snapshot_budget_bytes}",
-            "# HELP kv_serve_state_snapshot_hits_total Requests that resumed from a snapshot.",
-            "# TYPE kv_serve_state_snapshot_hits_total counter",
-            f"kv_serve_state_snapshot_hits_total {snap.state_snapshot_hits}",
-            "# HELP kv_serve_speculative_steps_total Speculative steps (a proposal verified).",
-            "# TYPE kv_serve_speculative_steps_total counter",
-            f"kv_serve_speculative_steps_total {snap.speculative_steps}",
-            "# HELP kv_serve_speculative_proposed_tokens_total Tokens proposed for verification.",
-            "# TYPE kv_serve_speculative_proposed_tokens_total counter",
-            f"kv_serve_speculative_proposed_tokens_total {snap.speculative_proposed}",
-            "# HELP kv_serve_speculative_accepted_tokens_total Proposed tokens the model kept.",
-            "# TYPE kv_serve_speculative_accepted_tokens_total counter",
-            f"kv_serve_speculative_accepted_tokens_total {snap.speculative_accepted}",
-            "# HELP kv_serve_engine_steps_total Engine steps.",
-            "# TYPE kv_serve_engine_steps_total counter",
-            f"kv_serve_engine_steps_total {snap.steps}",
-            "# HELP kv_serve_engine_preemptions_total Requests preempted back to the queue.",
-            "# TYPE kv_serve_engine_preemptions_total counter",
-            f"kv_serve_engine_preemptions_total {snap.preemptions}",
-            "# HELP kv_serve_prompt_tokens_total Prompt tokens of finished requests.",
-            "# TYPE kv_serve_prompt_tokens_total counter",
-            f"kv_serve_prompt_tokens_total {m.prompt_tokens}",
-            "# HELP kv_serve_generation_tokens_total Tokens generated for finished requests.",
-            "# TYPE kv_serve_generation_tokens_total counter",
-            f"kv_serve_generation_tokens_total {m.generation_tokens}",
-            "# HELP kv_serve_requests_total Requests that ran, by finish reason.",
-            "# TYPE kv_serve_requests_total counter",
-        ]
-        lines += [
-            f'kv_serve_requests_total{{finish_reason="{r}"}} {n}' for r, n in m.requests.items()
-        ]
-        lines += [
-            "# HELP kv_serve_requests_rejected_total Requests answered with an error status.",
-            "# TYPE kv_serve_requests_rejected_total counter",
-        ]
-        lines += [
-            f'kv_serve_requests_rejected_total{{status="{s}"}} {n}' for s, n in m.rejected.items()
-        ]
-        for name, hist, what in (
-            ("kv_serve_request_latency_seconds", m.latency, "Seconds from arrival to the end."),
-            ("kv_serve_time_to_first_token_seconds", m.first_token, "Seconds to the first token."),
-            (
-                "kv_serve_inter_token_latency_seconds",
-                m.inter_token,
-                "Seconds between streamed steps.",
-            ),
-        ):
-            lines += [f"# HELP {name} {what}", f"# TYPE {name} histogram"]
-            lines += hist.lines(name)
-        return "\n".join(lines) + "\n"
+        return metrics_text(self.worker.snapshot(), self.worker.waiting, self.metrics)
 
     # ------------------------------------------------------------------ app
 
