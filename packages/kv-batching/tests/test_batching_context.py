@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
 import pytest
+from batching_fakes import FakeKernels, FakeRope, decode_step
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -23,9 +22,6 @@ from kv_protocol import (
     ShapeMismatchError,
 )
 from kv_testing import ReferenceKVPool
-
-sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, FakeRope, decode_step
 
 
 def gpt_oss_like(window: int = 8) -> CacheLayout:

@@ -1,14 +1,18 @@
 from __future__ import annotations
 
 import math
-import sys
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from batching_fakes import (
+    CountingPrefillAttention,
+    FakeKernels,
+    FakeRope,
+    fake_prefill_cache,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,14 +30,6 @@ from kv_protocol import (
     layout_from_model,
 )
 from kv_testing import ReferenceKVPool, build_tiny_model, mlx_lm_greedy
-
-sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import (
-    CountingPrefillAttention,
-    FakeKernels,
-    FakeRope,
-    fake_prefill_cache,
-)
 
 PROMPTS = [[(5 * i + 3 * j + 1) % 64 for j in range(n)] for i, n in enumerate((1, 4, 7, 10, 12))]
 MAX_TOKENS = 10

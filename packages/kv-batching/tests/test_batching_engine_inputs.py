@@ -6,21 +6,17 @@ Token ids past the vocabulary used to read memory past the embedding table (and 
 
 from __future__ import annotations
 
-import sys
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from batching_fakes import FakeKernels, fake_prefill_cache
 
 from kv_batching import DecodeEngine, vocabulary_size
 from kv_protocol import KVCacheError, RequestStateError, UnsupportedModelError, layout_from_model
 from kv_testing import ReferenceKVPool, build_tiny_model, mlx_lm_greedy
-
-sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, fake_prefill_cache
 
 VOCAB = 64
 

@@ -7,20 +7,16 @@ stay exact whatever the window.
 
 from __future__ import annotations
 
-import sys
 import tracemalloc
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
+from batching_fakes import FakeKernels, fake_prefill_cache
 
 from kv_batching import DecodeEngine, EngineStats, RequestStatus
 from kv_protocol import RequestStateError, UnknownRequestError, layout_from_model
 from kv_testing import ReferenceKVPool, build_tiny_model, mlx_lm_greedy
-
-sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, fake_prefill_cache
 
 PROMPTS = [[(7 * i + 3 * j + 2) % 64 for j in range(n)] for i, n in enumerate((2, 5, 9, 3))]
 MAX_TOKENS = 6

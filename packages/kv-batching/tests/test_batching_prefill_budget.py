@@ -8,12 +8,11 @@ another request decodes is spread over small chunks, the tokens stay mlx-lm's.
 from __future__ import annotations
 
 import math
-import sys
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
+from batching_fakes import FakeKernels, fake_prefill_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,9 +20,6 @@ from kv_batching import DecodeEngine
 from kv_batching._prefill_budget import PrefillBudget
 from kv_protocol import layout_from_model
 from kv_testing import ReferenceKVPool, build_tiny_model, mlx_lm_greedy
-
-sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, fake_prefill_cache
 
 
 def test_without_a_stall_bound_every_step_gets_the_whole_chunk() -> None:

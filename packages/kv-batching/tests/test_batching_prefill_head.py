@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from batching_fakes import FakeKernels, fake_prefill_cache
 
 from kv_batching import DecodeEngine, last_position_forward
 from kv_protocol import layout_from_model
 from kv_testing import ARCHITECTURES, ReferenceKVPool, build_tiny_model, mlx_lm_greedy
-
-sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import FakeKernels, fake_prefill_cache
 
 VOCAB = 64
 

@@ -8,9 +8,6 @@ lengths are what the model of the requests says.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -20,8 +17,6 @@ from kv_batching._requests import EngineRequest
 from kv_batching._scheduler import Scheduler
 from kv_protocol import CacheLayout, LayerKind, LayerSpec
 from kv_testing import ReferenceBookkeeping, ReferenceKVPool
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def layout() -> CacheLayout:

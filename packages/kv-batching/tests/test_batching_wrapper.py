@@ -1,14 +1,13 @@
 from __future__ import annotations
 
 import math
-import sys
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from batching_fakes import CountingPrefillAttention, FakeKernels, FakeRope, decode_step
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -25,9 +24,6 @@ from kv_protocol import (
     layout_from_model,
 )
 from kv_testing import ReferenceKVPool, build_tiny_model
-
-sys.path.insert(0, str(Path(__file__).parent))
-from batching_fakes import CountingPrefillAttention, FakeKernels, FakeRope, decode_step
 
 ARCHS = ("gpt_oss", "gemma3_text", "cohere2", "olmo3")
 

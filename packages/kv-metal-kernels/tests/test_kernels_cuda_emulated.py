@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_kernels_paged_attention import Batch, dense_oracle, make_batch
 
 from kv_metal_kernels import ReferenceRopeScatter
 from kv_metal_kernels._native import merge_partials
@@ -31,9 +31,6 @@ from kv_metal_kernels._sources import (
     paged_group_size,
 )
 from kv_protocol import KVQuantization, RopeConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kernels_paged_attention import Batch, dense_oracle, make_batch
 
 GXX = shutil.which("g++")
 

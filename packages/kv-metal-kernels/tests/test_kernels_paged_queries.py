@@ -8,9 +8,7 @@ those positions, read through the page table by hand.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
@@ -18,13 +16,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_kernels_paged_attention import DTYPES, TOL, Batch, f32, make_batch, run
 
 from kv_metal_kernels import CpuPagedAttention, NativePagedAttention, ReferencePagedAttention
 from kv_metal_kernels import _paged_reference as paged_reference
 from kv_protocol import KVQuantization, PagedQueryAttention, ShapeMismatchError
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_kernels_paged_attention import DTYPES, TOL, Batch, f32, make_batch, run
 
 KERNELS: tuple[ReferencePagedAttention | CpuPagedAttention, ...] = (
     ReferencePagedAttention(),

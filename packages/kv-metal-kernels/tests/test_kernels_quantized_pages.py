@@ -8,20 +8,13 @@ and sinks as for plain pools.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kv_metal_kernels import NativePagedAttention, ReferencePagedAttention
-from kv_protocol import KVQuantization, QuantizedKV, ShapeMismatchError
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_kernels_paged_attention import (
     TOL,
     Batch,
@@ -31,6 +24,9 @@ from test_kernels_paged_attention import (
     native_params,
     run,
 )
+
+from kv_metal_kernels import NativePagedAttention, ReferencePagedAttention
+from kv_protocol import KVQuantization, QuantizedKV, ShapeMismatchError
 
 
 def quantized(batch: Batch, quant: KVQuantization) -> tuple[Batch, Batch]:

@@ -10,14 +10,14 @@ a shrink) or the cap.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
+from test_pool_prefix_cache import PrefixCacheMachine, PrefixCacheUnderPressure, layout
+from test_pool_state_machine import LAYERS, LAYOUT, NAMES, NUM, PAGE, PoolMachine
 
 from kv_pool import HybridKVPool, PageAllocator
 from kv_pool._inspect import allocator
@@ -29,10 +29,6 @@ from kv_protocol import (
     LayoutError,
     stored_arrays,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pool_prefix_cache import PrefixCacheMachine, PrefixCacheUnderPressure, layout
-from test_pool_state_machine import LAYERS, LAYOUT, NAMES, NUM, PAGE, PoolMachine
 
 SLABS = {"sliding-w5-1x2": 2, "full-1x2": 3, "sliding-w3-2x2": 1, "full-2x4": 5}
 
