@@ -24,7 +24,6 @@ from kv_protocol import (
     EVALUATION_CLOCK,
     CacheLayout,
     KernelSet,
-    KVLifetime,
     KVPool,
     KVPoolMemory,
     KVPrefixCache,
@@ -32,7 +31,6 @@ from kv_protocol import (
     RequestStateError,
     UnsupportedModelError,
     check_int,
-    check_int_sequence,
     layout_from_model,
 )
 
@@ -42,9 +40,10 @@ from ._decode_paths import DecodePlan, choose_decode_paths
 from ._decode_phase import DecodePhase
 from ._decode_step import PoolAddressing
 from ._engine_config import EngineConfig
-from ._engine_core import EngineCore, PrefillCacheFactory, kv_length
+from ._engine_core import EngineCore, PrefillCacheFactory
 from ._engine_stats import EngineMemoryReport, EngineStats
 from ._fast_mlp import patch_model_mlps, unpatch_model_mlps
+from ._intake import UNSET, new_requests, short_sampling
 from ._model_forward import (
     decode_forward,
     last_position_forward,
@@ -56,17 +55,14 @@ from ._patching import unpatch_model_attention
 from ._prefill_budget import PrefillBudget
 from ._prefill_phase import PrefillPhase
 from ._ragged_state import install_ragged_state_mixers
-from ._requests import EngineRequest, RequestOutput, RequestStatus, RequestTable
+from ._requests import RequestOutput, RequestStatus, RequestTable
 from ._sampling import Sampler, SamplingParams, TokenLogprob
 from ._scheduler import Scheduler
-from ._snapshot_policy import DEFAULT_STATE_CACHE_BYTES, SnapshotPolicy, snapshot_at
+from ._snapshot_policy import DEFAULT_STATE_CACHE_BYTES, SnapshotPolicy, rewind
 from ._state_cache import StateCacheFactory, model_state_caches, request_state_bytes
 from ._verification import Verifier
 
 __all__ = ["DEFAULT_STATE_CACHE_BYTES", "DecodeEngine", "PrefillCacheFactory"]
-
-#: A keyword argument not given (``None`` is a value the checks refuse or take).
-_UNSET: Any = object()
 
 
 def _check_layouts(model_layout: CacheLayout, pool_layout: CacheLayout) -> None:
@@ -395,10 +391,10 @@ class DecodeEngine:
         max_tokens: int,
         *,
         sampling: SamplingParams | None = None,
-        temperature: float = _UNSET,
-        top_p: float = _UNSET,
+        temperature: float = UNSET,
+        top_p: float = UNSET,
         stop_tokens: Iterable[int] | mx.array = (),
-        seed: int | None = _UNSET,
+        seed: int | None = UNSET,
     ) -> int:
         """Queue a request; returns its id. Nothing runs until :meth:`step`.
 
@@ -419,7 +415,7 @@ class DecodeEngine:
             prompt_tokens,
             max_tokens,
             1,
-            sampling=self._sampling(sampling, temperature, top_p, seed),
+            sampling=short_sampling(sampling, temperature, top_p, seed),
             stop_tokens=stop_tokens,
         )[0]
 
@@ -447,84 +443,20 @@ class DecodeEngine:
         ``len(prompt) + max_tokens`` tokens could never be in the pool together, counting the
         prompt's full pages once; other checks as for :meth:`submit`.
         """
-        params = sampling if sampling is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestStateError(f"sampling must be a SamplingParams, got {params!r}")
-        n = check_int(n, "n", minimum=1)
-        top = self._vocab_size - 1
-        prompt = check_int_sequence(
-            _host_tokens(prompt_tokens, "prompt_tokens"), "prompt_tokens", minimum=0, maximum=top
+        requests = new_requests(
+            self._core.requests.next_id(),
+            prompt_tokens,
+            max_tokens,
+            n,
+            sampling=sampling,
+            stop_tokens=stop_tokens,
+            vocab_size=self._vocab_size,
+            pool=self._core.pool,
         )
-        if not prompt:
-            raise RequestStateError("prompt_tokens must hold at least one token")
-        max_tokens = check_int(max_tokens, "max_tokens", minimum=1)
-        stops = check_int_sequence(
-            _host_tokens(stop_tokens, "stop_tokens"), "stop_tokens", minimum=0, maximum=top
-        )
-        bad = [t for t in params.logit_bias if t > top]
-        if bad:
-            raise RequestStateError(
-                f"logit_bias names token ids {bad} past the vocabulary (ids are 0..{top})"
-            )
-        if n > 1:
-            self._check_sequences_fit(len(prompt), max_tokens, n)
-        requests = []
-        for i in range(n):
-            seed = None if params.seed is None else (params.seed + i) % 2**64
-            request = EngineRequest(
-                self._core.requests.next_id() + i,
-                prompt,
-                max_tokens,
-                params,
-                frozenset(stops),
-                seed,
-            )
-            requests.append(request)
-        leader, followers = requests[0], requests[1:]
-        for follower in followers:
-            follower.leader = leader
-        leader.followers = followers
         for request in requests:
             self._core.requests.add(request)
-        self._core.scheduler.enqueue(leader)
+        self._core.scheduler.enqueue(requests[0])
         return [r.rid for r in requests]
-
-    def _sampling(
-        self, sampling: SamplingParams | None, temperature: float, top_p: float, seed: int | None
-    ) -> SamplingParams:
-        """The request's params from ``sampling`` or the short keyword form (not both)."""
-        given = [
-            name
-            for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed))
-            if value is not _UNSET
-        ]
-        if sampling is not None:
-            if given:
-                raise RequestStateError(
-                    f"give sampling= or {', '.join(given)}, not both (they set the same fields)"
-                )
-            return sampling
-        return SamplingParams(
-            temperature=0.0 if temperature is _UNSET else temperature,
-            top_p=1.0 if top_p is _UNSET else top_p,
-            seed=None if seed is _UNSET else seed,
-        )
-
-    def _check_sequences_fit(self, prompt_len: int, max_tokens: int, n: int) -> None:
-        """Refuse ``n`` sequences that could never be in the pool together."""
-        total = prompt_len + max_tokens
-        for sub in self._core.pool.memory_report().sub_pools:
-            lifetime = KVLifetime(sub.window)
-            own = lifetime.peak_pages(total, sub.page_size)
-            # Full pages of the prompt are shared by every sequence of a full sub-pool.
-            shared = prompt_len // sub.page_size if sub.window is None else 0
-            need = own + (n - 1) * max(own - shared, 0)
-            if need > sub.num_pages - 1:
-                raise RequestStateError(
-                    f"n={n} sequences of {total} tokens need at least {need} pages of sub-pool "
-                    f"{sub.name!r} together, which holds {sub.num_pages - 1}; ask for fewer "
-                    "sequences or tokens"
-                )
 
     def token_logprobs(self, request_id: int, start: int = 0) -> tuple[TokenLogprob, ...]:
         """The generated tokens' logprobs from index ``start`` on (the request asked for them).
@@ -600,41 +532,7 @@ class DecodeEngine:
                 f"request {request_id} is {request.status.value}; only a running request can "
                 "be restored to an earlier position"
             )
-        position = check_int(position, "position", minimum=0)
-        length = kv_length(request)
-        if not len(request.prompt) <= position <= length:
-            raise RequestStateError(
-                f"request {request_id} can be restored to positions {len(request.prompt)}.."
-                f"{length} (its prompt to its current length), not {position}"
-            )
-        if getattr(request, "constraint", None) is not None:
-            raise RequestStateError(
-                f"request {request_id} decodes under a constraint whose state cannot be rolled back"
-            )
-        states: list[Any] | None = None
-        if self._core.state_layer_ids:
-            snapshot = snapshot_at(request, position, self._snapshots)
-            if snapshot is None:
-                raise RequestStateError(
-                    f"request {request_id} has no state snapshot at position {position}: "
-                    "restore to the position before its last decode step (step_snapshots=True) "
-                    "or to a prefix boundary where a snapshot is kept"
-                )
-            states = snapshot.caches()
-        self._core.pool.trim_request(request.rid, length - position)
-        text = request.prompt + request.generated
-        if request.hashes is not None:
-            request.hashes.truncate(position, text)
-        kept = position - len(request.prompt) + 1
-        del request.generated[kept:]
-        if request.logprobs is not None:
-            del request.logprobs[kept:]
-        if states is not None:
-            request.states = states
-        pending = request.pending_snapshot
-        if pending is not None and pending.position > position:
-            request.pending_snapshot = None
-        request.step_snapshot = None
+        rewind(request, position, self._core, self._snapshots)
 
     def output(self, request_id: int) -> RequestOutput:
         """The request's prompt, generated tokens so far, status and finish reason."""
@@ -764,15 +662,3 @@ class DecodeEngine:
         while self.has_work:
             self.step()
         return {r.rid: list(r.generated) for r in self._core.requests}
-
-
-def _host_tokens(tokens: object, what: str) -> object:
-    """Token ids as host values: an ``mx.array`` of an integer dtype becomes a list."""
-    if isinstance(tokens, mx.array):
-        if not mx.issubdtype(tokens.dtype, mx.integer) or tokens.ndim > 1:
-            raise RequestStateError(
-                f"{what} must be a 1-D integer array or a sequence of ints, got an array of "
-                f"shape {tuple(tokens.shape)} and dtype {tokens.dtype}"
-            )
-        return tokens.reshape(-1).tolist()
-    return tokens

@@ -17,10 +17,11 @@ import mlx.core as mx
 
 from kv_protocol import KVPrefixCache, RequestStateError, check_int
 
+from ._engine_core import EngineCore, kv_length
 from ._requests import EngineRequest
 from ._state_snapshots import StateSnapshot, StateSnapshotCache
 
-__all__ = ["DEFAULT_STATE_CACHE_BYTES", "SnapshotPolicy", "snapshot_at"]
+__all__ = ["DEFAULT_STATE_CACHE_BYTES", "SnapshotPolicy", "rewind", "snapshot_at"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,3 +184,50 @@ def snapshot_at(
     if position > hashes.num_tokens:
         return None
     return policy.cache.get(hashes.prefix_hash(position))
+
+
+def rewind(
+    request: EngineRequest, position: int, core: EngineCore, policy: SnapshotPolicy | None
+) -> None:
+    """Roll running ``request`` back to its first ``position`` tokens of text.
+
+    Generated tokens past it are dropped (with their logprobs), the pool gives back the
+    positions past it, and a recurrent state becomes the snapshot taken there (see
+    :func:`snapshot_at`). Every check comes first: nothing changes on an error.
+    """
+    request_id = request.rid
+    position = check_int(position, "position", minimum=0)
+    length = kv_length(request)
+    if not len(request.prompt) <= position <= length:
+        raise RequestStateError(
+            f"request {request_id} can be restored to positions {len(request.prompt)}.."
+            f"{length} (its prompt to its current length), not {position}"
+        )
+    if getattr(request, "constraint", None) is not None:
+        raise RequestStateError(
+            f"request {request_id} decodes under a constraint whose state cannot be rolled back"
+        )
+    states: list[Any] | None = None
+    if core.state_layer_ids:
+        snapshot = snapshot_at(request, position, policy)
+        if snapshot is None:
+            raise RequestStateError(
+                f"request {request_id} has no state snapshot at position {position}: "
+                "restore to the position before its last decode step (step_snapshots=True) "
+                "or to a prefix boundary where a snapshot is kept"
+            )
+        states = snapshot.caches()
+    core.pool.trim_request(request.rid, length - position)
+    text = request.prompt + request.generated
+    if request.hashes is not None:
+        request.hashes.truncate(position, text)
+    kept = position - len(request.prompt) + 1
+    del request.generated[kept:]
+    if request.logprobs is not None:
+        del request.logprobs[kept:]
+    if states is not None:
+        request.states = states
+    pending = request.pending_snapshot
+    if pending is not None and pending.position > position:
+        request.pending_snapshot = None
+    request.step_snapshot = None
