@@ -9,11 +9,15 @@ shows tool calls as they arrive; the pool view polls ``GET /status``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from ._server_worker import WorkerSnapshot
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-__all__ = ["PAGE_HTML", "status_payload"]
+from ._server_metrics import ServerMetrics
+from ._server_worker import EngineWorker, WorkerSnapshot
+
+__all__ = ["PAGE_HTML", "PageEndpoints", "status_payload"]
 
 
 def status_payload(
@@ -58,6 +62,32 @@ def status_payload(
             "errors": snapshot.errors,
         },
     }
+
+
+@dataclass
+class PageEndpoints:
+    """``GET /`` (the page) and ``GET /status`` (what it polls)."""
+
+    model_name: str
+    tokenizer: Any
+    worker: EngineWorker
+    metrics: ServerMetrics
+
+    async def page(self) -> Response:
+        """The page."""
+        return HTMLResponse(PAGE_HTML)
+
+    async def status(self) -> Response:
+        """The engine's state and the server's counters, as JSON."""
+        return JSONResponse(
+            status_payload(
+                model=self.model_name,
+                chat=bool(getattr(self.tokenizer, "chat_template", None)),
+                snapshot=self.worker.snapshot(),
+                prompt_tokens=self.metrics.prompt_tokens,
+                generation_tokens=self.metrics.generation_tokens,
+            )
+        )
 
 
 PAGE_HTML = """<!doctype html>

@@ -1,0 +1,255 @@
+"""A request body checked and turned into engine work: its prompts, sampling and limits.
+
+Everything a request can be refused for before anything is queued is refused here: the
+wrong model, a chat without a chat template, a prompt that encodes to nothing, a prompt plus
+``max_tokens`` beyond the context or beyond what the KV pool could ever hold, sampling values
+the engine refuses, output constraints the model cannot follow (:mod:`._server_policy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kv_batching import SamplingParams
+from kv_pool import pages_per_request
+from kv_protocol import RequestStateError
+
+from ._server_harmony import HarmonyText
+from ._server_policy import OutputPolicy
+from ._server_protocol import (
+    CompletionRequest,
+    OpenAIError,
+    parse_chat_request,
+    parse_completion_request,
+)
+from ._server_text import IncrementalDecoder
+from ._server_tools import OutputSplitter, ToolCallText, ToolFormat
+from ._server_worker import EngineWorker, RequestParams
+
+__all__ = ["PreparedRequest", "Prompt", "RequestPreparer", "model_not_found"]
+
+
+def model_not_found(name: str, served: str) -> OpenAIError:
+    """The 404 for a request naming model ``name`` of a server that serves ``served``."""
+    return OpenAIError(
+        404,
+        f"The model {name!r} does not exist; this server serves {served!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its tokens, the text ``echo`` gives back, its engine params.
+
+    ``skip_special``: the prompt was text, so its special tokens (BOS) are no part of the
+    echoed text. ``skip_first``: a token-id prompt starting with the BOS that encoding a text
+    adds; it is not echoed either, so a text and its token ids echo the same.
+    """
+
+    tokens: list[int]
+    echo_text: str
+    skip_special: bool
+    skip_first: bool
+    params: RequestParams
+    _pieces: tuple[list[str], list[int]] | None = None
+
+    def pieces(self, tokenizer: Any) -> tuple[list[str], list[int]]:
+        """Each prompt token's text and where it starts in the echoed text."""
+        if self._pieces is None:
+            decoder = IncrementalDecoder(tokenizer, skip_special_tokens=self.skip_special)
+            skipped = 1 if self.skip_first else 0
+            pieces: list[str] = [""] * skipped
+            offsets: list[int] = [0] * skipped
+            at = 0
+            for token in self.tokens[skipped:]:
+                offsets.append(at)
+                pieces.append(decoder.push(token))
+                at += len(pieces[-1])
+            pieces[-1] += decoder.flush()
+            self._pieces = pieces, offsets
+        return self._pieces
+
+
+@dataclass
+class PreparedRequest:
+    """A checked request: its prompts with their engine parameters."""
+
+    request: CompletionRequest
+    prompts: list[Prompt]
+    chat: bool
+    #: Token ids that end a sequence without text: end-of-sequence and stop_token_ids.
+    hidden: frozenset[int]
+    #: How the model writes tool calls, when the request's output is searched for them.
+    tool_format: ToolFormat | None = None
+    #: The model answers in harmony channels (gpt-oss): every chat output is split.
+    harmony: bool = False
+
+    def tool_text(self) -> OutputSplitter | None:
+        """A splitter of one sequence's output into content and tool calls (or ``None``)."""
+        tools = self.request.tools
+        if self.harmony and self.chat:
+            parse = tools is not None and tools.parses
+            return HarmonyText(parse=parse, single=tools is not None and not tools.parallel)
+        if self.tool_format is None or tools is None:
+            return None
+        return ToolCallText(self.tool_format, tools.tools, single=not tools.parallel)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the request (each prompt once, whatever ``n``)."""
+        return sum(len(p.tokens) for p in self.prompts)
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt alone is answered (one token is run)."""
+        return self.request.echo and self.request.max_tokens == 0
+
+
+@dataclass
+class RequestPreparer:
+    """Checks request bodies against the served model and prepares them for the engine."""
+
+    tokenizer: Any
+    model_name: str
+    max_context: int
+    worker: EngineWorker
+    policy: OutputPolicy
+
+    def check_model(self, request: CompletionRequest) -> None:
+        """Refuse (404) a request for a model other than the served one."""
+        if request.model != self.model_name:
+            raise model_not_found(request.model, self.model_name)
+
+    def parse_chat(self, body: dict[str, Any]) -> CompletionRequest:
+        """A chat body checked against the served model and its vocabulary."""
+        request = parse_chat_request(body, vocab_size=self.worker.vocab_size or None)
+        self.check_model(request)
+        return request
+
+    def chat_tokens(self, request: CompletionRequest) -> list[int]:
+        """A chat request's messages (and tools) rendered by the chat template, as tokens."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise OpenAIError(
+                400,
+                f"this model's tokenizer has no chat template: {self.model_name!r} cannot serve "
+                "/v1/chat/completions; use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
+        try:
+            extra: dict[str, Any] = {}
+            if request.tools is not None:
+                extra["tools"] = [t.template_form() for t in request.tools.tools]
+            ids: Any = self.tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=True, **extra
+            )
+        except Exception as err:  # a template's raise_exception (roles out of order, ...)
+            raise OpenAIError(
+                400, f"the chat template refused the messages: {err}", param="messages"
+            ) from None
+        if isinstance(ids, Mapping):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def prepare(self, body: dict[str, Any], *, chat: bool) -> PreparedRequest:
+        """Check a chat or completions body and turn its prompts into engine work."""
+        if chat:
+            request = self.parse_chat(body)
+        else:
+            request = parse_completion_request(body, vocab_size=self.worker.vocab_size or None)
+            self.check_model(request)
+        eos = self.policy.eos
+        fields = request.sampling
+        extra = frozenset(fields.stop_token_ids)
+        stops = extra if fields.ignore_eos else eos | extra
+        hidden = eos | extra
+        sampling = self._sampling(request)
+        sources: list[tuple[list[int], str, bool, bool]] = []
+        if chat:
+            sources.append((self.chat_tokens(request), "", False, False))
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        for prompt in request.prompts:
+            if isinstance(prompt, str):
+                tokens = [int(i) for i in self.tokenizer.encode(prompt)]
+                sources.append((tokens, prompt, True, False))
+            else:
+                skip = bos is not None and prompt[0] == bos
+                echo = str(self.tokenizer.decode(list(prompt[1:] if skip else prompt)))
+                sources.append((list(prompt), echo, False, skip))
+        prompts: list[Prompt] = []
+        for i, (tokens, echo_text, skip_special, skip_first) in enumerate(sources):
+            where = f" {i}" if len(sources) > 1 else ""
+            if not tokens:
+                raise OpenAIError(400, f"the prompt{where} encodes to no tokens", param="prompt")
+            max_tokens = request.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, self.max_context - len(tokens))
+            max_tokens = max(1, max_tokens)  # echo with max_tokens 0 runs one, unseen
+            self._fit(len(tokens), max_tokens, where)
+            params = RequestParams(max_tokens=max_tokens, sampling=sampling, stop_tokens=stops)
+            prompts.append(Prompt(tokens, echo_text, skip_special, skip_first, params))
+        tool_format = self.policy.tool_format(request.tools)
+        return PreparedRequest(request, prompts, chat, hidden, tool_format, self.policy.harmony)
+
+    def _fit(self, prompt_tokens: int, max_tokens: int, where: str = "") -> None:
+        total = prompt_tokens + max_tokens
+        if total > self.max_context:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens. However, "
+                f"you requested {total} tokens ({prompt_tokens} in the prompt{where}, "
+                f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        layout = self.worker.layout
+        limits = self.worker.pool_limits
+        if layout is None or not limits:
+            return
+        # A request alone needs at least this many pages (prefilled a token at a time).
+        needs = pages_per_request(
+            layout,
+            max_context=total,
+            page_size={s.name: s.page_size for s in limits},
+            prefill_chunk=1,
+        )
+        for sub in limits:
+            usable = sub.num_pages - 1
+            if needs.get(sub.name, 0) > usable:
+                raise OpenAIError(
+                    400,
+                    f"the request can never fit the KV pool: {prompt_tokens} prompt{where} + "
+                    f"{max_tokens} completion tokens need {needs[sub.name]} pages of sub-pool "
+                    f"{sub.name!r}, which has {usable}; reduce the prompt or max_tokens",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+
+    def _sampling(self, request: CompletionRequest) -> SamplingParams:
+        fields = request.sampling
+        vocab = self.worker.vocab_size
+        k = request.logprobs
+        if k is None and request.best_of > request.n:
+            k = 0  # best_of ranks the sequences by their tokens' logprobs
+        try:
+            return SamplingParams(
+                temperature=fields.temperature,
+                top_p=fields.top_p,
+                top_k=fields.top_k if 0 < fields.top_k < vocab else 0,
+                min_p=fields.min_p,
+                presence_penalty=fields.presence_penalty,
+                frequency_penalty=fields.frequency_penalty,
+                repetition_penalty=fields.repetition_penalty,
+                logit_bias=fields.logit_bias,
+                min_tokens=fields.min_tokens,
+                seed=fields.seed,
+                logprobs=k,
+                prompt_logprobs=request.logprobs if request.echo else None,
+                constraint=self.policy.constraint(request),
+            )
+        except RequestStateError as err:
+            raise OpenAIError(400, str(err)) from None
