@@ -122,8 +122,8 @@ def test_test_support_member_is_allowed_in_dev_groups_only(tmp_path: Path) -> No
     _edit(kv_pool, '"mlx>=0.32.4",', '"mlx>=0.32.4", "kv-testing",')
     _edit(
         kv_pool,
-        "[dependency-groups]",
-        '[project.optional-dependencies]\nx = ["kv-testing"]\n\n[dependency-groups]',
+        "[project.optional-dependencies]\n",
+        '[project.optional-dependencies]\nx = ["kv-testing"]\n',
     )
     problems = check_workspace(ws)
     assert problems == [
