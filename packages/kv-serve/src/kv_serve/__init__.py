@@ -21,6 +21,7 @@ from ._sizes import DEFAULT_KV_SLAB_BYTES, DRAFT_SPECULATIVE_TOKENS, NGRAM_SPECU
 
 if TYPE_CHECKING:
     from ._chat_templates import CHAT_TEMPLATES, GEMMA3_CHAT_TEMPLATE, ChatTemplate
+    from ._config import PoolConfig, ServerConfig
     from ._draft import DraftModelProposer, EngineDraftProposer, draft_speculation
     from ._engine import (
         build_engine,
@@ -57,9 +58,11 @@ __all__ = [
     "GenerationStats",
     "KVServer",
     "LockstepEngine",
+    "PoolConfig",
     "RankGroup",
     "RankLostError",
     "RunningServer",
+    "ServerConfig",
     "ServerMetrics",
     "TextStream",
     "active_blas",
@@ -110,6 +113,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     ),
     **dict.fromkeys(("KVServer", "RunningServer", "ServerMetrics"), ("_server", "server")),
     "LockstepEngine": ("_lockstep", None),
+    **dict.fromkeys(("PoolConfig", "ServerConfig"), ("_config", None)),
     **dict.fromkeys(
         ("RANK_LOST_EXIT", "RankGroup", "RankLostError", "init_ranks"), ("_ranks", None)
     ),

@@ -463,30 +463,8 @@ def _serve(args: argparse.Namespace) -> int:
         probed = shard_model(model, ranks.group)
         checked = "its probe logits equal" if probed else "too large to probe whole"
         progress(f"model sharded over {ranks.size} ranks ({checked})")
-    budget = args.kv_budget_mib * 2**20 if args.kv_budget_mib is not None else None
-    server = KVServer(
-        model,
-        tokenizer,
-        model_name=args.served_model_name or args.model,
-        max_running=args.max_running,
-        max_queued=args.max_queued,
-        max_context=args.max_context,
-        kv_budget_bytes=budget,
-        page_size=args.page_size,
-        prefill_chunk=args.prefill_chunk,
-        seed=args.seed,
-        prefix_caching=args.prefix_caching,
-        prefill_stall=args.prefill_stall,
-        kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
-        kv_quantize=args.kv_quantize,
-        state_snapshot_interval=args.state_snapshot_interval,
-        state_cache_bytes=None if args.state_cache_mib is None else args.state_cache_mib * 2**20,
-        kv_slab_bytes=args.kv_slab_mib * 2**20 or None,
-        speculative=_speculation(args, model, tokenizer, progress),
-        num_speculative_tokens=_speculative_tokens(args, NGRAM_SPECULATIVE_TOKENS),
-        ranks=ranks,
-    )
+    speculative = _speculation(args, model, tokenizer, progress)
+    server = KVServer(model, tokenizer, server_config(args, speculative), ranks=ranks)
     if ranks is not None and not ranks.is_leader:
         progress("following rank 0")
         server.follow()
@@ -505,6 +483,77 @@ def _serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+#: ``serve`` options that are not settings of the served model (the process's and its ranks',
+#: how the model is loaded, speculation's choice): every other option is a field of
+#: ``ServerConfig`` or of its parts.
+SERVE_PROCESS_OPTIONS = frozenset(
+    {
+        "command",
+        "model",
+        "host",
+        "port",
+        "log_level",
+        "cache_dir",
+        "served_model_name",
+        "chat_template",
+        "gguf_weights",
+        "dtype",
+        "weights_bits",
+        "weights_group_size",
+        "rank_timeout",
+        "speculative",
+        "draft_model",
+        "num_speculative_tokens",
+    }
+)
+
+#: ``serve`` options given in MiB, and the config field each sets in bytes.
+SERVE_MIB_OPTIONS = {
+    "kv_budget_mib": "kv_budget_bytes",
+    "kv_slab_mib": "kv_slab_bytes",
+    "state_cache_mib": "state_cache_bytes",
+}
+
+
+def server_config(args: argparse.Namespace, speculative: Any = None) -> Any:
+    """The ``ServerConfig`` of a parsed ``serve`` command line (built once, here).
+
+    ``speculative`` is the speculation ``--speculative`` / ``--draft-model`` chose.
+    """
+    from kv_batching import EngineConfig
+
+    from ._config import PoolConfig, ServerConfig
+
+    def mib(value: int | None) -> int | None:
+        return None if value is None else value * 2**20
+
+    return ServerConfig(
+        model_name=args.served_model_name or args.model,
+        max_queued=args.max_queued,
+        speculative=speculative,
+        num_speculative_tokens=_speculative_tokens(args, NGRAM_SPECULATIVE_TOKENS),
+        engine=EngineConfig(
+            max_running=args.max_running,
+            prefill_chunk=args.prefill_chunk,
+            seed=args.seed,
+            prefix_caching=args.prefix_caching,
+            prefill_stall=args.prefill_stall,
+            state_snapshot_interval=args.state_snapshot_interval,
+            state_cache_bytes=mib(args.state_cache_mib),
+        ),
+        pool=PoolConfig(
+            max_context=args.max_context,
+            kv_budget_bytes=mib(args.kv_budget_mib),
+            page_size=args.page_size,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            kv_quantize=args.kv_quantize,
+            # 0 MiB: the whole budget at start.
+            kv_slab_bytes=mib(args.kv_slab_mib) or None,
+        ),
+    )
 
 
 def _ranks(args: argparse.Namespace) -> Any:

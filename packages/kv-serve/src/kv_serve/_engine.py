@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from kv_batching import DecodeEngine, NgramProposer, SpeculationConfig
+from kv_batching import DecodeEngine, EngineConfig, NgramProposer, SpeculationConfig
 from kv_caches import PoolBackedKVCache
 from kv_metal_kernels import CpuSlotWriter, rope_config_from_module, select_kernels
 from kv_pool import HybridKVPool, required_bytes
@@ -29,6 +30,7 @@ from kv_protocol import (
     layout_from_model,
 )
 
+from ._config import PoolConfig, split_settings
 from ._lockstep import LockstepEngine
 from ._native_norms import attach_native_norms
 from ._ranks import STARTUP_TIMEOUT, RankGroup
@@ -156,34 +158,21 @@ def _slot_writer() -> SlotWriter | None:
 
 def build_engine(
     model: nn.Module,
+    config: EngineConfig | None = None,
     *,
-    kv_budget_bytes: int | None = None,
-    num_pages: int | None = None,
-    page_size: int = 16,
-    max_running: int = 16,
-    max_context: int = 4096,
-    prefill_chunk: int = 512,
-    fused_rope: str = "off",
-    seed: int = 0,
-    record_pages: bool = True,
+    pool_config: PoolConfig | None = None,
     pool: KVPool | None = None,
-    decode_path: str = "auto",
-    state_budget_bytes: int | None = None,
-    prefix_caching: bool = True,
-    prefill_stall: float | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    kv_quantize: str = "all",
-    state_snapshot_interval: int | None = None,
-    state_cache_bytes: int | None = None,
-    step_snapshots: bool = False,
     speculative: str | SpeculationConfig | None = None,
     num_speculative_tokens: int = NGRAM_SPECULATIVE_TOKENS,
     ranks: RankGroup | None = None,
-    kv_slab_bytes: int | None = DEFAULT_KV_SLAB_BYTES,
-    fast_activations: bool = True,
+    **settings: Any,
 ) -> DecodeEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
+
+    The engine's settings are ``config`` (a :class:`kv_batching.EngineConfig`), the pool's
+    ``pool_config`` (a :class:`PoolConfig`); any field of either may also be given by keyword
+    (``max_running=4``, ``page_size=8``), replacing the config's. ``prefix_caching`` is on
+    unless it is ``False``.
 
     The pool comes from :func:`build_pool` (a byte budget, a page count, or sized for
     ``max_running`` requests of ``max_context`` tokens), RoPE is fused only when
@@ -241,29 +230,34 @@ def build_engine(
     activation from vectorised arithmetic in the engine's forwards (see
     :class:`kv_batching.DecodeEngine`); ``False`` keeps mlx-lm's own operations.
     """
-    speculation = speculation_config(speculative, num_speculative_tokens)
+    _, pool_settings, engine_settings = split_settings(settings)
+    engine = EngineConfig.from_settings(config, engine_settings)
+    sizes = dataclasses.replace(pool_config or PoolConfig(), **pool_settings)
+    if engine.speculation is not None and speculative is not None:
+        raise RequestStateError("give speculative= or a config's speculation, not both")
+    speculation = engine.speculation or speculation_config(speculative, num_speculative_tokens)
     layout = layout_from_model(model)
-    use_prefix = bool(prefix_caching)
+    use_prefix = engine.prefix_caching is not False
     if pool is None:
         pool = build_pool(
             layout,
-            kv_budget_bytes=kv_budget_bytes,
-            num_pages=num_pages,
-            page_size=page_size,
-            max_running=max_running,
-            max_context=max_context,
-            prefill_chunk=prefill_chunk,
+            kv_budget_bytes=sizes.kv_budget_bytes,
+            num_pages=sizes.num_pages,
+            page_size=sizes.page_size,
+            max_running=engine.max_running,
+            max_context=sizes.max_context,
+            prefill_chunk=engine.prefill_chunk,
             prefix_caching=use_prefix,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            kv_quantize=kv_quantize,
-            kv_slab_bytes=kv_slab_bytes,
+            kv_bits=sizes.kv_bits,
+            kv_group_size=sizes.kv_group_size,
+            kv_quantize=sizes.kv_quantize,
+            kv_slab_bytes=sizes.kv_slab_bytes,
         )
-    elif kv_budget_bytes is not None or num_pages is not None:
+    elif sizes.kv_budget_bytes is not None or sizes.num_pages is not None:
         raise RequestStateError("give a pool or kv_budget_bytes / num_pages, not both")
-    elif kv_bits is not None:
+    elif sizes.kv_bits is not None:
         raise RequestStateError("give a pool or kv_bits, not both (build the pool quantized)")
-    kernels = build_kernels(model, layout, fused_rope=fused_rope)
+    kernels = build_kernels(model, layout, fused_rope=sizes.fused_rope)
     attach_native_norms(model)
     engine_class: Callable[..., DecodeEngine] = DecodeEngine
     extra: dict[str, Any] = {}
@@ -273,34 +267,26 @@ def build_engine(
                 "speculative decoding does not run on tensor-parallel ranks: serve without "
                 "--speculative / --draft-model, or on one rank"
             )
-        settings: tuple[object, ...] = (max_running, prefill_chunk, seed, decode_path)
-        settings += (prefix_caching, prefill_stall, state_budget_bytes)
-        settings += (state_snapshot_interval, state_cache_bytes)
+        agreed: tuple[object, ...] = (engine.max_running, engine.prefill_chunk, engine.seed)
+        agreed += (engine.decode_path, use_prefix, engine.prefill_stall)
+        agreed += (engine.state_budget_bytes, engine.state_snapshot_interval)
+        agreed += (engine.state_cache_bytes,)
         pool = _agree_on_pool(
-            ranks, layout, pool, repr(settings), kv_bits, kv_group_size, kv_quantize
+            ranks,
+            layout,
+            pool,
+            repr(agreed),
+            sizes.kv_bits,
+            sizes.kv_group_size,
+            sizes.kv_quantize,
         )
         engine_class = LockstepEngine
         extra["ranks"] = ranks
-    return engine_class(
-        model,
-        pool,
-        kernels,
-        pool_backed_cache,
-        **extra,
-        max_running=max_running,
-        prefill_chunk=prefill_chunk,
-        seed=seed,
-        record_pages=record_pages,
-        decode_path=decode_path,
-        state_budget_bytes=state_budget_bytes,
-        prefix_caching=None if prefix_caching else False,
-        prefill_stall=prefill_stall,
-        state_snapshot_interval=state_snapshot_interval,
-        state_cache_bytes=state_cache_bytes,
-        step_snapshots=step_snapshots,
-        speculation=speculation,
-        fast_activations=fast_activations,
+    # The pool was built with a prefix cache unless told False: the engine uses it if present.
+    final = dataclasses.replace(
+        engine, prefix_caching=None if use_prefix else False, speculation=speculation
     )
+    return engine_class(model, pool, kernels, pool_backed_cache, final, **extra)
 
 
 def _agree_on_pool(

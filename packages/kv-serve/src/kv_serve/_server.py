@@ -16,6 +16,7 @@ and run by one :class:`~kv_serve._server_stream.RequestRunner`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -28,15 +29,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kv_batching import DecodeEngine, SpeculationConfig
+from kv_batching import DecodeEngine
 from kv_protocol import (
     RequestStateError,
     TokenConstraintFactory,
-    check_int,
-    kv_quantization_choice,
 )
 
-from ._engine import DEFAULT_KV_SLAB_BYTES, build_engine
+from ._config import ServerConfig
+from ._engine import build_engine
 from ._load import stop_token_ids
 from ._lockstep import LockstepEngine
 from ._ranks import RankGroup
@@ -53,7 +53,6 @@ from ._serving_completions import Completions
 from ._serving_messages import AnthropicMessages
 from ._serving_models import ServerEndpoints
 from ._serving_openai import error_response
-from ._sizes import NGRAM_SPECULATIVE_TOKENS
 from ._structured import GrammarCompiler
 
 __all__ = ["KVServer", "RunningServer", "ServerMetrics"]
@@ -64,7 +63,10 @@ logger = logging.getLogger("kv_serve.server")
 class KVServer:
     """An OpenAI-compatible server of one model: endpoints, engine thread, metrics.
 
-    ``make_engine`` (default: :func:`kv_serve.build_engine` with the sizing arguments) runs on
+    Its settings are one :class:`ServerConfig` (``config``: the served name, the queue, a
+    :class:`PoolConfig` and a :class:`kv_batching.EngineConfig`); any field of the three may
+    also be given by keyword (``model_name="m"``, ``max_running=4``), replacing the config's.
+    ``make_engine`` (default: :func:`kv_serve.build_engine` with the config) runs on
     the engine thread. Requests whose prompt plus ``max_tokens`` exceed ``max_context``, or
     that could never fit the pool even alone, are refused with 400 at once; at most
     ``max_queued`` sequences wait for admission (a request arriving then gets 429 with
@@ -90,65 +92,35 @@ class KVServer:
         self,
         model: nn.Module,
         tokenizer: Any,
+        config: ServerConfig | None = None,
         *,
-        model_name: str,
-        max_running: int = 16,
-        max_queued: int = 128,
-        max_context: int = 4096,
-        kv_budget_bytes: int | None = None,
-        page_size: int = 16,
-        prefill_chunk: int = 512,
-        seed: int = 0,
-        prefix_caching: bool = True,
-        prefill_stall: float | None = None,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        kv_quantize: str = "all",
-        state_snapshot_interval: int | None = None,
-        state_cache_bytes: int | None = None,
-        speculative: str | SpeculationConfig | None = None,
-        num_speculative_tokens: int = NGRAM_SPECULATIVE_TOKENS,
         ranks: RankGroup | None = None,
         make_engine: Callable[[], DecodeEngine] | None = None,
-        kv_slab_bytes: int | None = DEFAULT_KV_SLAB_BYTES,
+        **settings: Any,
     ) -> None:
-        # Refuse a bad quantization here, not later on the engine thread.
-        kv_quantization_choice(kv_bits, kv_group_size, kv_quantize)
+        config = ServerConfig.from_settings(config, settings)
+        self.config = config
+        model_name = config.model_name
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.max_context = check_int(max_context, "max_context", minimum=1)
-        max_running = check_int(max_running, "max_running", minimum=1)
-        max_queued = check_int(max_queued, "max_queued", minimum=0)
+        self.max_context = config.pool.max_context
         if make_engine is None:
 
             def make_engine() -> DecodeEngine:
                 return build_engine(
                     model,
-                    kv_budget_bytes=kv_budget_bytes,
-                    page_size=page_size,
-                    max_running=max_running,
-                    max_context=self.max_context,
-                    prefill_chunk=prefill_chunk,
-                    seed=seed,
-                    record_pages=False,
-                    prefix_caching=prefix_caching,
-                    prefill_stall=prefill_stall,
-                    kv_bits=kv_bits,
-                    kv_group_size=kv_group_size,
-                    kv_quantize=kv_quantize,
-                    state_snapshot_interval=state_snapshot_interval,
-                    state_cache_bytes=state_cache_bytes,
-                    speculative=speculative,
-                    num_speculative_tokens=num_speculative_tokens,
+                    dataclasses.replace(config.engine, record_pages=False),
+                    pool_config=config.pool,
+                    speculative=config.speculative,
+                    num_speculative_tokens=config.num_speculative_tokens,
                     ranks=ranks,
-                    kv_slab_bytes=kv_slab_bytes,
                 )
 
         elif ranks is not None:
             raise RequestStateError("give ranks= or make_engine=, not both")
         self.ranks = ranks
         self._make_engine = make_engine
-        self.worker = EngineWorker(make_engine, max_queued=max_queued)
+        self.worker = EngineWorker(make_engine, max_queued=config.max_queued)
         self.metrics = ServerMetrics()
         self.created = int(time.time())
         self._policy = OutputPolicy(
