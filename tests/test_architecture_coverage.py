@@ -6,7 +6,7 @@
 paths), and prefix hits (``prefix_hits``: a shared start and a conversation's next turn
 reuse cached tokens, state snapshots included, with mlx-lm's tokens), and speculative
 decoding with partial acceptances (``speculative``). Each architecture
-must keep the status recorded in ``architecture_support.json`` (the README's table is
+must keep the status recorded in ``architecture_support.json`` (``docs/architectures.md``'s table is
 generated from the same run): a supported one that regresses fails, and so does a refused
 one that starts working, until the table is regenerated.
 """

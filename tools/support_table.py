@@ -18,7 +18,7 @@ reuse cached tokens and every token equals mlx-lm's. And for speculative decodin
 2 and wrong after (every step a partial acceptance: pages trimmed, states put back and
 replayed); ``yes`` when every token equals mlx-lm's.
 
-    uv run python -m tools.support_table --markdown        # the README's table
+    uv run python -m tools.support_table --markdown        # docs/architectures.md's table
     uv run python -m tools.support_table --json tests/architecture_support.json
 """
 
