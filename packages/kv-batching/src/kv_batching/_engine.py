@@ -254,7 +254,6 @@ class DecodeEngine:
             prefill_forward=self._prefill_forward,
             decode_forward=head_decode_forward,
         )
-        self._record_pages = config.record_pages
         self._vocab_size = vocab_size
         stats = EngineStats(window=config.stats_window)
         runner = ModelRunner(
@@ -269,7 +268,6 @@ class DecodeEngine:
             # Outside the runner's forwards a swapped MLP is the model's own call.
             fast_mlps=config.fast_activations and patch_model_mlps(model) > 0,
         )
-        #: Evaluation inside the forward (native CPU kernels'), counted as device time.
         EVALUATION_CLOCK.take()  # the construction probes' evaluations
         if speculation is not None and state_layer_ids and make_state_caches is not None:
             # Proposals verify inside the shared step when every recurrent mixer runs a
@@ -646,7 +644,9 @@ class DecodeEngine:
         finally:
             end = time.perf_counter()
             stats.prefill_seconds += end - middle
-            pages = self._core.pool.memory_report().pages_used if self._record_pages else None
+            pages = (
+                self._core.pool.memory_report().pages_used if self._config.record_pages else None
+            )
             stats.record_step(len(scheduler.queue), len(scheduler.running), pages)
         return produced
 
