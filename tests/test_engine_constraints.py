@@ -46,7 +46,8 @@ def engine(model: nn.Module, **kwargs: Any) -> DecodeEngine:
         "page_size": 4,
         "prefill_chunk": 8,
     }
-    return build_engine(model, **(defaults | kwargs))
+    engine: DecodeEngine = build_engine(model, **(defaults | kwargs))
+    return engine
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

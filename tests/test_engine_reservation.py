@@ -71,7 +71,8 @@ def engine_for(**kwargs: Any) -> DecodeEngine:
         "prefill_chunk": 8,
         "record_pages": False,
     }
-    return build_engine(model, **(defaults | kwargs))
+    engine: DecodeEngine = build_engine(model, **(defaults | kwargs))
+    return engine
 
 
 def test_a_decode_step_is_one_pool_call_outside_the_layers() -> None:

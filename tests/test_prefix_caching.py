@@ -36,7 +36,7 @@ def test_hits_do_not_change_tokens(kind: str, system: int, page_size: int) -> No
     model = models()[kind]
     batch = prompts(system, 4)
     want = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in batch]  # type: ignore[arg-type]
-    with build_engine(model, page_size=page_size, max_context=96, prefill_chunk=8) as engine:  # type: ignore[arg-type]
+    with build_engine(model, page_size=page_size, max_context=96, prefill_chunk=8) as engine:  # type: ignore[call-overload]
         assert engine.prefix_caching
         # One after another: later requests hit the finished first one's cached pages.
         first = engine.submit(batch[0], MAX_TOKENS)
@@ -55,7 +55,7 @@ def test_sliding_models_hit_as_often_as_full_ones() -> None:
     hits = {}
     for kind, model in models().items():
         batch = prompts(40, 3, seed=1)
-        with build_engine(model, page_size=4, max_context=96, prefill_chunk=16) as engine:  # type: ignore[arg-type]
+        with build_engine(model, page_size=4, max_context=96, prefill_chunk=16) as engine:  # type: ignore[call-overload]
             for p in batch:
                 engine.submit(p, MAX_TOKENS)
                 engine.run()

@@ -219,9 +219,11 @@ def test_state_hybrids_verify_inside_the_shared_step(
 def test_state_hybrids_without_ragged_mixers_verify_per_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kv_batching._engine
+    import kv_batching._engine_assembly
 
-    monkeypatch.setattr(kv_batching._engine, "install_ragged_state_mixers", lambda *a: None)
+    monkeypatch.setattr(
+        kv_batching._engine_assembly, "install_ragged_state_mixers", lambda *a: None
+    )
     steps = spy_on_decode_steps(monkeypatch)
     arch = "qwen3_next"
     config = SpeculationConfig(

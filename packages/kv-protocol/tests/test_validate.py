@@ -25,6 +25,12 @@ ERRORS = st.sampled_from(
     [RequestStateError, LayoutError, ShapeMismatchError, UnsupportedModelError]
 )
 
+
+def _stable_id(value: object) -> str:
+    """A test id that is the same in every process (a bare object's repr holds its address)."""
+    return "object()" if type(value) is object else repr(value)
+
+
 #: Values that are never an int id or count.
 NOT_INTS: list[Any] = [
     8.0,
@@ -89,7 +95,7 @@ def test_numpy_integers_are_ints(value: int) -> None:
     assert type(out) is int
 
 
-@pytest.mark.parametrize("bad", NOT_INTS, ids=repr)
+@pytest.mark.parametrize("bad", NOT_INTS, ids=_stable_id)
 @pytest.mark.parametrize("error", [RequestStateError, LayoutError, ShapeMismatchError])
 def test_non_ints_are_refused_with_the_named_error(bad: Any, error: type[KVCacheError]) -> None:
     assert as_int(bad) is None
@@ -135,7 +141,7 @@ def test_a_bad_element_is_named_with_its_index(values: list[int], bad: Any, wher
     assert f"prompt_tokens[{where}]" in str(info.value)
 
 
-@pytest.mark.parametrize("bad", ["1,2", b"12", None, 5, 1.0, object()], ids=repr)
+@pytest.mark.parametrize("bad", ["1,2", b"12", None, 5, 1.0, object()], ids=_stable_id)
 def test_non_sequences_are_refused(bad: Any) -> None:
     with pytest.raises(ShapeMismatchError, match="slots must be a sequence of ints"):
         check_int_sequence(bad, "slots", error=ShapeMismatchError)

@@ -13,8 +13,6 @@ are 400s in Anthropic's error shape naming what is wrong, with nothing queued.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -23,8 +21,10 @@ import httpx
 import jsonschema
 import pytest
 from anthropic.types import MessageParam, ToolParam
+from serve_support import Serve, wait_idle
+from serve_support import anthropic_client as client
 
-from kv_serve._server import KVServer, RunningServer
+from kv_serve._server import RunningServer
 from kv_testing import build_tiny_model, build_tiny_tokenizer
 
 MODEL = "tiny-messages"
@@ -59,27 +59,11 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[RunningServer]:
+def served(serve: Serve) -> RunningServer:
     model = build_tiny_model("gpt_oss", window=8, num_layers=4, vocab_size=len(tokenizer()))
-    server = KVServer(
+    return serve(
         model, tokenizer(), model_name=MODEL, max_running=8, max_context=2048, page_size=16
     )
-    with server.running() as running:
-        yield running
-
-
-def client(running: RunningServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=running.url, api_key="none", max_retries=0, timeout=60)
-
-
-def wait_idle(running: RunningServer, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = running.server.worker.snapshot()
-        if snap.active == 0 and snap.running == 0 and not any(snap.pages_used.values()):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"server not idle: {running.server.worker.snapshot()}")
 
 
 def text_of(message: Any) -> str:

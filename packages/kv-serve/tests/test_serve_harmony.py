@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -21,8 +20,9 @@ import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from serve_support import Serve
 
-from kv_serve._server import KVServer, RunningServer
+from kv_serve._server import RunningServer
 from kv_serve._server_harmony import HarmonyText, is_harmony
 from kv_serve._server_tools import split_piece
 from kv_testing import build_tiny_model, build_tiny_tokenizer
@@ -104,11 +104,9 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[RunningServer]:
+def served(serve: Serve) -> RunningServer:
     model = build_tiny_model("gpt_oss", window=8, num_layers=4, vocab_size=len(tokenizer()))
-    server = KVServer(model, tokenizer(), model_name=MODEL, max_running=4, max_context=2048)
-    with server.running() as running:
-        yield running
+    return serve(model, tokenizer(), model_name=MODEL, max_running=4, max_context=2048)
 
 
 def test_the_tiny_tokenizer_is_harmony() -> None:

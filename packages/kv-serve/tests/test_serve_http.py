@@ -23,6 +23,8 @@ import mlx.nn as nn
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from serve_support import Serve, pages_used, wait_idle
+from serve_support import openai_client as client
 
 from kv_batching import DecodeEngine
 from kv_pool import HybridKVPool
@@ -82,8 +84,8 @@ def text_of(tokens: tuple[int, ...] | list[int]) -> str:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[RunningServer]:
-    server = KVServer(
+def served(serve: Serve) -> RunningServer:
+    return serve(
         new_model(),
         tokenizer(),
         model_name=MODEL,
@@ -93,26 +95,6 @@ def served() -> Iterator[RunningServer]:
         page_size=PAGE,
         prefill_chunk=32,
     )
-    with server.running() as running:
-        yield running
-
-
-def client(running: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-
-def pages_used(running: RunningServer) -> dict[str, int]:
-    return dict(running.server.worker.snapshot().pages_used)
-
-
-def wait_idle(running: RunningServer, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = running.server.worker.snapshot()
-        if snap.active == 0 and snap.running == 0 and not any(snap.pages_used.values()):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"server not idle: {running.server.worker.snapshot()}")
 
 
 # ---------------------------------------------------------------------- text pieces

@@ -13,7 +13,6 @@ import gc
 import json
 import random
 import time
-from collections.abc import Iterator
 from functools import cache
 from typing import Any
 
@@ -22,10 +21,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import psutil  # type: ignore[import-untyped]
 import pytest
+from serve_support import Serve, wait_idle
 
 from kv_batching import DecodeEngine
 from kv_serve import build_engine, stop_token_ids
-from kv_serve._server import KVServer, RunningServer
+from kv_serve._server import RunningServer
 from kv_testing import build_tiny_model, build_tiny_tokenizer
 
 MODEL = "tiny"
@@ -103,7 +103,7 @@ def ids_of(prompt: str, chat: bool) -> tuple[int, ...]:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[RunningServer]:
+def served(serve: Serve) -> RunningServer:
     model = new_model()
 
     def make_engine() -> DecodeEngine:
@@ -111,7 +111,7 @@ def served() -> Iterator[RunningServer]:
         # requests wait for pages and the newest running ones get preempted.
         return build_engine(model, num_pages=120, page_size=PAGE, max_running=16, prefill_chunk=32)
 
-    server = KVServer(
+    return serve(
         model,
         tokenizer(),
         model_name=MODEL,
@@ -119,8 +119,6 @@ def served() -> Iterator[RunningServer]:
         max_context=256,
         make_engine=make_engine,
     )
-    with server.running() as running:
-        yield running
 
 
 BAD: list[tuple[bytes, int]] = [
@@ -200,18 +198,6 @@ async def one_round(url: str, seed: int, texts: list[str]) -> dict[str, int]:
     for outcome in outcomes:
         counts[outcome] = counts.get(outcome, 0) + 1
     return counts
-
-
-def wait_idle(running: RunningServer, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = running.server.worker.snapshot()
-        if snap.active == 0 and snap.running == 0 and not any(snap.pages_used.values()):
-            return
-        time.sleep(0.01)
-    raise AssertionError(
-        f"pages or requests left after the round: {running.server.worker.snapshot()}"
-    )
 
 
 def test_64_concurrent_streams_with_disconnects_and_bad_requests(served: RunningServer) -> None:

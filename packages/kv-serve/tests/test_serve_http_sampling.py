@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any, cast
 
@@ -20,12 +20,14 @@ import numpy as np
 import openai
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from serve_support import Serve, wait_idle
+from serve_support import openai_client as client
 
 from kv_batching import MAX_LOGPROBS, DecodeEngine
 from kv_pool import HybridKVPool
 from kv_protocol import layout_from_model
 from kv_serve import build_kernels, pool_backed_cache, stop_token_ids
-from kv_serve._server import KVServer, RunningServer
+from kv_serve._server import RunningServer
 from kv_serve._server_protocol import MAX_LOGPROBS as SERVER_MAX_LOGPROBS
 from kv_testing import build_tiny_model, build_tiny_tokenizer, mlx_lm_greedy
 
@@ -111,8 +113,8 @@ def greedy(ids: Sequence[int], max_tokens: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[RunningServer]:
-    server = KVServer(
+def served(serve: Serve) -> RunningServer:
+    return serve(
         new_model(),
         tokenizer(),
         model_name=MODEL,
@@ -122,12 +124,6 @@ def served() -> Iterator[RunningServer]:
         page_size=PAGE,
         prefill_chunk=32,
     )
-    with server.running() as running:
-        yield running
-
-
-def client(running: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def ids_of(choice: Any) -> list[int]:
@@ -150,16 +146,6 @@ EXTENSIONS = {
     "min_tokens",
     "stop_token_ids",
 }
-
-
-def wait_idle(running: RunningServer, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = running.server.worker.snapshot()
-        if snap.active == 0 and snap.running == 0 and not any(snap.pages_used.values()):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"server not idle: {running.server.worker.snapshot()}")
 
 
 def test_the_server_allows_the_engines_logprob_limit() -> None:
@@ -696,7 +682,7 @@ def test_accepted_and_default_fields_are_served(served: RunningServer) -> None:
 
 
 @pytest.fixture(scope="module")
-def small() -> Iterator[RunningServer]:
+def small(serve: Serve) -> RunningServer:
     model = new_model()
 
     def make_engine() -> DecodeEngine:
@@ -705,11 +691,7 @@ def small() -> Iterator[RunningServer]:
         kernels = build_kernels(model, layout)
         return DecodeEngine(model, pool, kernels, pool_backed_cache, max_running=4)
 
-    server = KVServer(
-        model, tokenizer(), model_name=MODEL, max_context=CONTEXT, make_engine=make_engine
-    )
-    with server.running() as running:
-        yield running
+    return serve(model, tokenizer(), model_name=MODEL, max_context=CONTEXT, make_engine=make_engine)
 
 
 def test_n_sequences_that_can_never_fit_are_refused_at_once(small: RunningServer) -> None:

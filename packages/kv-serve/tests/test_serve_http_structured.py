@@ -11,8 +11,6 @@ runs alone. A schema the grammar engine cannot compile, and every malformed
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any, cast
@@ -23,8 +21,10 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.shared_params import ResponseFormatJSONSchema
+from serve_support import Serve, wait_idle
+from serve_support import openai_client as client
 
-from kv_serve._server import KVServer, RunningServer
+from kv_serve._server import RunningServer
 from kv_testing import build_tiny_model, build_tiny_tokenizer
 
 MODEL = "tiny"
@@ -53,9 +53,9 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[RunningServer]:
+def served(serve: Serve) -> RunningServer:
     model = build_tiny_model("gpt_oss", window=8, num_layers=4, vocab_size=len(tokenizer()))
-    server = KVServer(
+    return serve(
         model,
         tokenizer(),
         model_name=MODEL,
@@ -64,12 +64,6 @@ def served() -> Iterator[RunningServer]:
         page_size=8,
         prefill_chunk=64,
     )
-    with server.running() as running:
-        yield running
-
-
-def client(running: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def person(text: str) -> dict[str, Any]:
@@ -83,16 +77,6 @@ def an_object(text: str) -> dict[str, Any]:
     value = json.loads(text)
     assert isinstance(value, dict)
     return value
-
-
-def wait_idle(running: RunningServer, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = running.server.worker.snapshot()
-        if snap.active == 0 and snap.running == 0 and not any(snap.pages_used.values()):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"server not idle: {running.server.worker.snapshot()}")
 
 
 # ---------------------------------------------------------------------- completions

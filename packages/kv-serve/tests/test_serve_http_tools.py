@@ -13,14 +13,11 @@ queue nothing.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator
 from functools import cache
 from typing import Any, cast
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from mlx_lm.tool_parsers import json_tools
 from openai.types.chat import (
@@ -28,6 +25,8 @@ from openai.types.chat import (
     ChatCompletionMessageParam,
     ChatCompletionToolParam,
 )
+from serve_support import Serve, wait_idle
+from serve_support import openai_client as client
 
 from kv_serve._server import KVServer, RunningServer
 from kv_serve._server_tools import Tool, ToolCallText, ToolFormat
@@ -66,17 +65,11 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[RunningServer]:
+def served(serve: Serve) -> RunningServer:
     model = build_tiny_model("gpt_oss", window=8, num_layers=4, vocab_size=len(tokenizer()))
-    server = KVServer(
+    return serve(
         model, tokenizer(), model_name=MODEL, max_running=8, max_context=2048, page_size=16
     )
-    with server.running() as running:
-        yield running
-
-
-def client(running: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def function_calls(calls: Any) -> list[ChatCompletionMessageFunctionToolCall]:
@@ -91,16 +84,6 @@ def valid_call(call: Any) -> dict[str, Any]:
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, SCHEMAS[call.function.name])
     return cast(dict[str, Any], arguments)
-
-
-def wait_idle(running: RunningServer, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        snap = running.server.worker.snapshot()
-        if snap.active == 0 and snap.running == 0 and not any(snap.pages_used.values()):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"server not idle: {running.server.worker.snapshot()}")
 
 
 # ---------------------------------------------------------------------- enforced calls

@@ -20,8 +20,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from serve_support import Serve
 
-from kv_serve._server import KVServer, RunningServer
+from kv_serve._server import RunningServer
 from kv_testing import build_tiny_model, build_tiny_tokenizer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -35,14 +36,10 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[RunningServer]:
+def served(serve: Serve) -> RunningServer:
     tokenizer = build_tiny_tokenizer(tools=True)
     model = build_tiny_model("gemma3_text", window=8, num_layers=4, vocab_size=len(tokenizer))
-    server = KVServer(
-        model, tokenizer, model_name=MODEL, max_running=4, max_context=2048, page_size=16
-    )
-    with server.running() as running:
-        yield running
+    return serve(model, tokenizer, model_name=MODEL, max_running=4, max_context=2048, page_size=16)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from ._engine_stats import EngineMemoryReport, EngineStats
 from ._model_forward import last_position_forward, vocabulary_size
 from ._patching import is_patched, patch_model_attention, unpatch_model_attention
 from ._requests import RequestOutput, RequestStatus
-from ._sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from ._sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from ._speculative import (
     MAX_SPECULATIVE_TOKENS,
     BatchProposer,

@@ -21,7 +21,7 @@ from kv_protocol import RequestStateError, Reservation
 from ._engine_core import EngineCore, kv_length
 from ._outputs import StepOutputs
 from ._requests import EngineRequest
-from ._sampling import TokenLogprob, plain_greedy
+from ._sampling_params import TokenLogprob, plain_greedy
 from ._state_cache import group_by_state_shapes
 from ._state_snapshots import StateSnapshot
 from ._verification import Verifier

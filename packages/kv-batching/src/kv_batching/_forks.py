@@ -16,7 +16,7 @@ from kv_protocol import KVRequestForking
 from ._engine_core import EngineCore
 from ._outputs import StepOutputs
 from ._requests import EngineRequest, RequestStatus
-from ._sampling import TokenLogprob
+from ._sampling_params import TokenLogprob
 from ._state_cache import copy_state_caches
 
 __all__ = ["Forks"]

@@ -14,7 +14,7 @@ import mlx.core as mx
 from kv_protocol import KVLifetime, KVPool, RequestStateError, check_int, check_int_sequence
 
 from ._requests import EngineRequest
-from ._sampling import SamplingParams
+from ._sampling_params import SamplingParams
 
 __all__ = ["UNSET", "new_requests", "short_sampling"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ._engine_core import EngineCore
 from ._requests import EngineRequest
-from ._sampling import TokenLogprob
+from ._sampling_params import TokenLogprob
 from ._snapshot_policy import SnapshotPolicy
 from ._speculative import SpeculationConfig
 

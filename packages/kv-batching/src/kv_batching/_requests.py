@@ -18,7 +18,7 @@ from kv_protocol import (
     as_int,
 )
 
-from ._sampling import SamplingParams, SamplingRow, TokenLogprob
+from ._sampling_params import SamplingParams, SamplingRow, TokenLogprob
 from ._speculative import SpeculationState
 from ._state_snapshots import StateSnapshot
 

@@ -25,7 +25,7 @@ from ._engine_core import EngineCore, kv_length, written_state
 from ._model_runner import DecodeOutput
 from ._outputs import StepOutputs
 from ._requests import EngineRequest
-from ._sampling import TokenLogprob, plain_greedy
+from ._sampling_params import TokenLogprob, plain_greedy
 from ._snapshot_policy import SnapshotPolicy
 from ._speculative import BatchProposer, SpeculationConfig, SpeculationState, StepRates
 from ._state_snapshots import StateSnapshot

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -156,6 +155,34 @@ def _slot_writer() -> SlotWriter | None:
     return writer if writer.available else None
 
 
+@overload
+def build_engine(
+    model: nn.Module,
+    config: EngineConfig | None = None,
+    *,
+    pool_config: PoolConfig | None = None,
+    pool: KVPool | None = None,
+    speculative: str | SpeculationConfig | None = None,
+    num_speculative_tokens: int = NGRAM_SPECULATIVE_TOKENS,
+    ranks: None = None,
+    **settings: Any,
+) -> DecodeEngine: ...
+
+
+@overload
+def build_engine(
+    model: nn.Module,
+    config: EngineConfig | None = None,
+    *,
+    pool_config: PoolConfig | None = None,
+    pool: KVPool | None = None,
+    speculative: str | SpeculationConfig | None = None,
+    num_speculative_tokens: int = NGRAM_SPECULATIVE_TOKENS,
+    ranks: RankGroup,
+    **settings: Any,
+) -> LockstepEngine: ...
+
+
 def build_engine(
     model: nn.Module,
     config: EngineConfig | None = None,
@@ -166,7 +193,7 @@ def build_engine(
     num_speculative_tokens: int = NGRAM_SPECULATIVE_TOKENS,
     ranks: RankGroup | None = None,
     **settings: Any,
-) -> DecodeEngine:
+) -> DecodeEngine | LockstepEngine:
     """A ``DecodeEngine`` serving ``model`` on a ``HybridKVPool`` with the selected kernels.
 
     The engine's settings are ``config`` (a :class:`kv_batching.EngineConfig`), the pool's
@@ -259,8 +286,6 @@ def build_engine(
         raise RequestStateError("give a pool or kv_bits, not both (build the pool quantized)")
     kernels = build_kernels(model, layout, fused_rope=sizes.fused_rope)
     attach_native_norms(model)
-    engine_class: Callable[..., DecodeEngine] = DecodeEngine
-    extra: dict[str, Any] = {}
     if ranks is not None:
         if speculation is not None:
             raise RequestStateError(
@@ -280,13 +305,12 @@ def build_engine(
             sizes.kv_group_size,
             sizes.kv_quantize,
         )
-        engine_class = LockstepEngine
-        extra["ranks"] = ranks
     # The pool was built with a prefix cache unless told False: the engine uses it if present.
     final = dataclasses.replace(
         engine, prefix_caching=None if use_prefix else False, speculation=speculation
     )
-    return engine_class(model, pool, kernels, pool_backed_cache, final, **extra)
+    built = DecodeEngine(model, pool, kernels, pool_backed_cache, final, agreement=ranks)
+    return built if ranks is None else LockstepEngine(built, ranks)
 
 
 def _agree_on_pool(

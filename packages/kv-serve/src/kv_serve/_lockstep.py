@@ -23,17 +23,26 @@ import contextlib
 import logging
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import mlx.core as mx
 
-from kv_batching import DecodeEngine, SamplingParams
-from kv_protocol import RequestStateError, TokenConstraintFactory, check_int_sequence
+from kv_batching import (
+    DecodeEngine,
+    DecodePlan,
+    EngineConfig,
+    EngineMemoryReport,
+    EngineStats,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+from kv_protocol import KVPool, RequestStateError, TokenConstraintFactory, check_int_sequence
 
 from ._ranks import RankGroup, RankLostError
 
-__all__ = ["LockstepEngine"]
+__all__ = ["LockstepEngine", "ServedEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -216,18 +225,22 @@ def _token_list(tokens: Iterable[int] | mx.array) -> object:
     return tokens
 
 
-class LockstepEngine(DecodeEngine):
-    """A :class:`kv_batching.DecodeEngine` on one rank of a tensor-parallel group.
+class LockstepEngine:
+    """One rank's engine of a tensor-parallel group, kept in step with the leader's.
 
-    Built like a ``DecodeEngine`` (``build_engine(..., ranks=...)`` builds one) plus
-    ``ranks``. On the leader it is driven as usual (:meth:`submit`, :meth:`abort`,
-    :meth:`step`; :attr:`has_work` is also true when an idle message is due); on a follower
-    :meth:`follow` runs until the leader closes its engine. :meth:`restore` is refused (the
-    rollback is not sent to the other ranks), so are requests given to a follower.
+    It holds the rank's :class:`kv_batching.DecodeEngine` and sends (leader) or applies
+    (follower) the messages that keep every rank's engine in step.
+
+    ``engine`` must have been built with ``agreement=ranks`` (``build_engine(...,
+    ranks=...)`` builds both). On the leader it is driven as a ``DecodeEngine`` is
+    (:meth:`submit`, :meth:`abort`, :meth:`step`; :attr:`has_work` is also true when an idle
+    message is due); on a follower :meth:`follow` runs until the leader closes its engine.
+    :meth:`restore` is refused (the rollback is not sent to the other ranks), so are requests
+    given to a follower. Every other member is the held engine's.
     """
 
-    def __init__(self, *args: Any, ranks: RankGroup, **kwargs: Any) -> None:
-        super().__init__(*args, agreement=ranks, **kwargs)
+    def __init__(self, engine: DecodeEngine, ranks: RankGroup) -> None:
+        self._engine = engine
         self._ranks = ranks
         self._events = _Writer()
         self._last_message = time.monotonic()
@@ -235,6 +248,11 @@ class LockstepEngine(DecodeEngine):
         self._closed = False
         #: A follower's requests not yet released.
         self._live: set[int] = set()
+
+    @property
+    def engine(self) -> DecodeEngine:
+        """The rank's own engine (step it only through this object)."""
+        return self._engine
 
     @property
     def ranks(self) -> RankGroup:
@@ -247,6 +265,32 @@ class LockstepEngine(DecodeEngine):
 
     # ------------------------------------------------------------------ leader
 
+    def submit(
+        self,
+        prompt_tokens: Iterable[int] | mx.array,
+        max_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        stop_tokens: Iterable[int] | mx.array = (),
+        **short: Any,
+    ) -> int:
+        """As :meth:`DecodeEngine.submit`, on the leader; the request reaches every rank.
+
+        ``temperature``, ``top_p`` and ``seed`` are the short form of ``sampling``, as there.
+        """
+        unknown = sorted(set(short) - {"temperature", "top_p", "seed"})
+        if unknown:
+            raise TypeError(f"submit() got unexpected keyword arguments {unknown}")
+        if short:
+            if sampling is not None:
+                raise RequestStateError(
+                    f"give sampling= or {', '.join(short)}, not both (they set the same fields)"
+                )
+            sampling = SamplingParams(**short)
+        return self.submit_n(
+            prompt_tokens, max_tokens, 1, sampling=sampling, stop_tokens=stop_tokens
+        )[0]
+
     def submit_n(
         self,
         prompt_tokens: Iterable[int] | mx.array,
@@ -258,12 +302,13 @@ class LockstepEngine(DecodeEngine):
     ) -> list[int]:
         """As :meth:`DecodeEngine.submit_n`, on the leader; the request reaches every rank."""
         self._leader_only("takes requests")
+        engine = self._engine
         if not (_host_ready(prompt_tokens) and _host_ready(stop_tokens)):
             # An array the engine takes for no token list: its own refusal says why.
-            return super().submit_n(
+            return engine.submit_n(
                 prompt_tokens, max_tokens, n, sampling=sampling, stop_tokens=stop_tokens
             )
-        top = self.vocab_size - 1
+        top = engine.vocab_size - 1
         # The engine's own checks, first: only a valid request is written down.
         prompt = check_int_sequence(
             _token_list(prompt_tokens), "prompt_tokens", minimum=0, maximum=top
@@ -281,14 +326,14 @@ class LockstepEngine(DecodeEngine):
                     f"the request cannot be sent to the other ranks: {error} (max_tokens, n, "
                     "top_k and min_tokens must fit 64 bits)"
                 ) from None
-        rids = super().submit_n(prompt, max_tokens, n, sampling=sampling, stop_tokens=stops)
+        rids = engine.submit_n(prompt, max_tokens, n, sampling=sampling, stop_tokens=stops)
         event.words[1] = rids[0]
         self._events.words += event.words
         return rids
 
     def abort(self, request_id: int) -> bool:
         """As :meth:`DecodeEngine.abort`; on the leader the abort reaches every rank."""
-        done = super().abort(request_id)
+        done = self._engine.abort(request_id)
         if done and self._ranks.is_leader:
             self._events.int32(_ABORT)
             self._events.int32(request_id)
@@ -297,15 +342,14 @@ class LockstepEngine(DecodeEngine):
     @property
     def state_budget_bytes(self) -> int | None:
         """As :attr:`DecodeEngine.state_budget_bytes`; set on the leader, it reaches every rank."""
-        return cast(int | None, DecodeEngine.state_budget_bytes.fget(self))  # type: ignore[attr-defined]
+        return self._engine.state_budget_bytes
 
     @state_budget_bytes.setter
     def state_budget_bytes(self, value: int | None) -> None:
         self._leader_only("changes the state budget")
-        DecodeEngine.state_budget_bytes.fset(self, value)  # type: ignore[attr-defined]
-        budget = self.state_budget_bytes
+        self._engine.state_budget_bytes = value
         self._events.int32(_STATE_BUDGET)
-        self._events.optional(budget)
+        self._events.optional(self._engine.state_budget_bytes)
 
     def restore(self, request_id: int, position: int) -> None:
         """Refused: a rollback is not sent to the other ranks."""
@@ -317,7 +361,7 @@ class LockstepEngine(DecodeEngine):
     @property
     def has_work(self) -> bool:
         """Requests to serve, events to send, or (leader) an idle message due."""
-        if super().has_work or self._events.words:
+        if self._engine.has_work or self._events.words:
             return True
         return (
             self._ranks.is_leader and time.monotonic() - self._last_message >= self._ranks.heartbeat
@@ -326,15 +370,28 @@ class LockstepEngine(DecodeEngine):
     def step(self) -> dict[int, list[int]]:
         """The leader's step: send what happened since the last one, then step together."""
         self._leader_only("steps in follow()")
-        run = DecodeEngine.has_work.fget(self)  # type: ignore[attr-defined]
-        message = [_STEP if run else _IDLE, self.fingerprint(), *self._events.words]
+        run = self._engine.has_work
+        message = [_STEP if run else _IDLE, self._engine.fingerprint(), *self._events.words]
         self._events = _Writer()
         self._last_message = time.monotonic()
         self._ranks.broadcast(message, "sending the step message")
         if not run:
             return {}
         with self._ranks.watch("an engine step"):
-            return super().step()
+            return self._engine.step()
+
+    def stream(self) -> Iterator[tuple[int, int]]:
+        """As :meth:`DecodeEngine.stream`, through this rank group's :meth:`step`."""
+        while self._engine.has_work:
+            for rid, tokens in self.step().items():
+                for token in tokens:
+                    yield rid, token
+
+    def run(self) -> dict[int, list[int]]:
+        """As :meth:`DecodeEngine.run`, through this rank group's :meth:`step`."""
+        while self._engine.has_work:
+            self.step()
+        return self._engine.run()
 
     def close(self) -> None:
         """Tell the followers to stop (leader), then put the model back."""
@@ -343,13 +400,104 @@ class LockstepEngine(DecodeEngine):
             if self._ranks.is_leader:
                 with contextlib.suppress(RankLostError):
                     self._ranks.broadcast([_SHUTDOWN, 0], "sending the shutdown message")
-        super().close()
+        self._engine.close()
+
+    def __enter__(self) -> LockstepEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _leader_only(self, what: str) -> None:
         if not self._ranks.is_leader:
             raise RequestStateError(
                 f"rank {self._ranks.rank} is a follower: only the leader (rank 0) {what}"
             )
+
+    # ------------------------------------------------------------------ the held engine's
+
+    @property
+    def config(self) -> EngineConfig:
+        """The held engine's :attr:`DecodeEngine.config`."""
+        return self._engine.config
+
+    @property
+    def pool(self) -> KVPool:
+        """The held engine's pool (this rank's KV heads)."""
+        return self._engine.pool
+
+    @property
+    def stats(self) -> EngineStats:
+        """The held engine's :attr:`DecodeEngine.stats`."""
+        return self._engine.stats
+
+    @property
+    def vocab_size(self) -> int:
+        """The held engine's :attr:`DecodeEngine.vocab_size`."""
+        return self._engine.vocab_size
+
+    @property
+    def decode_plan(self) -> DecodePlan:
+        """The held engine's :attr:`DecodeEngine.decode_plan`."""
+        return self._engine.decode_plan
+
+    @property
+    def prefix_caching(self) -> bool:
+        """The held engine's :attr:`DecodeEngine.prefix_caching`."""
+        return self._engine.prefix_caching
+
+    @property
+    def max_running(self) -> int:
+        """The held engine's :attr:`DecodeEngine.max_running`."""
+        return self._engine.max_running
+
+    @property
+    def state_snapshot_interval(self) -> int | None:
+        """The held engine's :attr:`DecodeEngine.state_snapshot_interval`."""
+        return self._engine.state_snapshot_interval
+
+    @property
+    def num_requests(self) -> int:
+        """The held engine's :attr:`DecodeEngine.num_requests`."""
+        return self._engine.num_requests
+
+    @property
+    def num_running(self) -> int:
+        """The held engine's :attr:`DecodeEngine.num_running`."""
+        return self._engine.num_running
+
+    @property
+    def num_queued(self) -> int:
+        """The held engine's :attr:`DecodeEngine.num_queued`."""
+        return self._engine.num_queued
+
+    def token_logprobs(self, request_id: int, start: int = 0) -> tuple[TokenLogprob, ...]:
+        """As :meth:`DecodeEngine.token_logprobs`."""
+        return self._engine.token_logprobs(request_id, start)
+
+    def release(self, request_id: int) -> RequestOutput:
+        """As :meth:`DecodeEngine.release`."""
+        return self._engine.release(request_id)
+
+    def is_finished(self, request_id: int) -> bool:
+        """As :meth:`DecodeEngine.is_finished`."""
+        return self._engine.is_finished(request_id)
+
+    def output(self, request_id: int) -> RequestOutput:
+        """As :meth:`DecodeEngine.output`."""
+        return self._engine.output(request_id)
+
+    def memory_report(self) -> EngineMemoryReport:
+        """As :meth:`DecodeEngine.memory_report`."""
+        return self._engine.memory_report()
+
+    def shrink_pool(self, *, drop_cached: bool = False) -> int:
+        """As :meth:`DecodeEngine.shrink_pool` (this rank's pool)."""
+        return self._engine.shrink_pool(drop_cached=drop_cached)
+
+    def fingerprint(self) -> int:
+        """As :meth:`DecodeEngine.fingerprint`: the same on every rank in step."""
+        return self._engine.fingerprint()
 
     # ------------------------------------------------------------------ follower
 
@@ -367,6 +515,7 @@ class LockstepEngine(DecodeEngine):
         requests that finished are released (nobody reads a follower's outputs).
         """
         ranks = self._ranks
+        engine = self._engine
         if ranks.is_leader:
             raise RequestStateError("the leader (rank 0) steps itself; follow() is for followers")
         message = ranks.broadcast(None, "waiting for the leader's next step")
@@ -376,7 +525,7 @@ class LockstepEngine(DecodeEngine):
         if kind == _SHUTDOWN:
             return None
         self._apply(_Reader(message[2:]))
-        mine = self.fingerprint()
+        mine = engine.fingerprint()
         if mine != fingerprint:
             raise self._lost(
                 f"scheduling diverged from the leader's (fingerprint {mine} against {fingerprint})"
@@ -384,25 +533,26 @@ class LockstepEngine(DecodeEngine):
         produced: dict[int, list[int]] = {}
         if kind == _STEP:
             with ranks.watch("an engine step"):
-                produced = super().step()
-        for rid in [r for r in self._live if self.is_finished(r)]:
+                produced = engine.step()
+        for rid in [r for r in self._live if engine.is_finished(r)]:
             self._live.discard(rid)
-            self.release(rid)
+            engine.release(rid)
         return produced
 
     def _apply(self, reader: _Reader) -> None:
+        engine = self._engine
         while not reader.done:
             kind = reader.int32()
             if kind == _SUBMIT:
                 rid, prompt, max_tokens, n, params, stops = _read_submit(reader, self._grammars)
-                rids = super().submit_n(prompt, max_tokens, n, sampling=params, stop_tokens=stops)
+                rids = engine.submit_n(prompt, max_tokens, n, sampling=params, stop_tokens=stops)
                 if rids[0] != rid:
                     raise self._lost(f"request {rid} of the leader is request {rids[0]} here")
                 self._live.update(rids)
             elif kind == _ABORT:
-                super().abort(reader.int32())
+                engine.abort(reader.int32())
             elif kind == _STATE_BUDGET:
-                DecodeEngine.state_budget_bytes.fset(self, reader.optional())  # type: ignore[attr-defined]
+                engine.state_budget_bytes = reader.optional()
             else:
                 raise self._lost(f"an unknown event kind {kind}")
 
@@ -410,3 +560,7 @@ class LockstepEngine(DecodeEngine):
         message = f"rank {self._ranks.rank}: {why}"
         self._ranks.lost(message)
         return RankLostError(message)
+
+
+#: What a server drives: one process's engine, or one rank's of a tensor-parallel group.
+ServedEngine = DecodeEngine | LockstepEngine

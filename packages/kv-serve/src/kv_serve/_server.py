@@ -29,7 +29,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kv_batching import DecodeEngine
 from kv_protocol import (
     RequestStateError,
     TokenConstraintFactory,
@@ -38,7 +37,7 @@ from kv_protocol import (
 from ._config import ServerConfig
 from ._engine import build_engine
 from ._load import stop_token_ids
-from ._lockstep import LockstepEngine
+from ._lockstep import LockstepEngine, ServedEngine
 from ._ranks import RankGroup
 from ._server_harmony import is_harmony
 from ._server_metrics import ServerMetrics
@@ -95,7 +94,7 @@ class KVServer:
         config: ServerConfig | None = None,
         *,
         ranks: RankGroup | None = None,
-        make_engine: Callable[[], DecodeEngine] | None = None,
+        make_engine: Callable[[], ServedEngine] | None = None,
         **settings: Any,
     ) -> None:
         config = ServerConfig.from_settings(config, settings)
@@ -106,7 +105,7 @@ class KVServer:
         self.max_context = config.pool.max_context
         if make_engine is None:
 
-            def make_engine() -> DecodeEngine:
+            def make_engine() -> ServedEngine:
                 return build_engine(
                     model,
                     dataclasses.replace(config.engine, record_pages=False),

@@ -21,11 +21,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_batching import DecodeEngine, SamplingParams, TokenLogprob
+from kv_batching import SamplingParams, TokenLogprob
 from kv_protocol import KVCacheError, PoolMemoryReport
 
 from ._host_memory import trim_host_memory
-from ._lockstep import LockstepEngine
+from ._lockstep import LockstepEngine, ServedEngine
 
 __all__ = [
     "EngineWorker",
@@ -196,7 +196,7 @@ class _Active:
 _STOP = object()
 
 
-def _pool_limits(engine: DecodeEngine) -> tuple[SubPoolLimits, ...]:
+def _pool_limits(engine: ServedEngine) -> tuple[SubPoolLimits, ...]:
     return tuple(
         SubPoolLimits(
             name=s.name,
@@ -230,7 +230,7 @@ class EngineWorker:
     :class:`QueueFullError` beyond it.
     """
 
-    def __init__(self, make_engine: Callable[[], DecodeEngine], *, max_queued: int) -> None:
+    def __init__(self, make_engine: Callable[[], ServedEngine], *, max_queued: int) -> None:
         self._make_engine = make_engine
         self.max_queued = max_queued
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -242,7 +242,7 @@ class EngineWorker:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._active: dict[int, _Active] = {}
-        self.engine: DecodeEngine | None = None
+        self.engine: ServedEngine | None = None
         self.pool_limits: tuple[SubPoolLimits, ...] = ()
         self.vocab_size = 0
         self.max_running = 0
@@ -343,7 +343,7 @@ class EngineWorker:
         finally:
             self._shutdown(engine)
 
-    def _loop(self, engine: DecodeEngine) -> None:
+    def _loop(self, engine: ServedEngine) -> None:
         # False from the first step after the pool last gave memory back.
         shrunk = True
         while True:
@@ -374,7 +374,7 @@ class EngineWorker:
                 shrunk = False
             self._publish(engine)
 
-    def _apply(self, engine: DecodeEngine, command: Any) -> None:
+    def _apply(self, engine: ServedEngine, command: Any) -> None:
         if isinstance(command, _Submit):
             started: list[int] = []
             try:
@@ -405,7 +405,7 @@ class EngineWorker:
                 engine.release(target)
                 command.ticket.put(Event(finish_reason="aborted"))
 
-    def _start(self, engine: DecodeEngine, sub: Submission) -> list[int]:
+    def _start(self, engine: ServedEngine, sub: Submission) -> list[int]:
         params = sub.params
         n = len(sub.tickets)
         if n == 1:
@@ -434,7 +434,7 @@ class EngineWorker:
             )
         return rids
 
-    def _step(self, engine: DecodeEngine) -> None:
+    def _step(self, engine: ServedEngine) -> None:
         try:
             produced = engine.step()
         except Exception as error:
@@ -480,7 +480,7 @@ class EngineWorker:
                 )
             )
 
-    def _publish(self, engine: DecodeEngine) -> None:
+    def _publish(self, engine: ServedEngine) -> None:
         memory = engine.memory_report()
         used, total, bits = pool_pages(memory.pool)
         stats = engine.stats
@@ -519,7 +519,7 @@ class EngineWorker:
             self._engine_queued = engine.num_queued
             self._snapshot = snap
 
-    def _shutdown(self, engine: DecodeEngine) -> None:
+    def _shutdown(self, engine: ServedEngine) -> None:
         error = RuntimeError("the server is shutting down")
         for rid, active in list(self._active.items()):
             del self._active[rid]
