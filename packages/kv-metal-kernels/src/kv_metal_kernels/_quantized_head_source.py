@@ -66,6 +66,24 @@ static inline vf codes4(const uint8_t *q, int c) {
   __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
   vf v; memcpy(&v, &f, 64); return v;
 }
+#elif defined(__AVX2__)
+/* The same floats from two 8-lane halves (AVX2 without AVX-512); see the linear kernel. */
+#include <immintrin.h>
+static inline vf halves(__m256 a, __m256 b) {
+  vf v; memcpy(&v, &a, 32); memcpy((char *)&v + 32, &b, 32); return v;
+}
+static inline vf codes8(const uint8_t *q, int c) {
+  __m128i b = _mm_loadu_si128((const __m128i *)(q + c * 16));
+  return halves(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+}
+static inline vf codes4(const uint8_t *q, int c) {
+  __m128i b = _mm_loadl_epi64((const __m128i *)(q + c * 8));
+  __m128i m = _mm_set1_epi8(15);
+  __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  return halves(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+}
 #else
 static inline vf codes8(const uint8_t *q, int c) {
   vf v; for (int k = 0; k < L; k++) v[k] = (float)q[c * 16 + k]; return v;
