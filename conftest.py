@@ -108,9 +108,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     instead of one long file running alone at the end.
     """
     heavy = {
-        item.path
-        for item in items
-        if _REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
+        item.path for item in items if _REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
     }
     items.sort(key=lambda item: item.path not in heavy)
 
