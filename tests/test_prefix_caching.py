@@ -105,3 +105,26 @@ def test_memory_report_and_metrics_show_the_cache() -> None:
         assert cache.queries == 3 and 0 < cache.hit_rate < 1
         # Nothing runs: every page of the finished requests is cached, none is in use.
         assert cache.cached_pages > 0 and report.pool_bytes_used == 0
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "mixed"])
+def test_each_output_reports_the_prompt_tokens_its_hit_skipped(kind: str) -> None:
+    model = models()[kind]
+    first, second = prompts(22, 2)
+    with build_engine(model, page_size=4, max_context=96, prefill_chunk=8) as engine:  # type: ignore[call-overload]
+        cold = engine.submit(first, MAX_TOKENS)
+        engine.run()
+        assert engine.output(cold).cached_tokens == 0
+        hits_before = engine.stats.prefix_hit_tokens
+        warm = engine.submit(second, MAX_TOKENS)
+        again = engine.submit(first, MAX_TOKENS)
+        engine.run()
+        warm_hit = engine.output(warm).cached_tokens
+        again_hit = engine.output(again).cached_tokens
+        # The shared 22-token system prefix holds five whole 4-token pages; the repeated
+        # prompt all its whole pages but the one its last token is in.
+        assert warm_hit == 20
+        assert again_hit == 4 * ((len(first) - 1) // 4)
+        assert engine.stats.prefix_hit_tokens - hits_before == warm_hit + again_hit
+        want = mlx_lm_greedy(model, first, MAX_TOKENS)  # type: ignore[arg-type]
+        assert list(engine.output(again).tokens) == want == list(engine.output(cold).tokens)

@@ -84,7 +84,34 @@ def test_a_text_answer_with_its_usage_and_count_tokens(served: RunningServer) ->
     assert message.usage.output_tokens <= 20
     assert [b.type for b in message.content] in (["text"], [])
     counted = c.messages.count_tokens(model=MODEL, messages=ASK, system="Be brief.")
-    assert counted.input_tokens == message.usage.input_tokens > 0
+    usage = message.usage
+    # Anthropic's input_tokens leave out the tokens read from the cache.
+    read = usage.cache_read_input_tokens
+    assert read is not None and usage.cache_creation_input_tokens == 0
+    assert counted.input_tokens == usage.input_tokens + read > 0
+
+
+def prompt_of(usage: Any) -> int:
+    """The whole prompt of a Messages answer: its input tokens and those read from the cache."""
+    return int(usage.input_tokens + (usage.cache_read_input_tokens or 0))
+
+
+def test_a_repeated_prompt_reads_its_pages_from_the_cache(served: RunningServer) -> None:
+    wait_idle(served)
+    c = client(served)
+    ask: list[MessageParam] = [{"role": "user", "content": "Count the herons on the fjord."}]
+    counted = c.messages.count_tokens(model=MODEL, messages=ask).input_tokens
+    reads = []
+    for _ in range(2):
+        usage = c.messages.create(model=MODEL, max_tokens=3, messages=ask, extra_body=GREEDY).usage
+        assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == counted
+        reads.append(usage.cache_read_input_tokens or 0)
+    with c.messages.stream(model=MODEL, max_tokens=3, messages=ask, extra_body=GREEDY) as s:
+        streamed = s.get_final_message().usage
+    assert streamed.cache_read_input_tokens == reads[1]
+    assert streamed.input_tokens + reads[1] == counted
+    # The page size is 16: the repeat reads every whole page but the last token's.
+    assert reads[1] == 16 * ((counted - 1) // 16) > reads[0]
 
 
 def test_the_stream_is_anthropic_s_event_sequence(served: RunningServer) -> None:
@@ -161,7 +188,7 @@ def test_a_tool_round_trip(served: RunningServer, stream: bool) -> None:
             model=MODEL, max_tokens=12, messages=turn, tools=TOOLS, tool_choice={"type": "none"}
         )
         assert answer.stop_reason in ("end_turn", "max_tokens") and not tool_uses(answer)
-        assert answer.usage.input_tokens > first.usage.input_tokens
+        assert prompt_of(answer.usage) > prompt_of(first.usage)
         return
     with c.messages.stream(
         model=MODEL, max_tokens=12, messages=turn, tools=TOOLS, tool_choice={"type": "none"}

@@ -275,6 +275,45 @@ def test_chat_greedy_and_stream_equal_the_offline_engine(served: RunningServer) 
     assert "".join(pieces) == alone
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(served: RunningServer) -> None:
+    wait_idle(served)
+    # A prompt no other test sends: its first run finds nothing past the template's start.
+    turn: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me about the lighthouse keeper's seven cats."}
+    ]
+    ids = chat_ids(turn)
+    c = client(served)
+    runs = []
+    for stream in (False, False, True):
+        if stream:
+            chunks = list(
+                c.chat.completions.create(
+                    model=MODEL,
+                    messages=turn,
+                    max_tokens=4,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            usage = chunks[-1].usage
+        else:
+            usage = c.chat.completions.create(
+                model=MODEL, messages=turn, max_tokens=4, temperature=0
+            ).usage
+        assert usage is not None and usage.prompt_tokens == len(ids)
+        assert usage.prompt_tokens_details is not None
+        runs.append(usage.prompt_tokens_details.cached_tokens)
+    # Repeated, the prompt is served from whole pages but the one its last token is in.
+    assert runs[1] == runs[2] == PAGE * ((len(ids) - 1) // PAGE)
+    assert runs[0] is not None and runs[0] < runs[1]
+    completion = client(served).completions.create(
+        model=MODEL, prompt=[list(ids), list(ids)], max_tokens=2, temperature=0
+    )
+    assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+    assert completion.usage.prompt_tokens_details.cached_tokens == 2 * runs[1]
+
+
 def stop_case(ids: tuple[int, ...], max_tokens: int) -> tuple[str, str, int]:
     """A stop string from the oracle's text, the text before it, and tokens up to it."""
     tokens = offline(ids, max_tokens)

@@ -58,6 +58,8 @@ class Forks:
         follower.leader = None
         follower.in_pool = True
         follower.prefilled = length
+        if follower.cached_tokens is None:  # its prompt was the leader's: so was its hit
+            follower.cached_tokens = leader.cached_tokens
         follower.states = copy_state_caches(leader.states) if leader.states else None
         if leader.hashes is not None:
             follower.hashes = leader.hashes.copy()

@@ -106,6 +106,10 @@ class PrefillPhase:
         """
         core = self._core
         cache = core.prefix_cache
+        # Reported once: a preempted request re-admitted later hits its own pages.
+        first = request.cached_tokens is None
+        if first:
+            request.cached_tokens = 0
         if cache is None:
             return
         policy = self._snapshots
@@ -139,6 +143,8 @@ class PrefillPhase:
             return
         if hit:
             request.prefilled = hit.length
+            if first:
+                request.cached_tokens = min(hit.length, len(request.prompt))
             if states is not None and policy is not None:
                 request.states = states
                 policy.cache.note_hit(hit.length)

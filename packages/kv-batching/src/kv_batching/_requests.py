@@ -58,12 +58,16 @@ class RequestOutput:
     #: Speculative decoding: tokens proposed for this request and accepted of them.
     proposed_tokens: int = 0
     accepted_tokens: int = 0
+    #: Prompt tokens served from the prefix cache when the request was first admitted
+    #: (their prefill skipped); 0 before it was admitted or without a hit.
+    cached_tokens: int = 0
 
 
 class EngineRequest:
     """One request as the engine keeps it: prompt, sampling, tokens, where it is, its state."""
 
     __slots__ = (
+        "cached_tokens",
         "constraint",
         "error",
         "finish_reason",
@@ -111,6 +115,8 @@ class EngineRequest:
         self.status = RequestStatus.QUEUED
         self.finish_reason: str | None = None
         self.prefilled = 0
+        #: Prompt tokens the prefix cache served at the first admission (``None``: not yet).
+        self.cached_tokens: int | None = None
         self.states: list[Any] | None = None
         #: A copy of ``states`` at the last prefix boundary a decode step reached (state
         #: snapshots only), kept in the snapshot cache when the request leaves the pool.
@@ -187,6 +193,7 @@ class EngineRequest:
             None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
             0 if self.speculation is None else self.speculation.proposed,
             0 if self.speculation is None else self.speculation.accepted,
+            self.cached_tokens or 0,
         )
 
 

@@ -367,8 +367,13 @@ def message_body(
     stop_string: str | None,
     input_tokens: int,
     output_tokens: int,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
-    """A whole Messages response."""
+    """A whole Messages response.
+
+    ``input_tokens`` counts the whole prompt, ``cached_tokens`` the part the prefix cache
+    served (Anthropic's usage reports them apart).
+    """
     content: list[dict[str, Any]] = []
     if text:
         content.append({"type": "text", "text": text})
@@ -381,7 +386,16 @@ def message_body(
         "content": content,
         "stop_reason": stop_reason(finish, calls, stop_string),
         "stop_sequence": stop_string,
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+        "usage": {**input_usage(input_tokens, cached_tokens), "output_tokens": output_tokens},
+    }
+
+
+def input_usage(prompt_tokens: int, cached_tokens: int) -> dict[str, int]:
+    """Anthropic's input usage: tokens read from the cache apart from the others."""
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
     }
 
 
@@ -414,7 +428,7 @@ class MessageEvents:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self._input, "output_tokens": 0},
+            "usage": {**input_usage(self._input, 0), "output_tokens": 0},
         }
         return _event("message_start", {"message": message})
 
@@ -451,11 +465,18 @@ class MessageEvents:
         out += _event("content_block_delta", {"index": index, "delta": delta})
         return out + _event("content_block_stop", {"index": index})
 
-    def stop(self, reason: str, stop_string: str | None, output_tokens: int) -> str:
-        """The closing events: the open block's stop, ``message_delta``, ``message_stop``."""
+    def stop(
+        self, reason: str, stop_string: str | None, output_tokens: int, cached_tokens: int = 0
+    ) -> str:
+        """The closing events: the open block's stop, ``message_delta``, ``message_stop``.
+
+        ``message_delta``'s usage is the whole message's: the input as the prefix cache
+        served it (unknown at ``message_start``) and the output.
+        """
         out = self._close_text()
         delta = {"stop_reason": reason, "stop_sequence": stop_string}
-        out += _event("message_delta", {"delta": delta, "usage": {"output_tokens": output_tokens}})
+        usage = {**input_usage(self._input, cached_tokens), "output_tokens": output_tokens}
+        out += _event("message_delta", {"delta": delta, "usage": usage})
         return out + _event("message_stop", {})
 
     @staticmethod

@@ -68,6 +68,8 @@ class RequestSequence:
         self.text = text
         self.entries: list[TokenLogprob] = []
         self.prompt_entries: tuple[TokenLogprob | None, ...] | None = None
+        #: Prompt tokens the prefix cache served (its prefill skipped).
+        self.cached_tokens = 0
         self.finish: str | None = None
         self.started = False
         #: Splits the output into content, reasoning and tool calls (chat requests with
@@ -229,6 +231,8 @@ class RequestRunner:
         """
         if event.prompt_logprobs is not None:
             sequence.prompt_entries = event.prompt_logprobs
+        if event.cached_tokens is not None:
+            sequence.cached_tokens = event.cached_tokens
         piece = ""
         if event.tokens and not prepared.echo_only:
             piece = sequence.text.push(event.tokens)

@@ -74,6 +74,8 @@ class Event:
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     index: int = 0
+    #: Prompt tokens the prefix cache served, with the sequence's first event.
+    cached_tokens: int | None = None
 
     @property
     def done(self) -> bool:
@@ -191,6 +193,7 @@ class _Active:
     logprobs: bool
     prompt_logprobs: bool
     delivered: int = 0
+    first: bool = True
 
 
 _STOP = object()
@@ -462,11 +465,22 @@ class EngineWorker:
                 logprobs = engine.token_logprobs(rid, start=active.delivered)[: len(tokens)]
             active.delivered += len(tokens)
             prompt = None
-            if active.prompt_logprobs:
-                active.prompt_logprobs = False  # sent once, with the first event
-                prompt = engine.output(rid).prompt_logprobs
+            cached: int | None = None
+            if active.first:  # sent once, with the first event
+                active.first = False
+                snapshot = engine.output(rid)
+                cached = snapshot.cached_tokens
+                if active.prompt_logprobs:
+                    prompt = snapshot.prompt_logprobs
             if not finished:
-                active.ticket.put(Event(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt))
+                active.ticket.put(
+                    Event(
+                        tokens=tokens,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt,
+                        cached_tokens=cached,
+                    )
+                )
                 continue
             del self._active[rid]
             out = engine.release(rid)
@@ -477,6 +491,7 @@ class EngineWorker:
                     error=out.error,
                     logprobs=logprobs,
                     prompt_logprobs=prompt,
+                    cached_tokens=cached,
                 )
             )
 

@@ -62,6 +62,7 @@ class AnthropicMessages:
                 stop_string=sequence.text.stop_string,
                 input_tokens=prepared.prompt_tokens,
                 output_tokens=sequence.text.completion_tokens,
+                cached_tokens=sequence.cached_tokens,
             )
         )
 
@@ -111,4 +112,6 @@ class _MessageStream(StreamFormat):
         made = sequence.tools.calls if sequence.tools is not None else []
         stop = sequence.text.stop_string
         reason = stop_reason(sequence.finish, made, stop)
-        return [self.out.stop(reason, stop, sequence.text.completion_tokens)]
+        return [
+            self.out.stop(reason, stop, sequence.text.completion_tokens, sequence.cached_tokens)
+        ]

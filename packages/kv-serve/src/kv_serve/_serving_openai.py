@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,13 +42,22 @@ def error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-def _usage(prepared: PreparedRequest, sequences: list[RequestSequence]) -> dict[str, int]:
+def cached_prompt_tokens(sequences: Iterable[RequestSequence]) -> int:
+    """Prompt tokens the prefix cache served, each prompt counted once (its ``n`` share it)."""
+    per_prompt: dict[int, int] = {}
+    for s in sequences:
+        per_prompt[s.prompt_index] = max(per_prompt.get(s.prompt_index, 0), s.cached_tokens)
+    return sum(per_prompt.values())
+
+
+def _usage(prepared: PreparedRequest, sequences: list[RequestSequence]) -> dict[str, Any]:
     prompt = prepared.prompt_tokens
     completion = sum(s.text.completion_tokens for s in sequences)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached_prompt_tokens(sequences)},
     }
 
 
