@@ -5,9 +5,10 @@ Run: ``uv run --no-sync python -m tools.bench_cpu_linear`` (about 30 seconds on 
 For a Gemma-3-270M-sized layer (2048 x 640, groups of 32) at 8 and 4 bits, each row count
 (1 / 16 / 128 / 512: decode steps to prompt chunks) times ``CpuQuantizedLinear``'s product
 and ``x @ W.T`` over the same values dequantized, the best of five evaluations each, on the
-BLAS kv-serve loads. It prints the library's build (compiler, flags, OpenMP) and whether the
-CPU has AVX-512: the kernel's vector paths were written for it, and where a product is
-slower than MLX's, the engine is better off without the kernel at that row count.
+BLAS kv-serve loads. It prints the library's build (compiler, flags, OpenMP, the vector
+width its tiles run at: 512-bit with AVX-512, 256-bit halves with AVX2 alone) and the CPU's
+vector flags; where a product is slower than MLX's, the engine is better off without the
+kernel at that row count.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kernel = CpuQuantizedLinear()
     library = kernel.library
     print(f"CPU flags: {cpu_flags() or 'unknown'}")
-    print(f"kernel: {library.describe()}")
+    print(f"kernel: {library.describe()}, {kernel.vector_bits or 'compiler'}-bit vectors")
     if library.handle is None:
         return 1
     mx.random.seed(0)

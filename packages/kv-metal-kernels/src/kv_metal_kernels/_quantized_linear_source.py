@@ -19,7 +19,11 @@ __all__ = ["QUANTIZED_LINEAR_SOURCE"]
 #: broadcast: no horizontal sums), scaled by the group's scales, and the bias times the
 #: group's input sum added: ``sum_g s_g (sum_i q_i x_i) + b_g (sum_i x_i)``. An output's
 #: arithmetic depends on nothing but its row and input (not the thread count, nor the other
-#: rows). Returns 0, or -1 when its scratch cannot be allocated.
+#: rows). Returns 0, or -1 when its scratch cannot be allocated. Built for AVX2 without
+#: AVX-512, a tile runs as two 8-lane halves (the 16-lane form's accumulators spill
+#: AVX2's 16 registers), with each lane's arithmetic unchanged.
+#:
+#: ``kv_qlinear_vector_bits()``: 512 (AVX-512), 256 (AVX2) or 0, the vectors of this build.
 QUANTIZED_LINEAR_SOURCE = r"""
 #include <stdint.h>
 #include <stddef.h>
@@ -61,27 +65,6 @@ static inline void lane_codes4(const uint8_t *c, lvf *lo, lvf *hi) {
   __m512 a = _mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(15)));
   __m512 b = _mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4));
   memcpy(lo, &a, 64); memcpy(hi, &b, 64);
-}
-#elif defined(__AVX2__)
-/* The same floats from two 8-lane halves (AVX2 without AVX-512: x86_64 of 2013-, AMD Zen
-   1-3); the scalar loop below does not vectorise and made the product slower than MKL's. */
-#include <immintrin.h>
-static inline lvf lane_halves(__m256 a, __m256 b) {
-  lvf v; memcpy(&v, &a, 32); memcpy((char *)&v + 32, &b, 32); return v;
-}
-static inline lvf lane_codes8(const uint8_t *c) {
-  __m128i b = _mm_loadu_si128((const __m128i *)c);
-  return lane_halves(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
-                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
-}
-static inline void lane_codes4(const uint8_t *c, lvf *lo, lvf *hi) {
-  __m128i b = _mm_loadu_si128((const __m128i *)c);
-  __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-  __m256i m = _mm256_set1_epi32(15);
-  *lo = lane_halves(_mm256_cvtepi32_ps(_mm256_and_si256(w0, m)),
-                    _mm256_cvtepi32_ps(_mm256_and_si256(w1, m)));
-  *hi = lane_halves(_mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4)),
-                    _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4)));
 }
 #else
 static inline lvf lane_codes8(const uint8_t *c) {
@@ -134,6 +117,7 @@ static inline float group_sum(const float *x, int n) {
 
 /* NB input rows (stride xs) against one tile: codes c, scales sc and biases bc of its ng
    groups; input sums xsum[b * ng + g] (read only with a bias term). */
+#if defined(__AVX512F__) || !defined(__AVX2__)
 #define LINEAR_TILE(NB, BITS)                                                               \
   static void linear_##NB##_##BITS(const uint8_t *c, const float *sc, const float *bc,     \
                                    int D, int G, int bias, const float *x, size_t xs,      \
@@ -180,6 +164,74 @@ static inline float group_sum(const float *x, int n) {
     size_t n = (size_t)(valid < LANES ? valid : LANES) * sizeof(float);                     \
     for (int b = 0; b < NB; b++) memcpy(o + (size_t)b * os, &acc[b], n);                    \
   }
+#else
+/* AVX2 (16 vector registers of 8 lanes): each tile is run as two 8-lane halves, so a half's
+   NB accumulators, NB group sums, its codes and the broadcast input fit the registers.
+   Each lane's arithmetic is the 16-lane form's, in the same order. */
+#include <immintrin.h>
+typedef float hvf __attribute__((vector_size(32)));
+static inline hvf half_load(const float *p) { hvf v; memcpy(&v, p, sizeof v); return v; }
+static inline hvf half_codes8(const uint8_t *c) {
+  __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+  hvf v; memcpy(&v, &f, 32); return v;
+}
+static inline void half_codes4(const uint8_t *c, hvf *lo, hvf *hi) {
+  __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+  __m256 a = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
+  __m256 b = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+  memcpy(lo, &a, 32); memcpy(hi, &b, 32);
+}
+#define LINEAR_TILE(NB, BITS)                                                               \
+  static void linear_##NB##_##BITS(const uint8_t *c, const float *sc, const float *bc,     \
+                                   int D, int G, int bias, const float *x, size_t xs,      \
+                                   const float *xsum, float *o, size_t os, int valid,      \
+                                   int ahead) {                                            \
+    int ng = D / G;                                                                         \
+    for (int h = 0; h < 2; h++) {                                                           \
+      int lanes = valid - 8 * h;                                                            \
+      if (lanes <= 0) break;                                                                \
+      hvf acc[NB];                                                                          \
+      for (int b = 0; b < NB; b++) acc[b] = (hvf){0};                                       \
+      for (int g = 0; g < ng; g++) {                                                        \
+        hvf part[NB];                                                                       \
+        for (int b = 0; b < NB; b++) part[b] = (hvf){0};                                    \
+        const float *xg = x + (size_t)g * G;                                                \
+        if (ahead && h == 0) {                                                              \
+          size_t gb = (size_t)G * LANES * BITS / 8, tb = (size_t)D * LANES * BITS / 8;      \
+          for (size_t line = 0; line < gb; line += 64)                                      \
+            __builtin_prefetch(c + LINEAR_AHEAD * tb + (size_t)g * gb + line, 0, 0);        \
+          __builtin_prefetch(sc + (size_t)(LINEAR_AHEAD * ng + g) * LANES, 0, 0);           \
+          __builtin_prefetch(bc + (size_t)(LINEAR_AHEAD * ng + g) * LANES, 0, 0);           \
+        }                                                                                   \
+        if (BITS == 4) {                                                                    \
+          const uint8_t *cg = c + (size_t)g * (G / 2) * LANES + 8 * h;                      \
+          for (int p = 0; p < G / 2; p++) {                                                 \
+            hvf lo, hi;                                                                     \
+            half_codes4(cg + (size_t)p * LANES, &lo, &hi);                                  \
+            for (int b = 0; b < NB; b++) {                                                  \
+              part[b] += xg[(size_t)b * xs + 2 * p] * lo;                                   \
+              part[b] += xg[(size_t)b * xs + 2 * p + 1] * hi;                               \
+            }                                                                               \
+          }                                                                                 \
+        } else {                                                                            \
+          const uint8_t *cg = c + (size_t)g * G * LANES + 8 * h;                            \
+          for (int i = 0; i < G; i++) {                                                     \
+            hvf w = half_codes8(cg + (size_t)i * LANES);                                    \
+            for (int b = 0; b < NB; b++) part[b] += xg[(size_t)b * xs + i] * w;             \
+          }                                                                                 \
+        }                                                                                   \
+        hvf s = half_load(sc + (size_t)g * LANES + 8 * h);                                  \
+        for (int b = 0; b < NB; b++) acc[b] += part[b] * s;                                 \
+        if (bias) {                                                                         \
+          hvf bv = half_load(bc + (size_t)g * LANES + 8 * h);                               \
+          for (int b = 0; b < NB; b++) acc[b] += xsum[(size_t)b * ng + g] * bv;             \
+        }                                                                                   \
+      }                                                                                     \
+      size_t n = (size_t)(lanes < 8 ? lanes : 8) * sizeof(float);                           \
+      for (int b = 0; b < NB; b++) memcpy(o + (size_t)b * os + 8 * h, &acc[b], n);          \
+    }                                                                                       \
+  }
+#endif
 LINEAR_TILE(8, 4) LINEAR_TILE(4, 4) LINEAR_TILE(2, 4) LINEAR_TILE(1, 4)
 LINEAR_TILE(8, 8) LINEAR_TILE(4, 8) LINEAR_TILE(2, 8) LINEAR_TILE(1, 8)
 
@@ -223,6 +275,18 @@ int kv_qlinear(const float *x, int B, int D, const uint8_t *lcodes, const float 
   }
   free(xsum);
   return 0;
+}
+
+/* The vector width the tiles run at in this build, in bits: 512 (AVX-512), 256 (AVX2's
+   8-lane halves), else 0 (the compiler's lowering of 16-lane vectors). */
+int kv_qlinear_vector_bits(void) {
+#if defined(__AVX512F__)
+  return 512;
+#elif defined(__AVX2__)
+  return 256;
+#else
+  return 0;
+#endif
 }
 
 /* The graph calls' form (kv_metal_kernels._graph_call): inputs x, the layout's codes,

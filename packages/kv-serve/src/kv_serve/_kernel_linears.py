@@ -63,10 +63,14 @@ SIBLING_LAYERS: tuple[tuple[str, ...], ...] = (
 KERNEL_MAX_ROWS = 32
 
 #: The most rows a :class:`KernelLinear` sends to ``CpuQuantizedLinear`` (every prompt
-#: chunk): it is faster than MLX's float32 product with MKL at every row count measured
-#: (2-core AMD EPYC with AVX-512, where MKL runs its AVX2 code: Gemma 3 270M's 640 x 4096
-#: 8-bit layer 234 / 877 / 3420 / 7052 us at 16 / 64 / 256 / 512 rows against 717 / 2100 /
-#: 6929 / 15464 us; its 16 x 128-token prompts 1042 against 601 tok/s, the same tokens).
+#: chunk). With AVX-512 it is faster than MLX's float32 product with MKL at every row count
+#: measured (2-core AMD EPYC with AVX-512, where MKL runs its AVX2 code: Gemma 3 270M's 640
+#: x 4096 8-bit layer 234 / 877 / 3420 / 7052 us at 16 / 64 / 256 / 512 rows against 717 /
+#: 2100 / 6929 / 15464 us; its 16 x 128-token prompts 1042 against 601 tok/s, the same
+#: tokens). With AVX2 alone (2-core AMD EPYC) it wins up to about 64 rows and is 1.2-1.3x
+#: slower from 128 (``tools/bench_cpu_linear.py``), but a whole 1,024-token Gemma 3 270M
+#: prompt runs about as fast as with the float32 layers from 16 rows (245-294 against
+#: 284-356 tok/s, noisy) and the float32 weights need not be held: one limit for both.
 LINEAR_MAX_ROWS = 1 << 16
 
 
