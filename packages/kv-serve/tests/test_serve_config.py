@@ -41,7 +41,8 @@ def test_every_serve_option_is_a_config_field_or_the_processes_own() -> None:
 def test_the_command_line_builds_the_config_it_says() -> None:
     argv = [
         "serve", "--model", "m", "--served-model-name", "served", "--max-running", "3",
-        "--max-queued", "7", "--max-context", "96", "--prefill-chunk", "24",
+        "--max-queued", "7", "--max-tokens-default", "40", "--max-context", "96",
+        "--prefill-chunk", "24",
         "--prefill-stall", "1.5", "--page-size", "8", "--seed", "5", "--kv-budget-mib", "3",
         "--kv-slab-mib", "0", "--no-prefix-caching", "--state-snapshot-interval", "16",
         "--state-cache-mib", "2", "--kv-bits", "8", "--kv-group-size", "32",
@@ -51,6 +52,7 @@ def test_the_command_line_builds_the_config_it_says() -> None:
     assert config == ServerConfig(
         model_name="served",
         max_queued=7,
+        max_tokens_default=40,
         engine=EngineConfig(
             max_running=3,
             prefill_chunk=24,
@@ -95,6 +97,8 @@ def test_settings_route_to_their_config_and_bad_ones_are_refused_once() -> None:
         EngineConfig(max_running=0)
     with pytest.raises(RequestStateError, match="max_queued"):
         ServerConfig(model_name="x", max_queued=-1)
+    with pytest.raises(RequestStateError, match="max_tokens_default"):
+        ServerConfig(model_name="x", max_tokens_default=0)
     with pytest.raises(RequestStateError, match="max_context"):
         PoolConfig(max_context=0)
     with pytest.raises(ValueError, match="kv_bits"):

@@ -411,7 +411,7 @@ def test_bad_completion_requests(
         ({"model": MODEL, "messages": []}, 400, "messages"),
         ({"model": MODEL, "messages": "hi"}, 400, "messages"),
         (
-            {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+            {"model": MODEL, "messages": [{"role": 3, "content": "x"}]},
             400,
             "messages[0].role",
         ),

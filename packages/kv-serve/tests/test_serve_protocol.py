@@ -2,7 +2,8 @@
 
 Every field of the openai client's own request types (``CompletionCreateParams`` and the
 chat ``CompletionCreateParams``) is in the server's field table, so none is silently
-ignored; bad values are refused naming the field; the per-token texts and bytes a choice's
+ignored (a field outside it is accepted and reported by name); bad values are refused naming
+the field; the per-token texts and bytes a choice's
 logprobs report join to the completion's text, whatever the token stream.
 """
 
@@ -33,6 +34,12 @@ from kv_serve._server_text import (
     TokenTexts,
     chat_logprobs,
     completion_logprobs,
+)
+from kv_serve._server_warnings import (
+    IGNORED_HEADER,
+    IgnoredField,
+    IgnoredFieldLog,
+    ignored_headers,
 )
 from kv_testing import build_tiny_tokenizer
 
@@ -132,16 +139,90 @@ def test_accepted_fields_are_type_checked_and_change_nothing() -> None:
     assert refused(chat, store="yes").param == "store"
 
 
-def test_unknown_fields_are_refused_by_name() -> None:
-    error = refused(completion, best_effort=True)
-    assert error.param == "best_effort" and "best_effort" in error.message
-    error = refused(completion, top_logprobs=3)  # a chat field on completions
-    assert error.param == "top_logprobs" and "/v1/chat/completions" in error.message
-    error = refused(chat, echo=True)
-    assert error.param == "echo" and "/v1/completions" in error.message
+def ignored_names(request: Any) -> list[str]:
+    return [f.name for f in request.ignored]
+
+
+def test_unknown_fields_are_accepted_and_reported_by_name() -> None:
+    plain = completion()
+    request = completion(best_effort=True, repetition_context_size=20)
+    assert ignored_names(request) == ["best_effort", "repetition_context_size"]
+    assert request.prompts == plain.prompts and request.sampling == plain.sampling
+    on_chat = completion(top_logprobs=3)  # a chat field on completions
+    assert on_chat.ignored[0].name == "top_logprobs"
+    assert "/v1/chat/completions" in on_chat.ignored[0].reason
+    assert "/v1/completions" in chat(echo=True).ignored[0].reason
+    assert ignored_names(chat(best_effort=None)) == []  # null is the same as absent
+    assert ignored_names(chat()) == [] and ignored_names(completion()) == []
+    # A field the table says is ignored is reported with the table's reason.
+    for rule in (r for r in REQUEST_FIELDS if r.treatment == "ignored"):
+        got = chat(**{rule.name: {"type": "content", "content": "x"}})
+        assert [(f.name, f.reason) for f in got.ignored] == [(rule.name, rule.note)]
+        assert got.messages == MESSAGES
+
+
+def test_message_fields_and_roles_go_to_the_template_as_given() -> None:
+    messages = [
+        {"role": "system", "content": "s", "cache_hint": 3},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "a", "reasoning_content": "r", "refusal": None},
+        {"role": "critic", "content": "c"},
+    ]
+    request = chat(messages=messages)
+    assert request.messages == [
+        {"role": "system", "content": "s", "cache_hint": 3},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "a", "reasoning_content": "r"},
+        {"role": "critic", "content": "c"},
+    ]
+    assert refused(chat, messages=[{"role": "", "content": "x"}]).param == "messages[0].role"
+    assert refused(chat, messages=[{"role": 3, "content": "x"}]).param == "messages[0].role"
+    # What would change the answer is still refused: a user message making tool calls.
     assert refused(chat, messages=[{"role": "user", "content": "x", "tool_calls": []}]).param == (
         "messages[0].tool_calls"
     )
+
+
+def test_template_arguments_are_checked_and_handed_on() -> None:
+    request = chat(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False})
+    assert request.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}
+    assert chat().template_kwargs == {}
+    assert refused(chat, chat_template_kwargs=[1]).param == "chat_template_kwargs"
+    error = refused(chat, chat_template_kwargs={"tools": [], "x": 1})
+    assert error.param == "chat_template_kwargs.tools" and "tools" in error.message
+    assert refused(chat, reasoning_effort=3).param == "reasoning_effort"
+
+
+def test_ignored_fields_are_reported_in_headers_and_logged_once_per_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fields = [
+        IgnoredField(name="thinking", reason='no "thinking" blocks'),
+        IgnoredField(name="tools[3]", reason="a server tool \u00e9"),
+    ]
+    headers = ignored_headers(fields)
+    assert headers[IGNORED_HEADER] == "thinking, tools[3]"
+    warning = headers["Warning"]
+    assert warning.startswith('299 kv-serve "ignored thinking: no ?thinking? blocks; tools[3]')
+    assert warning.count('"') == 2 and warning.isascii()
+    assert ignored_headers([]) == {}
+    log = IgnoredFieldLog()
+    with caplog.at_level("WARNING", logger="kv_serve"):
+        log.note("/v1/messages", fields)
+        log.note("/v1/messages", [IgnoredField(name="tools[0]", reason="again")])
+        log.note("/v1/chat/completions", fields[:1])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert lines[0].startswith("/v1/messages: ignored request field thinking (no")
+    assert "field tools[] (a server tool" in lines[1]
+    assert lines[2].startswith("/v1/chat/completions: ignored request field thinking")
+
+
+def test_seed_is_an_int64() -> None:
+    assert chat(seed=2**63 - 1).sampling.seed == 2**63 - 1
+    assert chat(seed=-(2**63)).sampling.seed == 2**63
+    assert refused(chat, seed=2**63).param == "seed"
+    assert refused(chat, seed=-(2**63) - 1).param == "seed"
 
 
 # ---------------------------------------------------------------------- values

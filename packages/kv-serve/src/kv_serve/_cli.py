@@ -213,6 +213,13 @@ def parser() -> argparse.ArgumentParser:
         "--max-running", type=_positive_int, default=16, help="requests decoded together (16)"
     )
     srv.add_argument(
+        "--max-tokens-default",
+        type=_positive_int,
+        default=None,
+        help="the most tokens a chat request that gives no max_tokens may generate (default: "
+        "the context left after its prompt)",
+    )
+    srv.add_argument(
         "--max-queued",
         type=_positive_int,
         default=128,
@@ -532,6 +539,7 @@ def server_config(args: argparse.Namespace, speculative: Any = None) -> Any:
     return ServerConfig(
         model_name=args.served_model_name or args.model,
         max_queued=args.max_queued,
+        max_tokens_default=args.max_tokens_default,
         speculative=speculative,
         num_speculative_tokens=_speculative_tokens(args, NGRAM_SPECULATIVE_TOKENS),
         engine=EngineConfig(

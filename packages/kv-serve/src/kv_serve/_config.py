@@ -59,13 +59,15 @@ class ServerConfig:
     """Everything a :class:`~kv_serve.KVServer` serves a model with.
 
     ``model_name`` is the name clients ask for; at most ``max_queued`` sequences wait for
-    admission (429 past it). ``speculative`` (``"ngram"`` or a
-    :class:`kv_batching.SpeculationConfig`) with ``num_speculative_tokens`` turns on
-    speculative decoding (see :func:`~kv_serve.build_engine`).
+    admission (429 past it). A chat request without ``max_tokens`` may generate up to the
+    context left after its prompt, at most ``max_tokens_default`` (``None``: no cap).
+    ``speculative`` (``"ngram"`` or a :class:`kv_batching.SpeculationConfig`) with
+    ``num_speculative_tokens`` turns on speculative decoding (see :func:`~kv_serve.build_engine`).
     """
 
     model_name: str
     max_queued: int = 128
+    max_tokens_default: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     speculative: str | SpeculationConfig | None = None
@@ -75,6 +77,9 @@ class ServerConfig:
         if not isinstance(self.model_name, str):
             raise RequestStateError(f"model_name must be a str, got {self.model_name!r}")
         object.__setattr__(self, "max_queued", check_int(self.max_queued, "max_queued", minimum=0))
+        if self.max_tokens_default is not None:
+            cap = check_int(self.max_tokens_default, "max_tokens_default", minimum=1)
+            object.__setattr__(self, "max_tokens_default", cap)
         for name, kind in (("engine", EngineConfig), ("pool", PoolConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise RequestStateError(f"{name} must be a {kind.__name__}")

@@ -52,6 +52,7 @@ from ._serving_completions import Completions
 from ._serving_messages import AnthropicMessages
 from ._serving_models import ServerEndpoints
 from ._serving_openai import error_response
+from ._serving_tokenize import Tokenization
 from ._structured import GrammarCompiler
 
 __all__ = ["KVServer", "RunningServer", "ServerMetrics"]
@@ -126,7 +127,12 @@ class KVServer:
             tokenizer, model_name=model_name, harmony=is_harmony(tokenizer), worker=self.worker
         )
         self._requests = RequestPreparer(
-            tokenizer, model_name, self.max_context, self.worker, self._policy
+            tokenizer,
+            model_name,
+            self.max_context,
+            self.worker,
+            self._policy,
+            max_tokens_default=config.max_tokens_default,
         )
         self._runner = RequestRunner(self.worker, tokenizer, self.metrics)
         self._endpoints = ServerEndpoints(
@@ -252,6 +258,7 @@ class KVServer:
         chat = ChatCompletions(self._requests, self._runner)
         completions = Completions(self._requests, self._runner)
         messages = AnthropicMessages(self._requests, self._runner)
+        tokenization = Tokenization(self._requests, self.max_context)
         routes: list[tuple[str, str, Callable[..., Any]]] = [
             ("GET", "/health", server.health),
             ("GET", "/", page.page),
@@ -263,6 +270,8 @@ class KVServer:
             ("POST", "/v1/chat/completions", chat.create),
             ("POST", "/v1/messages", messages.create),
             ("POST", "/v1/messages/count_tokens", messages.count_tokens),
+            ("POST", "/tokenize", tokenization.tokenize),
+            ("POST", "/detokenize", tokenization.detokenize),
         ]
         for method, path, endpoint in routes:
             app.add_api_route(path, endpoint, methods=[method])

@@ -5,8 +5,12 @@ Pure Python (no MLX). :func:`messages_to_chat` checks a ``/v1/messages`` (or
 and turns it into the OpenAI chat body the server already serves: ``system`` becomes a system
 message, ``tool_use`` blocks an assistant message's ``tool_calls``, ``tool_result`` blocks
 ``tool`` messages, ``stop_sequences`` the stop strings, ``tool_choice`` ``any`` OpenAI's
-``required``. :func:`message_body` and :class:`MessageEvents` give the answer back in
-Anthropic's shapes; :func:`anthropic_error` turns an error into Anthropic's.
+``required``. A field the server cannot act on and whose absence leaves the answer a valid
+one (``thinking`` on a model whose reasoning is not parsed, a server tool, an unknown field)
+is accepted and reported (:mod:`._server_warnings`); ``cache_control`` is accepted without a
+report (prefix caching is automatic). :func:`message_body` and :class:`MessageEvents` give
+the answer back in Anthropic's shapes; :func:`anthropic_error` turns an error into
+Anthropic's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from ._server_protocol import MAX_STOP_STRINGS, OpenAIError
 from ._server_tools import ToolCall
+from ._server_warnings import IgnoredField
 
 __all__ = [
     "MessageEvents",
@@ -30,7 +35,7 @@ __all__ = [
 ]
 
 #: Every field of a Messages body: taken (mapped onto the chat pipeline), accepted without
-#: effect on a local server, or refused by name.
+#: effect on a local server, or ignored with a report (any other field is too).
 _TAKEN = frozenset(
     {
         "model",
@@ -47,12 +52,13 @@ _TAKEN = frozenset(
     }
 )
 _ACCEPTED = frozenset({"metadata", "service_tier"})
-_REFUSED = {
-    "thinking": "extended thinking is not supported",
-    "container": "no code-execution container",
-    "mcp_servers": "no MCP servers",
-    "context_management": "no context management",
+_IGNORED = {
+    "thinking": "no thinking blocks: this server does not parse the model's reasoning",
+    "container": "no code-execution container here",
+    "mcp_servers": "no MCP servers here",
+    "context_management": "no context management here",
 }
+_THINKING_TYPES = ("enabled", "disabled", "adaptive")
 #: What count_tokens takes (no generation fields).
 _COUNT = frozenset({"model", "messages", "system", "tools", "tool_choice"})
 _ERROR_TYPES = {
@@ -76,6 +82,22 @@ class MessagesRequest:
 
     chat: dict[str, Any]
     stream: bool = False
+    #: The fields accepted without effect.
+    ignored: tuple[IgnoredField, ...] = ()
+    #: Where each chat message came from in the Messages body (``system``, ``messages[i]``).
+    origins: tuple[str, ...] = ()
+
+    def named(self, ignored: Sequence[IgnoredField]) -> list[IgnoredField]:
+        """``ignored`` fields of the chat body renamed after the Messages body's."""
+        out = []
+        for item in ignored:
+            head, dot, rest = item.name.partition("].")
+            if dot and head.startswith("messages["):
+                index = int(head.removeprefix("messages["))
+                if index < len(self.origins):
+                    item = IgnoredField(name=f"{self.origins[index]}.{rest}", reason=item.reason)
+            out.append(item)
+        return out
 
 
 def _text_of(blocks: object, param: str) -> str:
@@ -136,14 +158,19 @@ def _user_turn(content: object, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant_turn(content: object, i: int) -> dict[str, Any]:
-    """An assistant message: its text, and its ``tool_use`` blocks as ``tool_calls``."""
+def _assistant_turn(content: object, i: int, ignored: list[IgnoredField]) -> dict[str, Any]:
+    """An assistant message: its text, ``tool_use`` blocks as ``tool_calls``, its thinking.
+
+    ``thinking`` blocks go to the template as the message's ``reasoning_content`` (the name
+    reasoning templates read); ``redacted_thinking`` blocks are ignored (``ignored``).
+    """
     param = f"messages[{i}].content"
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
         raise _bad("must be a string or a list of content blocks", param)
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         where = f"{param}[{j}]"
@@ -163,18 +190,32 @@ def _assistant_turn(content: object, i: int) -> dict[str, Any]:
                     "function": {"name": name, "arguments": json.dumps(arguments)},
                 }
             )
+        elif kind == "thinking":
+            thought = block.get("thinking")
+            if not isinstance(thought, str):
+                raise _bad("a thinking block needs a string thinking", where)
+            thoughts.append(thought)
+        elif kind == "redacted_thinking":
+            ignored.append(IgnoredField(name=where, reason="redacted thinking cannot be read"))
         else:
             raise _bad(
-                f"block type {kind!r} is not supported in an assistant message (text, tool_use)",
+                f"block type {kind!r} is not supported in an assistant message (text, "
+                "tool_use, thinking, redacted_thinking)",
                 f"{where}.type",
             )
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thoughts:
+        message["reasoning_content"] = "".join(thoughts)
     if calls:
         message["tool_calls"] = calls
     return message
 
 
-def _tools(value: object) -> list[dict[str, Any]]:
+_TOOL_KEYS = ("type", "name", "description", "input_schema", "cache_control")
+
+
+def _tools(value: object, ignored: list[IgnoredField]) -> list[dict[str, Any]]:
+    """The custom tools as OpenAI function tools; server tools are ignored (``ignored``)."""
     if not isinstance(value, list) or not value:
         raise _bad("must be a non-empty list of tools", "tools")
     tools = []
@@ -182,14 +223,16 @@ def _tools(value: object) -> list[dict[str, Any]]:
         where = f"tools[{k}]"
         if not isinstance(tool, dict):
             raise _bad("must be an object", where)
-        kind = tool.get("type", "custom")
+        kind = tool.get("type") or "custom"
         if kind != "custom":
-            raise _bad(f"tool type {kind!r} is not supported (custom tools only)", where)
-        unknown = [
-            key for key in tool if key not in ("type", "name", "description", "input_schema")
-        ]
-        if unknown:
-            raise _bad(f"{unknown[0]!r} is not a tool field", f"{where}.{unknown[0]}")
+            if not isinstance(kind, str):
+                raise _bad(f"type must be a string, got {kind!r}", f"{where}.type")
+            reason = f"tool type {kind} runs on Anthropic's servers or has no schema here"
+            ignored.append(IgnoredField(name=where, reason=reason))
+            continue
+        for key in tool:
+            if key not in _TOOL_KEYS:
+                ignored.append(IgnoredField(name=f"{where}.{key}", reason="not a tool field"))
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise _bad("input_schema must be a JSON schema object", f"{where}.input_schema")
@@ -231,18 +274,18 @@ def messages_to_chat(body: Mapping[str, Any], *, count_only: bool = False) -> Me
     :class:`OpenAIError` (400) naming the Anthropic field that is wrong.
     """
     allowed = _COUNT if count_only else _TAKEN | _ACCEPTED
-    for name in body:
-        if name in _REFUSED:
-            raise OpenAIError(
-                400, f"{name} is not supported by this server ({_REFUSED[name]})", param=name
-            )
-        if name not in allowed:
-            raise OpenAIError(
-                400,
-                f"{name}: unrecognized field; the kv-serve README lists every field this "
-                "server takes",
-                param=name,
-            )
+    ignored: list[IgnoredField] = []
+    for name, value in body.items():
+        if name in _IGNORED:
+            if name == "thinking":
+                _check_thinking(value)
+                if value is None or value.get("type") == "disabled":
+                    continue
+            if value is not None:
+                ignored.append(IgnoredField(name=name, reason=_IGNORED[name]))
+        elif name not in allowed and value is not None:
+            why = "not a count_tokens field" if name in _TAKEN else "not a field this server knows"
+            ignored.append(IgnoredField(name=name, reason=why))
     model = body.get("model")
     if not isinstance(model, str):
         raise _bad("the model is required (a string)", "model")
@@ -253,35 +296,43 @@ def messages_to_chat(body: Mapping[str, Any], *, count_only: bool = False) -> Me
             raise _bad(f"max_tokens is required, an integer >= 1, got {max_tokens!r}", "max_tokens")
         chat["max_tokens"] = max_tokens
     messages: list[dict[str, Any]] = []
+    origins: list[str] = []
     system = body.get("system")
     if system is not None:
         messages.append({"role": "system", "content": _text_of(system, "system")})
+        origins.append("system")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise _bad("messages must be a non-empty list", "messages")
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
             raise _bad("must be an object", f"messages[{i}]")
-        unknown = [k for k in message if k not in ("role", "content")]
-        if unknown:
-            raise _bad(f"{unknown[0]!r} is not a message field", f"messages[{i}].{unknown[0]}")
+        for key in message:
+            if key not in ("role", "content"):
+                reason = "not a message field"
+                ignored.append(IgnoredField(name=f"messages[{i}].{key}", reason=reason))
         role = message.get("role")
         if role == "user":
-            messages.extend(_user_turn(message.get("content"), i))
+            turn = _user_turn(message.get("content"), i)
+            messages.extend(turn)
+            origins.extend([f"messages[{i}]"] * len(turn))
         elif role == "assistant":
-            messages.append(_assistant_turn(message.get("content"), i))
+            messages.append(_assistant_turn(message.get("content"), i, ignored))
+            origins.append(f"messages[{i}]")
         else:
             raise _bad(f"role must be user or assistant, got {role!r}", f"messages[{i}].role")
     chat["messages"] = messages
     if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"])
+        tools = _tools(body["tools"], ignored)
+        if tools:
+            chat["tools"] = tools
     if body.get("tool_choice") is not None:
         choice, parallel = _tool_choice(body["tool_choice"])
         chat["tool_choice"] = choice
         if parallel is not None:
             chat["parallel_tool_calls"] = parallel
     if count_only:
-        return MessagesRequest(chat)
+        return MessagesRequest(chat, ignored=tuple(ignored), origins=tuple(origins))
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -321,7 +372,22 @@ def messages_to_chat(body: Mapping[str, Any], *, count_only: bool = False) -> Me
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad("must be a boolean", "stream")
-    return MessagesRequest(chat, bool(stream))
+    return MessagesRequest(chat, bool(stream), tuple(ignored), tuple(origins))
+
+
+def _check_thinking(value: object) -> None:
+    """Refuse a malformed ``thinking`` (its budget must be an integer >= 1024, as Anthropic's)."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") not in _THINKING_TYPES:
+        raise _bad(f"must be an object whose type is {', '.join(_THINKING_TYPES)}", "thinking")
+    budget = value.get("budget_tokens")
+    if value.get("type") == "enabled" and (
+        isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024
+    ):
+        raise _bad(
+            f"budget_tokens must be an integer >= 1024, got {budget!r}", "thinking.budget_tokens"
+        )
 
 
 def anthropic_error(error: OpenAIError) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Pure Python (no MLX): request bodies are checked here before anything reaches the engine.
 Every field a body may hold is in :data:`REQUEST_FIELDS`, with what the server does with it
-(honoured, an extension, accepted but meaningless to a local server, or refused); a field
-not listed there is refused by name, so nothing a client sends is silently ignored.
+(honoured, an extension, accepted but meaningless to a local server, ignored with a warning,
+or refused). A field not listed there is ignored with a warning too
+(:mod:`._server_warnings`): the request is answered, and says which fields had no effect.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ._server_tools import (
     parse_tools,
     tool_calls_of_message,
 )
+from ._server_warnings import IgnoredField
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -29,6 +31,7 @@ __all__ = [
     "MAX_PROMPTS",
     "MAX_SEQUENCES",
     "MAX_STOP_STRINGS",
+    "MESSAGE_KEYS",
     "REQUEST_FIELDS",
     "CompletionRequest",
     "FieldRule",
@@ -53,11 +56,11 @@ MAX_N = 128
 MAX_SEQUENCES = 256
 #: No request may ask for more tokens than this, whatever the context (a sanity bound).
 MAX_TOKENS_LIMIT = 2**31 - 1
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "refusal"})
+#: The message fields OpenAI defines; a message's other fields are handed to the template.
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "refusal"})
 
 Endpoint = Literal["completions", "chat"]
-Treatment = Literal["honoured", "extension", "accepted", "refused"]
+Treatment = Literal["honoured", "extension", "accepted", "ignored", "refused"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,10 @@ class FieldRule:
     ``treatment``: ``honoured`` (an OpenAI field the server implements), ``extension`` (not
     OpenAI's; the common vLLM / SGLang fields and ``return_token_ids``), ``accepted`` (an
     OpenAI field that means nothing to a local server: type-checked, then without effect),
-    or ``refused`` (a 400 naming the field whenever it is given a value other than null
-    or the default that ``note`` names).
+    ``ignored`` (a field the server cannot act on but whose absence leaves the answer a
+    valid one: accepted, and reported in the answer's headers), or ``refused`` (a 400
+    naming the field whenever it is given a value other than null or the default that
+    ``note`` names: acting without it would change the answer).
     """
 
     name: str
@@ -144,6 +149,13 @@ REQUEST_FIELDS: tuple[FieldRule, ...] = (
     FieldRule("min_tokens", _BOTH, "extension", "no stop token or string before this many"),
     FieldRule("stop_token_ids", _BOTH, "extension", "more token ids that end a sequence"),
     FieldRule("return_token_ids", _BOTH, "extension", "adds each choice's token_ids"),
+    FieldRule(
+        "chat_template_kwargs",
+        _CHAT,
+        "extension",
+        "an object handed to the chat template (enable_thinking, ...); keys it never reads "
+        "are ignored with a warning",
+    ),
     FieldRule("user", _BOTH, "accepted", "a string; nothing is tracked"),
     FieldRule("metadata", _CHAT, "accepted", "an object of strings; nothing is stored"),
     FieldRule("store", _CHAT, "accepted", "a boolean; nothing is stored"),
@@ -156,11 +168,11 @@ REQUEST_FIELDS: tuple[FieldRule, ...] = (
     FieldRule("functions", _CHAT, "refused", "function calling is not supported"),
     FieldRule("function_call", _CHAT, "refused", "function calling is not supported"),
     FieldRule("audio", _CHAT, "refused", "audio output is not supported"),
-    FieldRule("prediction", _CHAT, "refused", "predicted outputs are not supported"),
-    FieldRule("reasoning_effort", _CHAT, "refused", "not a reasoning-effort model"),
-    FieldRule("verbosity", _CHAT, "refused", "not a verbosity-controlled model"),
-    FieldRule("web_search_options", _CHAT, "refused", "no web search"),
-    FieldRule("moderation", _CHAT, "refused", "no moderation model"),
+    FieldRule("reasoning_effort", _CHAT, "honoured", "handed to the chat template"),
+    FieldRule("prediction", _CHAT, "ignored", "predicted outputs only save time"),
+    FieldRule("verbosity", _CHAT, "ignored", "the model takes no verbosity"),
+    FieldRule("web_search_options", _CHAT, "ignored", "no web search here"),
+    FieldRule("moderation", _CHAT, "ignored", "no moderation model here"),
 )
 
 _KNOWN: dict[Endpoint, frozenset[str]] = {
@@ -168,6 +180,7 @@ _KNOWN: dict[Endpoint, frozenset[str]] = {
     for endpoint in ("completions", "chat")
 }
 _REFUSED: dict[str, FieldRule] = {r.name: r for r in REQUEST_FIELDS if r.treatment == "refused"}
+_IGNORED: dict[str, FieldRule] = {r.name: r for r in REQUEST_FIELDS if r.treatment == "ignored"}
 _STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation", "continuous_usage_stats"})
 
 
@@ -257,6 +270,8 @@ class CompletionRequest:
     ``best_of`` is at least ``n`` (equal when not given). ``max_tokens`` ``None`` means up
     to the context. ``response_format`` is the checked structured output (``None``: text);
     ``tools`` the checked tools of a chat request (``None``: none given).
+    ``template_kwargs`` go to the chat template (``reasoning_effort`` and
+    ``chat_template_kwargs``); ``ignored`` are the fields accepted without effect.
     """
 
     model: str
@@ -275,6 +290,8 @@ class CompletionRequest:
     return_token_ids: bool = False
     response_format: ResponseFormat | None = None
     tools: ToolRequest | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    ignored: tuple[IgnoredField, ...] = ()
 
     @property
     def prompt(self) -> str | tuple[int, ...] | None:
@@ -417,21 +434,20 @@ def _stop_token_ids(body: Mapping[str, Any], vocab_size: int | None) -> tuple[in
     return tuple(_token_id(v, "stop_token_ids", vocab_size) for v in value)
 
 
-def _check_fields(body: Mapping[str, Any], endpoint: Endpoint) -> None:
+def _check_fields(body: Mapping[str, Any], endpoint: Endpoint) -> list[IgnoredField]:
+    """Refuse the refused fields; the fields accepted without effect (given, not null)."""
     known = _KNOWN[endpoint]
-    unknown = [name for name in body if name not in known]
-    if unknown:
-        other: Endpoint = "chat" if endpoint == "completions" else "completions"
-        path = "/v1/chat/completions" if other == "chat" else "/v1/completions"
-        elsewhere = [n for n in unknown if n in _KNOWN[other]]
-        hint = f" ({', '.join(elsewhere)}: only on {path})" if elsewhere else ""
-        raise _bad(
-            f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
-            f"{', '.join(unknown)}{hint}; the kv-serve README lists every field this server "
-            "takes",
-            unknown[0],
-            code="unsupported_parameter",
-        )
+    ignored: list[IgnoredField] = []
+    other: Endpoint = "chat" if endpoint == "completions" else "completions"
+    path = "/v1/chat/completions" if other == "chat" else "/v1/completions"
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name not in known:
+            where = f"only on {path}" if name in _KNOWN[other] else "not a field this server knows"
+            ignored.append(IgnoredField(name=name, reason=where))
+        elif name in _IGNORED:
+            ignored.append(IgnoredField(name=name, reason=_IGNORED[name].note))
     for name, rule in _REFUSED.items():
         value = body.get(name)
         if value is None or name not in known:
@@ -443,6 +459,7 @@ def _check_fields(body: Mapping[str, Any], endpoint: Endpoint) -> None:
             name,
             code="unsupported_parameter",
         )
+    return ignored
 
 
 def _accepted(body: Mapping[str, Any]) -> None:
@@ -506,7 +523,7 @@ def _sampling(body: Mapping[str, Any], vocab_size: int | None) -> SamplingFields
             f"repetition_penalty must be a finite number > 0, got {repetition!r}",
             "repetition_penalty",
         )
-    seed = _int(body, "seed", minimum=-(2**63), maximum=2**64 - 1)
+    seed = _int(body, "seed", minimum=-(2**63), maximum=2**63 - 1)  # OpenAI's: an int64
     return SamplingFields(
         temperature=_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0),
         top_p=_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, min_open=True),
@@ -592,7 +609,7 @@ def _common(body: Mapping[str, Any], endpoint: Endpoint, vocab_size: int | None)
         raise _bad("you must provide a model parameter", "model")
     if not isinstance(model, str):
         raise _bad(f"model must be a string, got {_type_name(model)} {model!r}", "model")
-    _check_fields(body, endpoint)
+    ignored = _check_fields(body, endpoint)
     _accepted(body)
     stream = _bool(body, "stream")
     include_usage, continuous = _stream_options(body, stream)
@@ -615,6 +632,7 @@ def _common(body: Mapping[str, Any], endpoint: Endpoint, vocab_size: int | None)
         "include_usage": include_usage,
         "continuous_usage": continuous,
         "return_token_ids": _bool(body, "return_token_ids"),
+        "ignored": tuple(ignored),
     }
 
 
@@ -715,20 +733,15 @@ def _message(message: object, i: int) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
     role = message.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or not role:
         raise _bad(
-            f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
+            f"messages[{i}].role must be a string (system, developer, user, assistant, tool, "
+            f"or a role the chat template renders), got {role!r}",
             f"messages[{i}].role",
         )
-    for key, value in message.items():
-        if key not in _MESSAGE_KEYS and value is not None:
-            raise _bad(
-                f"messages[{i}].{key} is not supported by this server (role, content, name, "
-                "tool_calls, tool_call_id)",
-                f"messages[{i}].{key}",
-                code="unsupported_parameter",
-            )
-    checked: dict[str, Any] = {"role": str(role), "content": _content(message, i)}
+    checked: dict[str, Any] = {"role": role, "content": _content(message, i)}
+    # Fields OpenAI does not define go to the template as they are (reasoning_content, ...).
+    checked.update({k: v for k, v in message.items() if k not in MESSAGE_KEYS and v is not None})
     calls = message.get("tool_calls")
     if calls is not None:
         if role != "assistant":
@@ -747,6 +760,37 @@ def _message(message: object, i: int) -> dict[str, Any]:
                 raise _bad(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
             checked[key] = value
     return checked
+
+
+#: Arguments of ``apply_chat_template`` the server sets itself (not a request's to give).
+_TEMPLATE_RESERVED = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
+)
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``reasoning_effort`` and ``chat_template_kwargs``: what the chat template is handed."""
+    kwargs: dict[str, Any] = {}
+    given = body.get("chat_template_kwargs")
+    if given is not None:
+        if not isinstance(given, dict):
+            raise _bad(
+                f"chat_template_kwargs must be an object, got {_type_name(given)}",
+                "chat_template_kwargs",
+            )
+        reserved = sorted(k for k in given if k in _TEMPLATE_RESERVED)
+        if reserved:
+            raise _bad(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets it "
+                "from the request",
+                f"chat_template_kwargs.{reserved[0]}",
+            )
+        kwargs.update(given)
+    _string(body, "reasoning_effort")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+    return kwargs
 
 
 def parse_chat_request(
@@ -782,6 +826,7 @@ def parse_chat_request(
     return CompletionRequest(
         messages=checked,
         tools=tools,
+        template_kwargs=_template_kwargs(body),
         max_tokens=max_tokens,
         best_of=common["n"],
         logprobs=(top or 0) if want else None,

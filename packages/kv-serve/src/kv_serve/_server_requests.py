@@ -8,8 +8,10 @@ the engine refuses, output constraints the model cannot follow (:mod:`._server_p
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kv_batching import SamplingParams
@@ -19,6 +21,7 @@ from kv_protocol import RequestStateError
 from ._server_harmony import HarmonyText
 from ._server_policy import OutputPolicy
 from ._server_protocol import (
+    MESSAGE_KEYS,
     CompletionRequest,
     OpenAIError,
     parse_chat_request,
@@ -26,6 +29,7 @@ from ._server_protocol import (
 )
 from ._server_text import IncrementalDecoder
 from ._server_tools import OutputSplitter, ToolCallText, ToolFormat
+from ._server_warnings import IgnoredField, IgnoredFieldLog
 from ._server_worker import EngineWorker, RequestParams
 
 __all__ = ["PreparedRequest", "Prompt", "RequestPreparer", "model_not_found"]
@@ -87,6 +91,8 @@ class PreparedRequest:
     tool_format: ToolFormat | None = None
     #: The model answers in harmony channels (gpt-oss): every chat output is split.
     harmony: bool = False
+    #: The request's fields accepted without effect (its own, and what the template ignored).
+    ignored: tuple[IgnoredField, ...] = ()
 
     def tool_text(self) -> OutputSplitter | None:
         """A splitter of one sequence's output into content and tool calls (or ``None``)."""
@@ -118,6 +124,10 @@ class RequestPreparer:
     max_context: int
     worker: EngineWorker
     policy: OutputPolicy
+    #: The most tokens a request without ``max_tokens`` generates (``None``: the context left).
+    max_tokens_default: int | None = None
+    #: Logs the first ignoring of each field name on each API.
+    ignored_log: IgnoredFieldLog = field(default_factory=IgnoredFieldLog)
 
     def check_model(self, request: CompletionRequest) -> None:
         """Refuse (404) a request for a model other than the served one."""
@@ -130,6 +140,26 @@ class RequestPreparer:
         self.check_model(request)
         return request
 
+    def template_ignores(self, request: CompletionRequest) -> list[IgnoredField]:
+        """What a chat request hands the template that the template never reads.
+
+        The template's arguments (``reasoning_effort``, ``chat_template_kwargs``) and the
+        messages' fields OpenAI does not define, by name: a name the template's source never
+        mentions has no effect on the prompt.
+        """
+        source = _template_source(getattr(self.tokenizer, "chat_template", None))
+        unread: list[IgnoredField] = []
+        for name in request.template_kwargs:
+            if not _mentions(source, name):
+                param = name if name == "reasoning_effort" else f"chat_template_kwargs.{name}"
+                unread.append(IgnoredField(name=param, reason="the chat template never reads it"))
+        for i, message in enumerate(request.messages or []):
+            for key in message:
+                if key not in MESSAGE_KEYS and not _mentions(source, key):
+                    reason = "the chat template never reads it"
+                    unread.append(IgnoredField(name=f"messages[{i}].{key}", reason=reason))
+        return unread
+
     def chat_tokens(self, request: CompletionRequest) -> list[int]:
         """A chat request's messages (and tools) rendered by the chat template, as tokens."""
         if not getattr(self.tokenizer, "chat_template", None):
@@ -141,7 +171,7 @@ class RequestPreparer:
                 code="no_chat_template",
             )
         try:
-            extra: dict[str, Any] = {}
+            extra: dict[str, Any] = dict(request.template_kwargs)
             if request.tools is not None:
                 extra["tools"] = [t.template_form() for t in request.tools.tools]
             ids: Any = self.tokenizer.apply_chat_template(
@@ -188,12 +218,17 @@ class RequestPreparer:
             max_tokens = request.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, self.max_context - len(tokens))
+                if self.max_tokens_default is not None:
+                    max_tokens = min(max_tokens, self.max_tokens_default)
             max_tokens = max(1, max_tokens)  # echo with max_tokens 0 runs one, unseen
             self._fit(len(tokens), max_tokens, where)
             params = RequestParams(max_tokens=max_tokens, sampling=sampling, stop_tokens=stops)
             prompts.append(Prompt(tokens, echo_text, skip_special, skip_first, params))
         tool_format = self.policy.tool_format(request.tools)
-        return PreparedRequest(request, prompts, chat, hidden, tool_format, self.policy.harmony)
+        ignored = (*request.ignored, *(self.template_ignores(request) if chat else ()))
+        return PreparedRequest(
+            request, prompts, chat, hidden, tool_format, self.policy.harmony, ignored
+        )
 
     def _fit(self, prompt_tokens: int, max_tokens: int, where: str = "") -> None:
         total = prompt_tokens + max_tokens
@@ -253,3 +288,15 @@ class RequestPreparer:
             )
         except RequestStateError as err:
             raise OpenAIError(400, str(err)) from None
+
+
+def _template_source(template: object) -> str:
+    """A chat template's source text (a tokenizer may hold several, by name)."""
+    if isinstance(template, str):
+        return template
+    return json.dumps(template, default=str) if template else ""
+
+
+def _mentions(source: str, name: str) -> bool:
+    """Whether template ``source`` names ``name`` as a whole word."""
+    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])", source) is not None

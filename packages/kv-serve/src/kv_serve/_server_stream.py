@@ -139,11 +139,16 @@ def _finish_reason(reason: str) -> str:
 class _AbortingStream(StreamingResponse):
     """A streaming response that runs ``on_close`` however the stream ends (disconnects too)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        on_close: Callable[[], None],
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._on_close = on_close
 
@@ -296,10 +301,12 @@ class RequestRunner:
         prepared: PreparedRequest,
         http: Request,
         fmt: Callable[[list[RequestSequence]], StreamFormat],
+        headers: Mapping[str, str] | None = None,
     ) -> StreamingResponse:
         """Run the request as a server-sent-event stream written by ``fmt(sequences)``.
 
-        The client leaving aborts every sequence still running.
+        The client leaving aborts every sequence still running. ``headers`` are added to
+        the response's.
         """
         sequences, events = self.submit(prepared)
         start = time.perf_counter()
@@ -354,4 +361,4 @@ class RequestRunner:
             for chunk in out.closing(error):
                 yield chunk
 
-        return _AbortingStream(chunks(), on_close=lambda: self.abort_all(sequences))
+        return _AbortingStream(chunks(), lambda: self.abort_all(sequences), headers)

@@ -17,6 +17,7 @@ class ChatCompletions(OpenAIServing):
     """OpenAI's chat completions: messages in, an assistant message (or its deltas) out."""
 
     chat = True
+    path = "/v1/chat/completions"
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -37,6 +38,14 @@ class ChatCompletions(OpenAIServing):
             }
             for sequence in sequences
         ]
+
+    def carries_output(self, choice: dict[str, Any]) -> bool:
+        """Whether the ``delta`` holds anything (content, reasoning, tool calls)."""
+        return any(choice.get("delta", {}).values())
+
+    def empty_output(self) -> dict[str, Any]:
+        """An empty ``delta``."""
+        return {"delta": {}}
 
     def write_output(
         self, choice: dict[str, Any], prepared: PreparedRequest, sequence: RequestSequence

@@ -18,9 +18,18 @@ class Completions(OpenAIServing):
     """OpenAI's completions: prompts (text or token ids) in, their continuations out."""
 
     chat = False
+    path = "/v1/completions"
     id_prefix = "cmpl"
     object_name = "text_completion"
     chunk_object = "text_completion"
+
+    def carries_output(self, choice: dict[str, Any]) -> bool:
+        """Whether the ``text`` is not empty."""
+        return bool(choice.get("text"))
+
+    def empty_output(self) -> dict[str, Any]:
+        """An empty ``text``."""
+        return {"text": ""}
 
     def write_output(
         self, choice: dict[str, Any], prepared: PreparedRequest, sequence: RequestSequence

@@ -22,6 +22,7 @@ from ._server_protocol import OpenAIError, parse_json_body
 from ._server_requests import PreparedRequest, RequestPreparer
 from ._server_stream import ClientGone, RequestRunner, RequestSequence, StreamFormat
 from ._server_tools import ToolCall, split_piece
+from ._server_warnings import ignored_headers
 
 __all__ = ["AnthropicMessages"]
 
@@ -42,9 +43,15 @@ class AnthropicMessages:
         try:
             mapped = messages_to_chat(parse_json_body(await http.body()))
             prepared = self.requests.prepare(mapped.chat, chat=True)
+            ignored = (*mapped.ignored, *mapped.named(prepared.ignored))
+            self.requests.ignored_log.note("/v1/messages", ignored)
+            headers = ignored_headers(ignored)
             if mapped.stream:
                 return await self.runner.stream(
-                    prepared, http, lambda sequences: _MessageStream(self, prepared, sequences[0])
+                    prepared,
+                    http,
+                    lambda sequences: _MessageStream(self, prepared, sequences[0]),
+                    headers,
                 )
             sequences = await self.runner.collect(prepared, http)
         except OpenAIError as err:
@@ -63,17 +70,24 @@ class AnthropicMessages:
                 input_tokens=prepared.prompt_tokens,
                 output_tokens=sequence.text.completion_tokens,
                 cached_tokens=sequence.cached_tokens,
-            )
+            ),
+            headers=headers,
         )
 
     async def count_tokens(self, http: Request) -> Response:
         """The input tokens a Messages request's prompt would take, nothing generated."""
         try:
             mapped = messages_to_chat(parse_json_body(await http.body()), count_only=True)
-            count = len(self.requests.chat_tokens(self.requests.parse_chat(mapped.chat)))
+            request = self.requests.parse_chat(mapped.chat)
+            count = len(self.requests.chat_tokens(request))
         except OpenAIError as err:
             return self._refused(err)
-        return JSONResponse({"input_tokens": count})
+        ignored = (
+            *mapped.ignored,
+            *mapped.named([*request.ignored, *self.requests.template_ignores(request)]),
+        )
+        self.requests.ignored_log.note("/v1/messages/count_tokens", ignored)
+        return JSONResponse({"input_tokens": count}, headers=ignored_headers(ignored))
 
 
 class _MessageStream(StreamFormat):

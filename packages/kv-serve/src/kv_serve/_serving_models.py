@@ -32,6 +32,8 @@ class ServerEndpoints:
             "object": "model",
             "created": self.created,
             "owned_by": "kv-serve",
+            "root": self.model_name,
+            "parent": None,
             "max_model_len": self.max_context,
         }
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from ._server_protocol import OpenAIError, parse_json_body
 from ._server_requests import PreparedRequest, RequestPreparer
 from ._server_stream import ClientGone, RequestRunner, RequestSequence, StreamFormat, sse
+from ._server_warnings import ignored_headers
 
 __all__ = ["Delta", "OpenAIServing", "error_response", "stream_index"]
 
@@ -66,6 +67,8 @@ class OpenAIServing(ABC):
 
     #: Whether the body is a chat (``messages``) rather than a completion (``prompt``).
     chat: ClassVar[bool]
+    #: The endpoint's path (for the log).
+    path: ClassVar[str]
     #: The answer's ``id`` prefix and its ``object``, whole and streamed.
     id_prefix: ClassVar[str]
     object_name: ClassVar[str]
@@ -80,11 +83,13 @@ class OpenAIServing(ABC):
         try:
             body = parse_json_body(await http.body())
             prepared = self.requests.prepare(body, chat=self.chat)
+            self.requests.ignored_log.note(self.path, prepared.ignored)
+            headers = ignored_headers(prepared.ignored)
             if prepared.request.stream:
                 return await self.runner.stream(
-                    prepared, http, lambda sequences: _Chunks(self, prepared, sequences)
+                    prepared, http, lambda sequences: _Chunks(self, prepared, sequences), headers
                 )
-            return await self._complete(prepared, http)
+            return await self._complete(prepared, http, headers)
         except OpenAIError as err:
             self.runner.metrics.reject(err.status)
             return error_response(err)
@@ -92,7 +97,9 @@ class OpenAIServing(ABC):
             self.runner.metrics.reject(499)
             return error_response(OpenAIError(499, "the client disconnected", code="client_gone"))
 
-    async def _complete(self, prepared: PreparedRequest, http: Request) -> Response:
+    async def _complete(
+        self, prepared: PreparedRequest, http: Request, headers: dict[str, str]
+    ) -> Response:
         sequences = await self.runner.collect(prepared, http)
         body = {
             "id": f"{self.id_prefix}-{uuid.uuid4().hex[:24]}",
@@ -102,7 +109,7 @@ class OpenAIServing(ABC):
             "choices": self._choices(prepared, sequences),
             "usage": _usage(prepared, sequences),
         }
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
     def _choices(
         self, prepared: PreparedRequest, sequences: list[RequestSequence]
@@ -162,6 +169,14 @@ class OpenAIServing(ABC):
     ) -> list[dict[str, Any]]:
         """The choices a stream sends before any text, one chunk each (none by default)."""
         return []
+
+    @abstractmethod
+    def carries_output(self, choice: dict[str, Any]) -> bool:
+        """Whether a streamed ``choice`` brings output (text, reasoning, calls)."""
+
+    @abstractmethod
+    def empty_output(self) -> dict[str, Any]:
+        """A streamed choice's output fields when it brings nothing (its last chunk's)."""
 
     @abstractmethod
     def write_output(
@@ -224,7 +239,17 @@ class _Chunks(StreamFormat):
         echo = request.echo and not sequence.started
         if piece or ended or echo or (new and (extra or request.continuous_usage)):
             choice = self.serving.chunk_choice(self.prepared, sequence, piece, seen, ended)
-            return self._payload([choice])
+            reason = choice["finish_reason"]
+            if reason is None:
+                return self._payload([choice])
+            # As OpenAI's: the finish reason comes in a chunk of its own with no output.
+            if not self.serving.carries_output(choice):
+                choice |= self.serving.empty_output()
+                return self._payload([choice])
+            choice["finish_reason"] = None
+            closing = {"index": choice["index"], **self.serving.empty_output()}
+            closing |= {"logprobs": None, "finish_reason": reason}
+            return self._payload([choice]) + self._payload([closing])
         return ""
 
     def failed(self, sequence: RequestSequence, seen: int) -> str:
