@@ -294,6 +294,9 @@ def test_every_streamed_chunk_carries_its_tokens_logprobs(served: RunningServer)
             assert chunk.usage.completion_tokens > 0
             continue
         choice = chunk.choices[0]
+        if choice.finish_reason is not None:  # a choice's last chunk: its finish alone
+            assert choice.text == "" and choice.logprobs is None
+            continue
         assert choice.logprobs.tokens and all(isinstance(t, str) for t in choice.logprobs.tokens)
         if choice.index in texts:
             assert all(3 <= len(top) <= 4 for top in choice.logprobs.top_logprobs)
@@ -592,7 +595,7 @@ def test_stop_strings_wait_for_min_tokens(served: RunningServer) -> None:
     assert len(ids_of(late)) == 16 and ids_of(late) == plain[:16]
 
 
-def test_continuous_usage_and_the_finish_on_the_last_text(served: RunningServer) -> None:
+def test_continuous_usage_and_the_finish_after_the_last_text(served: RunningServer) -> None:
     chunks: list[Any] = list(
         client(served).completions.create(
             model=MODEL,
@@ -605,10 +608,12 @@ def test_continuous_usage_and_the_finish_on_the_last_text(served: RunningServer)
     )
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert all(c.usage is not None for c in chunks)
-    assert counts == sorted(set(counts)) and counts[-1] == 6
+    # The finish comes alone after the last text (an empty text), with the same usage.
+    assert counts[:-1] == sorted(set(counts)) and counts[-1] == counts[-2] == 6
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finishing == [chunks[-2]]
+    assert finishing == [chunks[-2]] and chunks[-2].choices[0].text == ""
+    assert chunks[-3].choices[0].text
 
 
 # ---------------------------------------------------------------------- refusals
@@ -634,7 +639,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ("/v1/completions", {**GOOD, "n": 10**6}, "n"),
         ("/v1/completions", {**GOOD, "stop_token_ids": [10**6]}, "stop_token_ids"),
         ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),
-        ("/v1/completions", {**GOOD, "foo": 1}, "foo"),
         ("/v1/completions", {**GOOD, "prompt": ["a", [1, 10**6]]}, "prompt"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         (
@@ -644,7 +648,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {}}, "stream_options"),
-        ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
     ],
 )
 def test_bad_fields_are_400s_naming_them_and_change_nothing(
@@ -679,6 +682,13 @@ def test_accepted_and_default_fields_are_served(served: RunningServer) -> None:
     )
     assert ok.status_code == 200, ok.text
     assert post(served, "/v1/completions", {**GOOD, "user": "u", "suffix": ""}).status_code == 200
+    # A field the server does not know, or one of the other endpoint, is answered and reported.
+    for path, body, name in (
+        ("/v1/completions", {**GOOD, "foo": 1}, "foo"),
+        ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
+    ):
+        answered = post(served, path, body)
+        assert answered.status_code == 200 and answered.headers["X-KV-Serve-Ignored"] == name
 
 
 @pytest.fixture(scope="module")
