@@ -101,10 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.markdown:
+        shown = " ".join(["uv run python -m tools.bench_cpu_kernels", *(argv or sys.argv[1:])])
         Path(args.markdown).write_text(
-            "# Native CPU kernels on and off\n\n"
-            "`uv run python -m tools.bench_cpu_kernels --markdown "
-            "docs/results/bench_cpu_kernels.md`\n\n" + table + "\n"
+            f"# Native CPU kernels on and off\n\n{time.strftime('%Y-%m-%d')}: `{shown}`\n\n"
+            + table
+            + "\n"
         )
     return 0
 
