@@ -37,6 +37,7 @@ from kv_serve._server_text import (
 )
 from kv_serve._server_warnings import (
     IGNORED_HEADER,
+    MAX_HEADER_CHARS,
     IgnoredField,
     IgnoredFieldLog,
     ignored_headers,
@@ -206,6 +207,11 @@ def test_ignored_fields_are_reported_in_headers_and_logged_once_per_name(
     assert warning.startswith('299 kv-serve "ignored thinking: no ?thinking? blocks; tools[3]')
     assert warning.count('"') == 2 and warning.isascii()
     assert ignored_headers([]) == {}
+    many = ignored_headers(
+        [IgnoredField(name=f"tools[{i}].a_long_field_name", reason="x" * 50) for i in range(99)]
+    )
+    assert all(len(v) <= MAX_HEADER_CHARS + 40 for v in many.values())
+    assert many[IGNORED_HEADER].endswith("...") and many["Warning"].endswith('..."')
     log = IgnoredFieldLog()
     with caplog.at_level("WARNING", logger="kv_serve"):
         log.note("/v1/messages", fields)

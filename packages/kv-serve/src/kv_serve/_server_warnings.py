@@ -18,10 +18,18 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["IGNORED_HEADER", "IgnoredField", "IgnoredFieldLog", "ignored_headers"]
+__all__ = [
+    "IGNORED_HEADER",
+    "MAX_HEADER_CHARS",
+    "IgnoredField",
+    "IgnoredFieldLog",
+    "ignored_headers",
+]
 
 #: The response header that lists the names of the request fields the server ignored.
 IGNORED_HEADER = "X-KV-Serve-Ignored"
+#: The longest value either header gets (clients and proxies bound a header's size).
+MAX_HEADER_CHARS = 2048
 
 _log = logging.getLogger("kv_serve")
 _UNSAFE = re.compile(r'[^\x20-\x7e]|["\\]')
@@ -47,9 +55,14 @@ def ignored_headers(ignored: Iterable[IgnoredField]) -> dict[str, str]:
     fields = list(ignored)
     if not fields:
         return {}
-    names = ", ".join(_header_text(f.name) for f in fields)
-    reasons = "; ".join(f"{f.name}: {f.reason}" for f in fields)
-    return {IGNORED_HEADER: names, "Warning": f'299 kv-serve "ignored {_header_text(reasons)}"'}
+    names = _bounded(", ".join(_header_text(f.name) for f in fields))
+    reasons = _bounded(_header_text("; ".join(f"{f.name}: {f.reason}" for f in fields)))
+    return {IGNORED_HEADER: names, "Warning": f'299 kv-serve "ignored {reasons}"'}
+
+
+def _bounded(text: str) -> str:
+    """``text`` cut to :data:`MAX_HEADER_CHARS` (``...`` at the end where cut)."""
+    return text if len(text) <= MAX_HEADER_CHARS else text[: MAX_HEADER_CHARS - 3] + "..."
 
 
 class IgnoredFieldLog:
