@@ -148,17 +148,18 @@ class RequestPreparer:
         mentions has no effect on the prompt.
         """
         source = _template_source(getattr(self.tokenizer, "chat_template", None))
-        unread: list[IgnoredField] = []
-        for name in request.template_kwargs:
-            if not _mentions(source, name):
-                param = name if name == "reasoning_effort" else f"chat_template_kwargs.{name}"
-                unread.append(IgnoredField(name=param, reason="the chat template never reads it"))
-        for i, message in enumerate(request.messages or []):
-            for key in message:
-                if key not in MESSAGE_KEYS and not _mentions(source, key):
-                    reason = "the chat template never reads it"
-                    unread.append(IgnoredField(name=f"messages[{i}].{key}", reason=reason))
-        return unread
+        names = [
+            name if name == "reasoning_effort" else f"chat_template_kwargs.{name}"
+            for name in request.template_kwargs
+            if not _mentions(source, name)
+        ]
+        names += [
+            f"messages[{i}].{key}"
+            for i, message in enumerate(request.messages or [])
+            for key in message
+            if key not in MESSAGE_KEYS and not _mentions(source, key)
+        ]
+        return [IgnoredField(name=n, reason="the chat template never reads it") for n in names]
 
     def chat_tokens(self, request: CompletionRequest) -> list[int]:
         """A chat request's messages (and tools) rendered by the chat template, as tokens."""

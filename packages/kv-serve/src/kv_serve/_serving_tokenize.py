@@ -54,8 +54,8 @@ class Tokenization:
             strs = _flag(body, "return_token_strs", False)
             ignored: list[IgnoredField] = []
             if "messages" in body:
-                chat = {k: v for k, v in body.items() if k not in ("add_generation_prompt",)}
-                chat.pop("return_token_strs", None)
+                own = ("add_generation_prompt", "return_token_strs")
+                chat = {k: v for k, v in body.items() if k not in own}
                 chat["model"] = self.requests.model_name
                 if not _flag(body, "add_generation_prompt", True):
                     ignored.append(
