@@ -26,12 +26,14 @@ from kv_testing import build_tiny_model, build_tiny_tokenizer
 
 MODEL = "tiny-policy"
 #: A template that reads reasoning_effort, enable_thinking and a message's reasoning_content,
-#: renders the roles it knows and refuses any other.
+#: renders the roles it knows and refuses any other, and refuses two turns of one role in a row.
 TEMPLATE = (
     "{% if reasoning_effort %}<|system|>effort: {{ reasoning_effort }}<|end|>{% endif %}"
     "{% for message in messages %}"
     "{% if message.role not in ['system', 'user', 'assistant', 'critic'] %}"
     "{{ raise_exception('unknown role ' + message.role) }}{% endif %}"
+    "{% if loop.index0 and messages[loop.index0 - 1].role == message.role %}"
+    "{{ raise_exception('roles must alternate') }}{% endif %}"
     "<|{{ message.role }}|>"
     "{% if message.reasoning_content %}thought: {{ message.reasoning_content }} {% endif %}"
     "{{ message.content }}<|end|>{% endfor %}"
@@ -152,6 +154,29 @@ def test_a_role_the_template_refuses_is_a_400(served: RunningServer) -> None:
     error = got.json()["error"]
     assert error["param"] == "messages" and "unknown role wizard" in error["message"]
     assert chat(served, chat_template_kwargs={"tools": []}).status_code == 400
+
+
+def test_repeated_turns_the_template_refuses_are_joined_with_a_warning(
+    served: RunningServer,
+) -> None:
+    parts = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hi."},
+        *ASK,
+    ]
+    got = chat(served, messages=parts)
+    assert got.status_code == 200, got.text
+    joined = [
+        {"role": "system", "content": "Be brief.\n\nBe kind."},
+        {"role": "user", "content": "Hi.\n\nName a river."},
+    ]
+    assert got.json()["choices"][0]["prompt_token_ids"] == rendered(joined)
+    assert got.headers["X-KV-Serve-Ignored"] == "messages"
+    # Assistant turns are never joined: the template's refusal stands.
+    twice = [*ASK, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+    refused = chat(served, messages=twice)
+    assert refused.status_code == 400 and "roles must alternate" in refused.text
 
 
 def test_the_last_chunk_has_an_empty_delta_and_the_finish_reason(served: RunningServer) -> None:

@@ -45,6 +45,7 @@ from ._server_page import PageEndpoints
 from ._server_policy import OutputPolicy
 from ._server_protocol import OpenAIError
 from ._server_requests import RequestPreparer
+from ._server_response_output import ResponseStore
 from ._server_stream import RequestRunner
 from ._server_worker import EngineWorker
 from ._serving_chat import ChatCompletions
@@ -52,6 +53,7 @@ from ._serving_completions import Completions
 from ._serving_messages import AnthropicMessages
 from ._serving_models import ServerEndpoints
 from ._serving_openai import error_response
+from ._serving_responses import OpenAIResponses
 from ._serving_tokenize import Tokenization
 from ._structured import GrammarCompiler
 
@@ -138,6 +140,8 @@ class KVServer:
         self._endpoints = ServerEndpoints(
             model_name, self.max_context, self.created, self.worker, self.metrics
         )
+        #: Finished responses of ``/v1/responses`` kept for ``previous_response_id``.
+        self.responses = ResponseStore()
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ lifecycle
@@ -258,6 +262,7 @@ class KVServer:
         chat = ChatCompletions(self._requests, self._runner)
         completions = Completions(self._requests, self._runner)
         messages = AnthropicMessages(self._requests, self._runner)
+        responses = OpenAIResponses(self._requests, self._runner, self.responses)
         tokenization = Tokenization(self._requests, self.max_context)
         routes: list[tuple[str, str, Callable[..., Any]]] = [
             ("GET", "/health", server.health),
@@ -268,6 +273,9 @@ class KVServer:
             ("GET", "/v1/models/{model_id:path}", server.model),
             ("POST", "/v1/completions", completions.create),
             ("POST", "/v1/chat/completions", chat.create),
+            ("POST", "/v1/responses", responses.create),
+            ("GET", "/v1/responses/{response_id}", responses.retrieve),
+            ("DELETE", "/v1/responses/{response_id}", responses.delete),
             ("POST", "/v1/messages", messages.create),
             ("POST", "/v1/messages/count_tokens", messages.count_tokens),
             ("POST", "/tokenize", tokenization.tokenize),

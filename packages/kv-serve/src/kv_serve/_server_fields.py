@@ -42,7 +42,7 @@ MAX_SEQUENCES = 256
 #: No request may ask for more tokens than this, whatever the context (a sanity bound).
 MAX_TOKENS_LIMIT = 2**31 - 1
 
-Endpoint = Literal["completions", "chat"]
+Endpoint = Literal["completions", "chat", "responses"]
 Treatment = Literal["honoured", "extension", "accepted", "ignored", "refused"]
 
 

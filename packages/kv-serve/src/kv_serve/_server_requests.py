@@ -163,6 +163,17 @@ class RequestPreparer:
 
     def chat_tokens(self, request: CompletionRequest) -> list[int]:
         """A chat request's messages (and tools) rendered by the chat template, as tokens."""
+        return self.render_chat(request)[0]
+
+    def render_chat(self, request: CompletionRequest) -> tuple[list[int], list[IgnoredField]]:
+        """The chat request's prompt tokens, and what the rendering had to give up.
+
+        A template that refuses the messages (roles out of order, ...) is a 400 naming its
+        complaint, except where the messages hold two turns of one role in a row, which
+        many templates refuse and agents send (a system prompt in parts, context then the
+        question): those are joined into one turn (text parted by a blank line) and the
+        answer says so (``messages``, ignored as given).
+        """
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(
                 400,
@@ -171,12 +182,24 @@ class RequestPreparer:
                 param="messages",
                 code="no_chat_template",
             )
+        extra: dict[str, Any] = dict(request.template_kwargs)
+        if request.tools is not None:
+            extra["tools"] = [t.template_form() for t in request.tools.tools]
+        messages = list(request.messages or [])
         try:
-            extra: dict[str, Any] = dict(request.template_kwargs)
-            if request.tools is not None:
-                extra["tools"] = [t.template_form() for t in request.tools.tools]
+            return self._apply_template(messages, extra), []
+        except OpenAIError:
+            joined = join_repeated_turns(messages)
+            if len(joined) == len(messages):
+                raise
+            tokens = self._apply_template(joined, extra)
+        reason = "the chat template takes one turn per role in a row: repeated turns were joined"
+        return tokens, [IgnoredField(name="messages", reason=reason)]
+
+    def _apply_template(self, messages: list[dict[str, Any]], extra: dict[str, Any]) -> list[int]:
+        try:
             ids: Any = self.tokenizer.apply_chat_template(
-                request.messages, add_generation_prompt=True, **extra
+                messages, add_generation_prompt=True, **extra
             )
         except Exception as err:  # a template's raise_exception (roles out of order, ...)
             raise OpenAIError(
@@ -200,8 +223,10 @@ class RequestPreparer:
         hidden = eos | extra
         sampling = self._sampling(request)
         sources: list[tuple[list[int], str, bool, bool]] = []
+        rendering: list[IgnoredField] = []
         if chat:
-            sources.append((self.chat_tokens(request), "", False, False))
+            tokens, rendering = self.render_chat(request)
+            sources.append((tokens, "", False, False))
         bos = getattr(self.tokenizer, "bos_token_id", None)
         for prompt in request.prompts:
             if isinstance(prompt, str):
@@ -226,7 +251,11 @@ class RequestPreparer:
             params = RequestParams(max_tokens=max_tokens, sampling=sampling, stop_tokens=stops)
             prompts.append(Prompt(tokens, echo_text, skip_special, skip_first, params))
         tool_format = self.policy.tool_format(request.tools)
-        ignored = (*request.ignored, *(self.template_ignores(request) if chat else ()))
+        ignored = (
+            *request.ignored,
+            *(self.template_ignores(request) if chat else ()),
+            *rendering,
+        )
         return PreparedRequest(
             request, prompts, chat, hidden, tool_format, self.policy.harmony, ignored
         )
@@ -289,6 +318,34 @@ class RequestPreparer:
             )
         except RequestStateError as err:
             raise OpenAIError(400, str(err)) from None
+
+
+def join_repeated_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each run of plain system or user turns of one role joined into one.
+
+    A plain turn holds only its role and text content; the texts are parted by a blank line.
+    """
+    joined: list[dict[str, Any]] = []
+    for message in messages:
+        last = joined[-1] if joined else None
+        if (
+            last is not None
+            and _plain_turn(last)
+            and _plain_turn(message)
+            and last["role"] == message["role"]
+        ):
+            joined[-1] = {**last, "content": f"{last['content']}\n\n{message['content']}"}
+        else:
+            joined.append(message)
+    return joined
+
+
+def _plain_turn(message: Mapping[str, Any]) -> bool:
+    return (
+        message.get("role") in ("system", "user")
+        and isinstance(message.get("content"), str)
+        and set(message) <= {"role", "content"}
+    )
 
 
 def _template_source(template: object) -> str:
