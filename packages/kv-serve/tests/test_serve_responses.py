@@ -15,17 +15,21 @@ ignored-field warning; and bad requests, which are 400s naming the field with no
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
-from typing import Any
+from pathlib import Path
+from typing import Any, get_type_hints
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import response_create_params
 from serve_support import Serve, wait_idle
 from serve_support import openai_client as client
 
 from kv_serve._server import RunningServer
+from kv_serve._server_responses import RESPONSES_FIELDS
 from kv_testing import build_tiny_model, build_tiny_tokenizer
 
 MODEL = "tiny-responses"
@@ -549,3 +553,21 @@ def test_bad_requests_are_400s_naming_the_field_and_queue_nothing(
     error = response.json()["error"]
     assert words in error["message"], error
     assert (engine.stats.steps, engine.num_requests, served.server.worker.waiting) == before
+
+
+# ---------------------------------------------------------------------- the field table
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_every_field_of_the_openai_client_is_in_the_table() -> None:
+    fields = set(get_type_hints(response_create_params.ResponseCreateParamsBase)) | {"stream"}
+    assert fields <= {r.name for r in RESPONSES_FIELDS}
+
+
+def test_the_readme_table_is_the_field_table() -> None:
+    text = README.read_text()
+    section = text[text.index("### OpenAI's Responses API") :]
+    section = section[: section.index("\n### ")]
+    rows = re.findall(r"^\| `(\w+)` \| (\w+) \| (.+) \|$", section, flags=re.M)
+    assert rows == [(r.name, r.treatment, r.note) for r in RESPONSES_FIELDS]

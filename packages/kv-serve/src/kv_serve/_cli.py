@@ -178,9 +178,10 @@ def parser() -> argparse.ArgumentParser:
     srv = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)",
-        description="Serve a model over HTTP with OpenAI's API: /v1/models, /v1/completions, "
-        "/v1/chat/completions (stream: true for server-sent events), /health and /metrics "
-        "(Prometheus). One engine thread batches every request continuously.",
+        description="Serve a model over HTTP with OpenAI's API (/v1/models, /v1/completions, "
+        "/v1/chat/completions, /v1/responses; stream: true for server-sent events), "
+        "Anthropic's (/v1/messages), /tokenize, /health and /metrics (Prometheus). One engine "
+        "thread batches every request continuously.",
     )
     srv.add_argument(
         "--model",

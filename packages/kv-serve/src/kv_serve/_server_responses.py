@@ -109,6 +109,9 @@ RESPONSES_FIELDS: tuple[FieldRule, ...] = (
     FieldRule("max_tool_calls", _R, "ignored", "no hosted tools run here"),
     FieldRule("context_management", _R, "ignored", "no server-side compaction here"),
     FieldRule("moderation", _R, "ignored", "no moderation model here"),
+    FieldRule("image", _R, "ignored", "no image generation here"),
+    FieldRule("access_programs", _R, "ignored", "no access programs here"),
+    FieldRule("background_options", _R, "ignored", "no background responses here"),
     FieldRule("background", _R, "refused", "true: background responses are not supported"),
     FieldRule("prompt", _R, "refused", "stored prompt templates are not supported"),
     FieldRule(
