@@ -268,7 +268,7 @@ GOOD = {"model": MODEL, "max_tokens": 4, "messages": ASK}
         ({**GOOD, "thinking": {"type": "sometimes"}}, "thinking"),
         ({**GOOD, "temperature": 1.5}, "temperature"),
         ({**GOOD, "stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
-        ({**GOOD, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({**GOOD, "messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
         ({**GOOD, "tools": [{"type": 7, "name": "bash"}]}, "tools[0].type"),
     ],
 )
@@ -285,6 +285,19 @@ def test_bad_messages_are_400s_in_anthropic_s_shape_and_queue_nothing(
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert words in error["error"]["message"], error
     assert (engine.stats.steps, engine.num_requests, served.server.worker.waiting) == before
+
+
+def test_a_system_turn_among_the_messages_is_a_system_message(served: RunningServer) -> None:
+    """Claude Code sends system turns among the messages."""
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+    ]
+    counted = post(served, "/v1/messages/count_tokens", {"model": MODEL, "messages": turns})
+    assert counted.status_code == 200, counted.text
+    oracle = post(served, "/tokenize", {"model": MODEL, "messages": turns}).json()
+    assert counted.json()["input_tokens"] == oracle["count"]
 
 
 def test_the_client_sees_anthropic_errors(served: RunningServer) -> None:

@@ -26,7 +26,8 @@ from kv_testing import build_tiny_model, build_tiny_tokenizer
 
 MODEL = "tiny-policy"
 #: A template that reads reasoning_effort, enable_thinking and a message's reasoning_content,
-#: renders the roles it knows and refuses any other, and refuses two turns of one role in a row.
+#: renders the roles it knows and refuses any other, two turns of one role in a row, and a
+#: system turn after the first turn.
 TEMPLATE = (
     "{% if reasoning_effort %}<|system|>effort: {{ reasoning_effort }}<|end|>{% endif %}"
     "{% for message in messages %}"
@@ -34,6 +35,8 @@ TEMPLATE = (
     "{{ raise_exception('unknown role ' + message.role) }}{% endif %}"
     "{% if loop.index0 and messages[loop.index0 - 1].role == message.role %}"
     "{{ raise_exception('roles must alternate') }}{% endif %}"
+    "{% if loop.index0 and message.role == 'system' %}"
+    "{{ raise_exception('a system turn comes first') }}{% endif %}"
     "<|{{ message.role }}|>"
     "{% if message.reasoning_content %}thought: {{ message.reasoning_content }} {% endif %}"
     "{{ message.content }}<|end|>{% endfor %}"
@@ -177,6 +180,44 @@ def test_repeated_turns_the_template_refuses_are_joined_with_a_warning(
     twice = [*ASK, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
     refused = chat(served, messages=twice)
     assert refused.status_code == 400 and "roles must alternate" in refused.text
+
+
+def test_system_turns_the_template_refuses_later_are_joined_into_the_first(
+    served: RunningServer,
+) -> None:
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi."},
+        {"role": "system", "content": "Be kind."},
+        *ASK,
+    ]
+    got = chat(served, messages=turns)
+    assert got.status_code == 200, got.text
+    folded = [
+        {"role": "system", "content": "Be brief.\n\nBe kind."},
+        {"role": "user", "content": "Hi.\n\nName a river."},
+    ]
+    assert got.json()["choices"][0]["prompt_token_ids"] == rendered(folded)
+    assert "system turns were joined" in got.headers["Warning"]
+
+
+def test_an_agent_s_max_tokens_past_the_context_is_cut_to_it(served: RunningServer) -> None:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 100_000, "temperature": 0}
+    # Anthropic's and the Responses API: cut to the context the prompt leaves, with a warning.
+    got = httpx.post(served.url + "/v1/messages", json=body, timeout=120)
+    assert got.status_code == 200, got.text
+    usage = got.json()["usage"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert prompt + usage["output_tokens"] <= 512
+    assert got.headers["X-KV-Serve-Ignored"] == "max_tokens"
+    assert f"at most {512 - prompt} tokens" in got.headers["Warning"]
+    responses = {"model": MODEL, "input": ASK, "max_output_tokens": 100_000, "temperature": 0}
+    answer = httpx.post(served.url + "/v1/responses", json=responses, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["X-KV-Serve-Ignored"] == "max_output_tokens"
+    # Chat completions keep OpenAI's answer: a 400 naming the context.
+    refused = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and "maximum context length" in refused.text
 
 
 def test_the_last_chunk_has_an_empty_delta_and_the_finish_reason(served: RunningServer) -> None:

@@ -319,8 +319,14 @@ def messages_to_chat(body: Mapping[str, Any], *, count_only: bool = False) -> Me
         elif role == "assistant":
             messages.append(_assistant_turn(message.get("content"), i, ignored))
             origins.append(f"messages[{i}]")
+        elif role == "system":  # Claude Code sends system turns among the messages
+            content = _text_of(message.get("content"), f"messages[{i}].content")
+            messages.append({"role": "system", "content": content})
+            origins.append(f"messages[{i}]")
         else:
-            raise _bad(f"role must be user or assistant, got {role!r}", f"messages[{i}].role")
+            raise _bad(
+                f"role must be user, assistant or system, got {role!r}", f"messages[{i}].role"
+            )
     chat["messages"] = messages
     if body.get("tools") is not None:
         tools = _tools(body["tools"], ignored)

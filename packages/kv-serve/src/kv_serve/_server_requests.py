@@ -169,10 +169,11 @@ class RequestPreparer:
         """The chat request's prompt tokens, and what the rendering had to give up.
 
         A template that refuses the messages (roles out of order, ...) is a 400 naming its
-        complaint, except where the messages hold two turns of one role in a row, which
-        many templates refuse and agents send (a system prompt in parts, context then the
-        question): those are joined into one turn (text parted by a blank line) and the
-        answer says so (``messages``, ignored as given).
+        complaint, unless it takes them reshaped the way agents need: two system or user
+        turns in a row (a system prompt in parts, context then the question) joined into
+        one (text parted by a blank line), else every system turn joined into the first
+        (Claude Code sends system turns among the messages). Then the answer says so
+        (``messages``, ignored as given).
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(
@@ -188,13 +189,21 @@ class RequestPreparer:
         messages = list(request.messages or [])
         try:
             return self._apply_template(messages, extra), []
-        except OpenAIError:
-            joined = join_repeated_turns(messages)
-            if len(joined) == len(messages):
-                raise
-            tokens = self._apply_template(joined, extra)
-        reason = "the chat template takes one turn per role in a row: repeated turns were joined"
-        return tokens, [IgnoredField(name="messages", reason=reason)]
+        except OpenAIError as refused:
+            error = refused
+        for reshaped, reason in (
+            (join_repeated_turns(messages), "repeated turns were joined"),
+            (fold_system_turns(messages), "system turns were joined into the first"),
+        ):
+            if len(reshaped) == len(messages):
+                continue
+            try:
+                tokens = self._apply_template(reshaped, extra)
+            except OpenAIError:
+                continue
+            reason = f"the chat template refused them as given: {reason}"
+            return tokens, [IgnoredField(name="messages", reason=reason)]
+        raise error
 
     def _apply_template(self, messages: list[dict[str, Any]], extra: dict[str, Any]) -> list[int]:
         try:
@@ -209,8 +218,16 @@ class RequestPreparer:
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
-    def prepare(self, body: dict[str, Any], *, chat: bool) -> PreparedRequest:
-        """Check a chat or completions body and turn its prompts into engine work."""
+    def prepare(
+        self, body: dict[str, Any], *, chat: bool, fit_max_tokens: bool = False
+    ) -> PreparedRequest:
+        """Check a chat or completions body and turn its prompts into engine work.
+
+        With ``fit_max_tokens`` (the Messages and Responses APIs, whose agents send a
+        ``max_tokens`` as large as the model's output limit whatever their prompt), a
+        ``max_tokens`` past the context the prompt leaves is cut to that context and the
+        answer says so (``max_tokens``, ignored as given); else it is a 400.
+        """
         if chat:
             request = self.parse_chat(body)
         else:
@@ -247,6 +264,11 @@ class RequestPreparer:
                 if self.max_tokens_default is not None:
                     max_tokens = min(max_tokens, self.max_tokens_default)
             max_tokens = max(1, max_tokens)  # echo with max_tokens 0 runs one, unseen
+            left = self.max_context - len(tokens)
+            if fit_max_tokens and max_tokens > left >= 1:
+                max_tokens = left
+                reason = f"more than the context leaves: at most {left} tokens are generated"
+                rendering.append(IgnoredField(name="max_tokens", reason=reason))
             self._fit(len(tokens), max_tokens, where)
             params = RequestParams(max_tokens=max_tokens, sampling=sampling, stop_tokens=stops)
             prompts.append(Prompt(tokens, echo_text, skip_special, skip_first, params))
@@ -338,6 +360,20 @@ def join_repeated_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             joined.append(message)
     return joined
+
+
+def fold_system_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every plain system turn joined into one first system turn.
+
+    The texts keep their order, parted by a blank line; user turns brought together by the
+    system turns' leaving are joined too (:func:`join_repeated_turns`).
+    """
+    systems = [m for m in messages if _plain_turn(m) and m["role"] == "system"]
+    if not systems:
+        return messages
+    rest = [m for m in messages if not (_plain_turn(m) and m["role"] == "system")]
+    first = {"role": "system", "content": "\n\n".join(m["content"] for m in systems)}
+    return join_repeated_turns([first, *rest])
 
 
 def _plain_turn(message: Mapping[str, Any]) -> bool:

@@ -170,6 +170,8 @@ class ResponsesRequest:
         """``ignored`` fields of the chat body renamed after the Responses body's."""
         out = []
         for item in ignored:
+            if item.name == "max_tokens":
+                item = IgnoredField(name="max_output_tokens", reason=item.reason)
             head, dot, rest = item.name.partition("].")
             if dot and head.startswith("messages["):
                 index = int(head.removeprefix("messages["))

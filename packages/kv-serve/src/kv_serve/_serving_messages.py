@@ -42,7 +42,7 @@ class AnthropicMessages:
         """Answer a Messages request: the message, its event stream, or an error."""
         try:
             mapped = messages_to_chat(parse_json_body(await http.body()))
-            prepared = self.requests.prepare(mapped.chat, chat=True)
+            prepared = self.requests.prepare(mapped.chat, chat=True, fit_max_tokens=True)
             ignored = (*mapped.ignored, *mapped.named(prepared.ignored))
             self.requests.ignored_log.note("/v1/messages", ignored)
             headers = ignored_headers(ignored)

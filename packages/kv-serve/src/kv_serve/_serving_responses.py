@@ -65,7 +65,7 @@ class OpenAIResponses:
             mapped = responses_to_chat(
                 parse_json_body(await http.body()), previous=self.store.conversation
             )
-            prepared = self.requests.prepare(mapped.chat, chat=True)
+            prepared = self.requests.prepare(mapped.chat, chat=True, fit_max_tokens=True)
             ignored = (*mapped.ignored, *mapped.named(prepared.ignored))
             self.requests.ignored_log.note(self.path, ignored)
             headers = ignored_headers(ignored)
