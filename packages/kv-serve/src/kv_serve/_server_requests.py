@@ -166,7 +166,7 @@ class RequestPreparer:
         return self.render_chat(request)[0]
 
     def render_chat(self, request: CompletionRequest) -> tuple[list[int], list[IgnoredField]]:
-        """The chat request's prompt tokens, and what the rendering had to give up.
+        """The chat request's prompt tokens, and what the given_up had to give up.
 
         A template that refuses the messages (roles out of order, ...) is a 400 naming its
         complaint, unless it takes them reshaped the way agents need: two system or user
@@ -240,9 +240,9 @@ class RequestPreparer:
         hidden = eos | extra
         sampling = self._sampling(request)
         sources: list[tuple[list[int], str, bool, bool]] = []
-        rendering: list[IgnoredField] = []
+        given_up: list[IgnoredField] = []
         if chat:
-            tokens, rendering = self.render_chat(request)
+            tokens, given_up = self.render_chat(request)
             sources.append((tokens, "", False, False))
         bos = getattr(self.tokenizer, "bos_token_id", None)
         for prompt in request.prompts:
@@ -268,7 +268,7 @@ class RequestPreparer:
             if fit_max_tokens and max_tokens > left >= 1:
                 max_tokens = left
                 reason = f"more than the context leaves: at most {left} tokens are generated"
-                rendering.append(IgnoredField(name="max_tokens", reason=reason))
+                given_up.append(IgnoredField(name="max_tokens", reason=reason))
             self._fit(len(tokens), max_tokens, where)
             params = RequestParams(max_tokens=max_tokens, sampling=sampling, stop_tokens=stops)
             prompts.append(Prompt(tokens, echo_text, skip_special, skip_first, params))
@@ -276,7 +276,7 @@ class RequestPreparer:
         ignored = (
             *request.ignored,
             *(self.template_ignores(request) if chat else ()),
-            *rendering,
+            *given_up,
         )
         return PreparedRequest(
             request, prompts, chat, hidden, tool_format, self.policy.harmony, ignored

@@ -183,7 +183,7 @@ def response_object(
         "parallel_tool_calls": echo.get("parallel_tool_calls", True),
         "previous_response_id": echo.get("previous_response_id"),
         "reasoning": echo.get("reasoning") or {"effort": None, "summary": None},
-        "store": echo.get("store", True),
+        "store": request.store,
         "temperature": 1.0 if echo.get("temperature") is None else echo["temperature"],
         "text": echo.get("text") or {"format": {"type": "text"}},
         "tool_choice": echo.get("tool_choice", "auto"),

@@ -545,8 +545,6 @@ def responses_to_chat(
         chat["tools"] = tools
         if body.get("parallel_tool_calls") is not None:
             chat["parallel_tool_calls"] = body["parallel_tool_calls"]
-    elif "tool_choice" in chat and chat["tool_choice"] in ("none", "auto"):
-        del chat["tool_choice"]
     limit = body.get("max_output_tokens")
     if limit is not None:
         if (
@@ -571,12 +569,11 @@ def responses_to_chat(
     if truncation == "auto":
         reason = "nothing is dropped: a prompt past the context is a 400"
         ignored.append(IgnoredField(name="truncation", reason=reason))
-    for name in ("include",):
-        value = body.get(name)
-        if value is not None and (
-            not isinstance(value, list) or not all(isinstance(v, str) for v in value)
-        ):
-            raise _bad("must be a list of strings", name)
+    include = body.get("include")
+    if include is not None and (
+        not isinstance(include, list) or not all(isinstance(v, str) for v in include)
+    ):
+        raise _bad("must be a list of strings", "include")
     stream = body.get("stream")
     store = body.get("store")
     for name, flag in (("stream", stream), ("store", store)):
@@ -600,7 +597,6 @@ def responses_to_chat(
     echo["parallel_tool_calls"] = body.get("parallel_tool_calls") is not False
     echo["text"] = body.get("text") or {"format": {"type": "text"}}
     echo["reasoning"] = body.get("reasoning")
-    echo["store"] = store is not False
     return ResponsesRequest(
         chat=chat,
         stream=bool(stream),

@@ -88,6 +88,21 @@ class RequestSequence:
             return "tool_calls"
         return self.finish
 
+    def stream_output(self, piece: str, last: bool) -> tuple[str, str, list[ToolCall]]:
+        """A streamed step's text to show, reasoning and calls (``last``: the output ended)."""
+        splitter = self.tools
+        if splitter is None:
+            return piece, "", []
+        shown, calls = split_piece(splitter, piece, last=last)
+        return shown, splitter.take_reasoning(), calls
+
+    def streamed_output(self) -> tuple[str, str, list[ToolCall]]:
+        """A streamed sequence's whole text, reasoning and calls, once it ended."""
+        splitter = self.tools
+        if splitter is None:
+            return self.text.text, "", []
+        return splitter.content, splitter.reasoning, list(splitter.calls)
+
     def split_output(self) -> tuple[str, list[ToolCall]]:
         """A finished, unstreamed sequence's content and tool calls (its splitter fed it all)."""
         splitter = self.tools

@@ -21,7 +21,6 @@ from ._server_messages import (
 from ._server_protocol import OpenAIError, parse_json_body
 from ._server_requests import PreparedRequest, RequestPreparer
 from ._server_stream import ClientGone, RequestRunner, RequestSequence, StreamFormat
-from ._server_tools import ToolCall, split_piece
 from ._server_warnings import ignored_headers
 
 __all__ = ["AnthropicMessages"]
@@ -105,10 +104,7 @@ class _MessageStream(StreamFormat):
 
     def piece(self, sequence: RequestSequence, piece: str, seen: int, ended: bool) -> str:
         """Text deltas, and each tool call once it is whole."""
-        calls: list[ToolCall] = []
-        splitter = sequence.tools
-        if splitter is not None:
-            piece, calls = split_piece(splitter, piece, last=ended)
+        piece, _, calls = sequence.stream_output(piece, ended)
         chunk = self.out.text(piece)
         for call in calls:
             chunk += self.out.tool_use(call)

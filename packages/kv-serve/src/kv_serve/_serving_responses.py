@@ -28,7 +28,6 @@ from ._server_response_output import (
 )
 from ._server_responses import ResponsesRequest, responses_to_chat
 from ._server_stream import ClientGone, RequestRunner, RequestSequence, StreamFormat
-from ._server_tools import split_piece
 from ._server_warnings import ignored_headers
 from ._serving_openai import error_response
 
@@ -147,11 +146,8 @@ class _ResponseStream(StreamFormat):
 
     def piece(self, sequence: RequestSequence, piece: str, seen: int, ended: bool) -> str:
         """Reasoning and text deltas, and each call once it is whole."""
-        splitter = sequence.tools
-        if splitter is None:
-            return self.out.text(piece)
-        shown, calls = split_piece(splitter, piece, last=ended)
-        chunk = self.out.reasoning(splitter.take_reasoning()) + self.out.text(shown)
+        shown, thought, calls = sequence.stream_output(piece, ended)
+        chunk = self.out.reasoning(thought) + self.out.text(shown)
         for call in calls:
             chunk += self.out.call(call)
         return chunk
@@ -166,9 +162,6 @@ class _ResponseStream(StreamFormat):
             return [self.out.fail(error)]
         sequence = self.sequence
         chunk, body = self.out.finish(sequence.finish, _usage(self.prepared, sequence))
-        splitter = sequence.tools
-        text = splitter.content if splitter is not None else sequence.text.text
-        reasoning = splitter.reasoning if splitter is not None else ""
-        calls = list(splitter.calls) if splitter is not None else []
+        text, reasoning, calls = sequence.streamed_output()
         self.api.keep(self.mapped, body, assistant_message(reasoning, text, calls))
         return [chunk]
