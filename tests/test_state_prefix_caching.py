@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from kv_batching import DecodeEngine, is_patched
+from kv_batching import DecodeEngine, RequestStatus, is_patched
 from kv_batching._state_snapshots import StateSnapshotCache
 from kv_protocol import CacheStateError, RequestStateError
 from kv_serve import build_engine
@@ -175,6 +175,37 @@ def test_a_snapshot_goes_when_the_pool_evicts_its_page() -> None:
         rid = engine.submit(SHARED, MAX_TOKENS)
         assert engine.run()[rid] == mlx_lm_greedy(model, SHARED, MAX_TOKENS)
         assert engine.stats.prefix_hit_tokens == 0
+
+
+def test_a_snapshot_is_kept_only_where_every_sub_pool_holds_its_page() -> None:
+    # Two requests decode the same text; the first registers the blocks, finishes, and its
+    # pages are evicted. The second's pending snapshot at 12 has no page left to sit on.
+    model = build_zoo_model("gear")  # full, sliding and state layers
+    prompt = FIRST[:9]
+    with build_engine(
+        model, page_size=4, max_context=64, prefill_chunk=8, state_snapshot_interval=8
+    ) as engine:
+        first = engine.submit(prompt, 5)
+        engine.step()
+        second = engine.submit(prompt, 7)
+        for _ in range(16):
+            engine.step()
+            if engine.output(first).status is RequestStatus.FINISHED:
+                break
+        assert list(engine.output(first).tokens) == mlx_lm_greedy(model, prompt, 5)
+        assert engine.output(second).status is RequestStatus.RUNNING
+        cache = engine.pool.prefix_cache
+        assert cache is not None
+        cache.drop_cached()  # type: ignore[attr-defined]
+        assert engine.run()[second] == mlx_lm_greedy(model, prompt, 7)
+        policy = engine._snapshots
+        assert policy is not None
+        hashes = cache.hash_tokens([*prompt, *mlx_lm_greedy(model, prompt, 7)])
+        kept = {
+            hashes.prefix_hash(n): n for n in (4, 8, 12) if hashes.prefix_hash(n) in policy.cache
+        }
+        assert sorted(kept.values()) == [8]  # 8 sat on the pages the second request reused
+        assert all(cache.holds_prefix(hashes, n) for n in kept.values())
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "lfm2", "jamba"])

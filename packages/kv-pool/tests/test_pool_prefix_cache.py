@@ -156,6 +156,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 assert k[:, 0, 0].tolist() == want and v[:, 0, 0].tolist() == want
 
     @invariant()
+    def an_active_request_holds_its_written_prefixes(self) -> None:
+        if self.num_pages < PrefixCacheMachine.num_pages:
+            return  # under pressure another request's copy may be the one registered, and gone
+        for rid, tokens in self.active.items():
+            for length in range(STEP, len(tokens) + 1, STEP):
+                assert self.cache.holds_prefix(self.hashes[rid], length), (tokens, length)
+
+    @invariant()
     def hits_never_exceed_lookups(self) -> None:
         stats = self.cache.stats()
         assert stats.hit_tokens <= stats.query_tokens
@@ -272,6 +280,27 @@ def test_a_prefix_hit_is_used_once_per_new_request() -> None:
         cache.commit(1, hashes, 13)  # past its reserved length
     for name in hit.pages:
         assert held_pages(pool, 1, name) == list(hit.pages[name])
+
+
+def test_a_block_held_only_by_an_evicted_copy_is_not_held() -> None:
+    pool = HybridKVPool(layout(), num_pages=64, page_size=PAGE, prefix_caching=True)
+    cache = pool.prefix_cache
+    assert cache is not None
+    tokens = list(range(1, 10))
+    twins = [cache.hash_tokens(tokens) for _ in range(2)]
+    for rid, hashes in enumerate(twins):
+        # Both write the same text from scratch: the first to commit registers its blocks.
+        pool.add_request(rid)
+        pool.reserve(rid, len(tokens))
+        cache.commit(rid, hashes, len(tokens))
+    assert all(cache.holds_prefix(twins[1], n) for n in (4, 8))
+    pool.free_request(0)
+    assert cache.drop_cached() > 0
+    # Request 1 still holds the same K/V, but under no registered block: nothing to keep there.
+    assert not any(cache.holds_prefix(twins[1], n) for n in (4, 8))
+    for bad, why in ((0, "length must be"), (6, "no prefix of 6"), (12, "no prefix of 12")):
+        with pytest.raises(RequestStateError, match=why):
+            cache.holds_prefix(twins[1], bad)
 
 
 def test_usable_limits_a_hit_to_the_lengths_the_caller_accepts() -> None:

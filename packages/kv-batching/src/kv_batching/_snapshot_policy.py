@@ -35,14 +35,17 @@ _SNAPSHOT_INTERVAL_TOKENS = 256
 class SnapshotPolicy:
     """The snapshot points of a text and the cache the snapshots are kept in.
 
-    ``boundary`` is the pool's prefix boundary (the page sizes' least common multiple);
-    ``interval`` a positive multiple of it.
+    ``prefix_cache`` is the pool's, whose pages the snapshots sit on: its ``boundary`` (the
+    page sizes' least common multiple) is the policy's; ``interval`` a positive multiple of it.
     """
 
-    def __init__(self, cache: StateSnapshotCache, interval: int, boundary: int) -> None:
+    def __init__(
+        self, cache: StateSnapshotCache, interval: int, prefix_cache: KVPrefixCache
+    ) -> None:
         self.cache = cache
         self.interval = interval
-        self.boundary = boundary
+        self.prefix_cache = prefix_cache
+        self.boundary = prefix_cache.boundary
 
     @classmethod
     def choose(
@@ -68,12 +71,12 @@ class SnapshotPolicy:
                 )
         if budget is not None:
             budget = check_int(budget, "state_cache_bytes", minimum=0)
-        if boundary is None or not has_state_layers:
+        if prefix_cache is None or boundary is None or not has_state_layers:
             return None
         if interval is None:
             interval = max(boundary, _SNAPSHOT_INTERVAL_TOKENS // boundary * boundary)
         cache = StateSnapshotCache(DEFAULT_STATE_CACHE_BYTES if budget is None else budget)
-        return cls(cache, interval, boundary)
+        return cls(cache, interval, prefix_cache)
 
     def chunk_limit(self, begin: int, total: int) -> int:
         """Tokens from ``begin`` to the next snapshot point of a text of ``total`` tokens.
@@ -99,11 +102,18 @@ class SnapshotPolicy:
         return total // self.boundary * self.boundary
 
     def keep(self, request: EngineRequest, snapshot: StateSnapshot) -> None:
-        """Keep ``snapshot`` (of ``request``'s state) under its prefix's hash."""
+        """Keep ``snapshot`` (of ``request``'s state) under its prefix's hash.
+
+        Only while the pool holds the page ending there in every sub-pool: the snapshot
+        leaves with that page (the eviction listener), and a page another request registered
+        first may be gone by the time this request keeps its pending snapshot.
+        """
         hashes = request.hashes
         if hashes is None or not snapshot.nbytes:
             return
         try:
+            if not self.prefix_cache.holds_prefix(hashes, snapshot.position):
+                return
             self.cache.put(hashes.prefix_hash(snapshot.position), snapshot)
         except Exception as error:  # only a later request's reuse is lost
             logger.warning("state snapshot of request %d not kept: %r", request.rid, error)

@@ -275,6 +275,28 @@ class PrefixCache:
                 return PrefixHit(length=length, pages=pages, blocks=blocks)
         return miss
 
+    def holds_prefix(self, hashes: TokenHashes, length: int) -> bool:
+        """Whether every sub-pool holds the page that ends at ``length`` tokens of ``hashes``.
+
+        ``length`` is a positive multiple of :attr:`boundary` within the hashed blocks
+        (``RequestStateError`` otherwise). A block another copy of the same text registered
+        first is held only while that copy is: what is kept under a prefix's hash (a state
+        snapshot) is kept only where this is true, so the eviction listener drops it in time.
+        A pool without sub-pools holds every prefix (it keeps no pages to lose).
+        """
+        own = self._check_hashes(hashes)
+        length = check_int(length, "length", minimum=1)
+        if length % self._step or length > own.complete_tokens:
+            raise RequestStateError(
+                f"no prefix of {length} tokens to look up: prefixes end at multiples of "
+                f"{self._step} up to {own.complete_tokens // self._step * self._step}"
+            )
+        return all(
+            sub.allocator.cached_page(own.page_hash(length // sub.page_size - 1, sub.page_size))
+            is not None
+            for sub in self._pages
+        )
+
     @staticmethod
     def _needed(sub: SubPoolPages, length: int) -> range:
         """The logical pages a request of ``length`` cached tokens needs (lifetime rule)."""

@@ -387,6 +387,15 @@ class KVPrefixCache(Protocol):
         """Start the new, empty request at ``hit.length`` tokens, sharing ``hit``'s pages."""
         ...
 
+    def holds_prefix(self, hashes: TokenHashes, length: int) -> bool:
+        """Whether every sub-pool holds the page ending at ``length`` tokens of the text.
+
+        Whatever a caller keeps under that prefix's hash is dropped by the eviction listener
+        only if this is true when it is kept (another request's copy of the same block may
+        be the one registered, and may be gone already).
+        """
+        ...
+
     def stats(self) -> PrefixCacheStats:
         """Lookups, reused tokens, cached pages and evictions so far."""
         ...
