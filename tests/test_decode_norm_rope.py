@@ -14,11 +14,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-import kv_serve._engine as serve_engine
+from kv_batching import ChangeReport
 from kv_batching._attention_spec import NormMode
 from kv_batching._patching import wrapped_attention
 from kv_metal_kernels import CpuNormRope
 from kv_serve import build_engine
+from kv_serve._native_norms import NativeNorms
 from kv_testing import build_tiny_model, build_zoo_model, mlx_lm_greedy
 
 pytestmark = pytest.mark.skipif(
@@ -87,7 +88,10 @@ def test_the_kernel_serves_every_eligible_layer_and_tokens_stay_mlx_lms(
 def test_norms_that_do_not_state_their_function_keep_mlx_operations(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(serve_engine, "attach_native_norms", lambda model: 0)
+    def keep_the_norms(self: NativeNorms, model: object) -> ChangeReport:
+        return ChangeReport(name=self.name, installed=0, reason="kept by the test")
+
+    monkeypatch.setattr(NativeNorms, "install", keep_the_norms)
     model = build_tiny_model("gemma3_text", num_layers=4, window=8, sliding_window_pattern=2)
     want = [mlx_lm_greedy(model, p, 12) for p in PROMPTS]
     served, eligible, wrapped, got = _served_in_one_step(model, monkeypatch)

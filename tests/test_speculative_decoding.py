@@ -219,11 +219,13 @@ def test_state_hybrids_verify_inside_the_shared_step(
 def test_state_hybrids_without_ragged_mixers_verify_per_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kv_batching._engine_assembly
+    from kv_batching._model_surgery import ChangeReport
+    from kv_batching._ragged_state import RaggedStateMixers
 
-    monkeypatch.setattr(
-        kv_batching._engine_assembly, "install_ragged_state_mixers", lambda *a: None
-    )
+    def refuse(self: RaggedStateMixers, model: object) -> ChangeReport:
+        return ChangeReport(name=self.name, installed=0, reason="refused by the test")
+
+    monkeypatch.setattr(RaggedStateMixers, "install", refuse)
     steps = spy_on_decode_steps(monkeypatch)
     arch = "qwen3_next"
     config = SpeculationConfig(

@@ -28,6 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mlx_lm.models.cache import make_prompt_cache
 
 from kv_batching import DecodeEngine, RequestStatus, SpeculationConfig
+from kv_batching._ragged_state import RaggedStateMixers
 from kv_pool import HybridKVPool
 from kv_pool._inspect import held_pages
 from kv_protocol import flatten_caches, layout_from_model
@@ -235,9 +236,8 @@ class PerRequestVerificationMachine(SpeculationMachine):
     def __init__(self) -> None:
         super().__init__()
         runner = self.engine._core.runner
-        assert runner.ragged_state_mixers is not None
-        runner.ragged_state_mixers.uninstall()
-        runner.ragged_state_mixers = None
+        assert runner.surgery.uninstall(RaggedStateMixers) > 0
+        assert runner.ragged_state_mixers is None
 
 
 for machine in (SpeculationMachine, BatchedVerificationMachine, PerRequestVerificationMachine):

@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kv_batching import SpeculationConfig
+from kv_batching._ragged_state import RaggedStateMixers
 from kv_serve import active_blas, build_engine
 from kv_testing import mlx_lm_greedy
 from tools.cli_args import ArgumentParser, add_run_options
@@ -104,9 +105,8 @@ def run(
         speculative=speculation,
     ) as engine:
         runner = engine._core.runner
-        if speculation is not None and not shared and runner.ragged_state_mixers is not None:
-            runner.ragged_state_mixers.uninstall()
-            runner.ragged_state_mixers = None
+        if speculation is not None and not shared:
+            runner.surgery.uninstall(RaggedStateMixers)
         start = time.perf_counter()
         ids = [engine.submit(p, max_out) for p in prompts]
         out = engine.run()

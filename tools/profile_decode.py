@@ -123,7 +123,7 @@ def parts(model: Any, batch: int, repeats: int) -> dict[str, float]:
     activation = select_kernels().gated_activation
 
     def fast() -> list[Any]:
-        with fast_mlps(kernel=activation):
+        with fast_mlps(model, kernel=activation):
             return [layer.mlp(mlp_in) for layer in layers]
 
     del inner

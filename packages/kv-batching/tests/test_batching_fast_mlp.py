@@ -130,7 +130,7 @@ def test_swapped_mlp_equals_mlx_lm_module(module: str, activation: str, variant:
     assert isinstance(swapped, FastGatedMLP) and swapped.activation == activation
     # Outside the scope it is exactly the module's own call; inside, the same to rounding.
     assert mx.array_equal(swapped(x), want)
-    with fast_mlps():
+    with fast_mlps(swapped):
         got = swapped(x)
     assert got.dtype == mx.float32
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-5)
@@ -138,8 +138,9 @@ def test_swapped_mlp_equals_mlx_lm_module(module: str, activation: str, variant:
     mlp16 = _mlp(module, FAST_MLP_MIN_WIDTH, seed=3)
     mlp16.set_dtype(mx.bfloat16)
     x16 = x.astype(mx.bfloat16)
-    with fast_mlps():
-        assert mx.array_equal(FastGatedMLP(mlp16, activation)(x16), mlp16(x16))
+    bf16 = FastGatedMLP(mlp16, activation)
+    with fast_mlps(bf16):
+        assert mx.array_equal(bf16(x16), mlp16(x16))
     # The weights are counted once, and unpatching restores the very module.
     weights = {"plain": 3, "bias": 6, "8-bit": 9}[variant]
     assert len(_flat(model.parameters())) == weights  # type: ignore[no-untyped-call]
@@ -180,7 +181,7 @@ def test_a_linear_with_its_own_few_row_product_is_called_for_few_rows(rows: int)
     model = _Model([mlp])
     assert patch_model_mlps(model) == 1  # probed at 6 rows: the generic gated form
     calls.clear()
-    with fast_mlps():
+    with fast_mlps(model):
         got = model.layers[0].mlp(x)
     want = want_own if rows <= 4 else want_plain
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-3)
@@ -242,15 +243,14 @@ def test_the_activation_kernel_in_scope_computes_the_activation(
     assert patch_model_mlps(model) == 1
     swapped = model.layers[0].mlp
     x = mx.random.normal((rows, 1, 64), key=mx.random.key(2))
-    with fast_mlps():
+    with fast_mlps(model):
         compiled = swapped(x)
     serving, declining = _RecordingActivation(True), _RecordingActivation(False)
-    with fast_mlps(kernel=serving):
+    with fast_mlps(model, kernel=serving):
         served = swapped(x)
-    with fast_mlps(kernel=declining):
+    with fast_mlps(model, kernel=declining):
         declined = swapped(x)
-    with fast_mlps(False, kernel=serving):
-        outside = swapped(x)
+    outside = swapped(x)  # disengaged again: the module's own call
     assert serving.calls == [activation] and declining.calls == [activation]
     # The kernel's values are the definition's; the compiled function's are within rounding.
     np.testing.assert_allclose(np.array(served), np.array(compiled), rtol=1e-5, atol=1e-6)

@@ -19,12 +19,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv_batching import ModelSurgery
 from kv_metal_kernels import CpuQuantizedHead
 from kv_protocol import UnsupportedModelError
 from kv_serve import load_model
 from kv_serve._gguf import KERNEL_CODES_FILE
 from kv_serve._kernel_linears import (
     KERNEL_MAX_ROWS,
+    KernelCodes,
     KernelLinear,
     SiblingRows,
     attach_kernel_codes,
@@ -167,6 +169,28 @@ def test_dual_gemma_decodes_the_float_models_tokens(
     for text in ("The capital of France is", "def fibonacci(n):"):
         prompt = [int(t) for t in tokenizer.encode(text)]
         assert mlx_lm_greedy(model, prompt, 12) == mlx_lm_greedy(dense, prompt, 12)
+
+
+@needs_kernel
+def test_kernel_codes_uninstall_to_plain_linears_of_the_same_weights(
+    dual_gemma: tuple[Any, Path],
+) -> None:
+    model, directory = dual_gemma
+    prompt = [2, 651, 6037, 576, 6081, 603]
+    want = mlx_lm_greedy(model, prompt, 8)
+    coded = {n: m for n, m in model.named_modules() if isinstance(m, KernelLinear)}
+    change = KernelCodes(directory, linear_kernel())
+    report = ModelSurgery(model).install(change)  # what load_model did counts as installed
+    assert (report.installed, report.reason) == (len(coded), None)
+    assert change.uninstall(model) == len(coded)
+    modules = dict(model.named_modules())
+    for name, layer in coded.items():
+        assert type(modules[name]) is nn.Linear and modules[name].weight is layer.weight
+    try:
+        assert mlx_lm_greedy(model, prompt, 8) == want
+    finally:
+        report = ModelSurgery(model).install(KernelCodes(directory, linear_kernel()))
+        assert report.installed == len(coded)
 
 
 def test_dual_is_refused_where_keep_is(tmp_path: Path) -> None:

@@ -108,3 +108,22 @@ def test_without_the_graph_calls_nothing_is_swapped(monkeypatch: pytest.MonkeyPa
     assert attach_native_norms(model, unavailable) == 0
     with pytest.raises(RuntimeError, match="not available"):
         unavailable(mx.ones((1, 4)), mx.ones((4,)), 1e-6)
+
+
+@needs_kernel
+def test_an_engine_swaps_the_norms_while_it_runs_and_close_puts_them_back() -> None:
+    from kv_serve import build_engine
+    from kv_testing import mlx_lm_greedy
+
+    model = build_zoo_model("gemma3_text")
+    before = {name: id(m) for name, m in model.named_modules()}
+    prompt = [(5 * i + 3) % 50 + 1 for i in range(9)]
+    want = mlx_lm_greedy(model, prompt, 6)
+    with build_engine(model, max_context=64) as engine:
+        reports = {r.name: r for r in engine._core.runner.surgery.reports}
+        held = sum(isinstance(m, NativeRMSNorm) for _, m in model.named_modules())
+        assert reports["native norms"].installed == held > 0
+        rid = engine.submit(prompt, 6)
+        assert engine.run()[rid] == want
+    assert {name: id(m) for name, m in model.named_modules()} == before
+    assert not any(isinstance(m, NativeRMSNorm) for _, m in model.named_modules())

@@ -5,7 +5,9 @@ admission by pool capacity, chunked prefill, one batched decode per step, one po
 per decode batch and per prefill chunk, and speculative decoding (:class:`SpeculationConfig`,
 :class:`NgramProposer`); its settings are one :class:`EngineConfig`.
 :class:`BatchedDecodeContext` is the padding and position arithmetic of one batched step;
-:func:`patch_model_attention` wraps a model's attention modules for the paged fast path.
+:func:`patch_model_attention` wraps a model's attention modules for the paged fast path;
+every change the engine makes to a model is a :class:`ModelChange`, installed, engaged and
+undone through one :class:`ModelSurgery`.
 Everything else (the step's phases, the scheduler, the runner, the per-layer decode caches,
 the recurrent-state helpers) stays importable from the private modules.
 """
@@ -18,6 +20,7 @@ from ._engine import DEFAULT_STATE_CACHE_BYTES, DecodeEngine, PrefillCacheFactor
 from ._engine_config import EngineConfig
 from ._engine_stats import EngineMemoryReport, EngineStats
 from ._model_forward import last_position_forward, vocabulary_size
+from ._model_surgery import ChangeReport, EngagedChange, ModelChange, ModelSurgery
 from ._patching import is_patched, patch_model_attention, unpatch_model_attention
 from ._requests import RequestOutput, RequestStatus
 from ._sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprob
@@ -38,12 +41,16 @@ __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "BatchProposer",
     "BatchedDecodeContext",
+    "ChangeReport",
     "DecodeEngine",
     "DecodePlan",
     "DecodeRoute",
+    "EngagedChange",
     "EngineConfig",
     "EngineMemoryReport",
     "EngineStats",
+    "ModelChange",
+    "ModelSurgery",
     "NgramProposer",
     "PrefillCacheFactory",
     "Proposer",

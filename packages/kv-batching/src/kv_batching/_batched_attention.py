@@ -38,7 +38,8 @@ class BatchedAttention(nn.Module):
     """Wraps one attention module; batched paged decode when handed a BatchedLayerCache.
 
     With any other cache (or none) the original module runs unchanged, unless
-    ``prefill_attention`` is set (the engine sets it around its own prefill calls): then a
+    ``prefill_attention`` is set (the engine's ``AttentionWrappers`` change sets it while it
+    builds a prompt chunk's forward): then a
     call of the module's usual form ``(x, mask, cache)`` whose cache has an integer
     ``offset`` runs the same projections, norms, RoPE and ``cache.update_and_fetch`` and
     attends through that kernel. Attribute reads the wrapper does not define fall through to

@@ -34,12 +34,8 @@ from ._cache_nesting import CacheNesting
 from ._decode_step import DecodeRoute, PoolAddressing
 from ._model_forward import DecodeForward, LastPositionForward
 from ._model_runner import ModelRunner
-from ._patching import (
-    patch_model_attention,
-    unpatch_model_attention,
-    wrap_attention_layer,
-    wrapped_attention,
-)
+from ._model_surgery import ModelSurgery
+from ._patching import AttentionWrappers, wrap_attention_layer, wrapped_attention
 from ._state_cache import StateCacheFactory, request_caches
 
 __all__ = [
@@ -218,8 +214,12 @@ def check_batched_decode(
     nesting: CacheNesting | None = None,
     prefill_forward: LastPositionForward | None = None,
     decode_forward: DecodeForward | None = None,
+    surgery: ModelSurgery | None = None,
 ) -> str | None:
     """Why one ragged batched decode step differs from prefill, or ``None`` if it agrees.
+
+    ``surgery`` holds the model's changes, engaged around the check's forwards as the
+    engine's runner engages them.
 
     Two short prompts are prefilled through ``make_prefill_cache`` into ``pool``, their next
     tokens decoded together through ``plan``'s caches, and each row's logits compared with
@@ -240,6 +240,7 @@ def check_batched_decode(
         nesting=nesting,
         prefill_forward=prefill_forward,
         decode_forward=decode_forward,
+        surgery=surgery,
     )
     prompts = [[(11 * i + 5 * n + 1) % vocab_size for i in range(n)] for n in _PROBE_LENGTHS]
     nexts = [(7 * n + 2) % vocab_size for n in _PROBE_LENGTHS]
@@ -319,18 +320,24 @@ def choose_decode_paths(
     nesting: CacheNesting | None = None,
     prefill_forward: LastPositionForward | None = None,
     decode_forward: DecodeForward | None = None,
+    surgery: ModelSurgery | None = None,
 ) -> DecodePlan:
     """Choose the layers' decode paths, wrap the fast ones and check one batched step.
 
-    This **modifies the model**: the fast layers' attention modules are wrapped in place
-    (:func:`~kv_batching.unpatch_model_attention` puts them back).
+    This **modifies the model**: the fast layers' attention modules are wrapped in place,
+    installed as an :class:`~kv_batching._patching.AttentionWrappers` change through
+    ``surgery`` (a new one on ``model`` by default), which puts them back.
 
     Under ``auto``, a model whose check fails with some layers on the fast path is tried
     again with every layer universal. A model neither path serves is unpatched and refused
     with ``UnsupportedModelError`` and the reason.
     """
     plan = plan_decode_paths(model, pool.layout, decode_path, nesting=nesting)
-    patch_model_attention(model, pool.layout, layers=plan.fast_layers)
+    surgery = surgery if surgery is not None else ModelSurgery(model)
+    prefill_attention = getattr(kernels, "prefill_attention", None)
+    surgery.install(
+        AttentionWrappers(pool.layout, layers=plan.fast_layers, prefill_attention=prefill_attention)
+    )
     plan = fuse_routes(model, pool, kernels, plan)
     problem = check_batched_decode(
         model,
@@ -345,9 +352,10 @@ def choose_decode_paths(
         nesting=nesting,
         prefill_forward=prefill_forward,
         decode_forward=decode_forward,
+        surgery=surgery,
     )
     if problem is not None and decode_path == "auto" and plan.fast_layers:
-        unpatch_model_attention(model)
+        surgery.uninstall(AttentionWrappers)
         fallback = plan_decode_paths(model, pool.layout, "universal", nesting=nesting)
         retry = check_batched_decode(
             model,
@@ -362,6 +370,7 @@ def choose_decode_paths(
             nesting=nesting,
             prefill_forward=prefill_forward,
             decode_forward=decode_forward,
+            surgery=surgery,
         )
         if retry is None:
             logger.warning(
@@ -376,7 +385,7 @@ def choose_decode_paths(
             )
         problem = retry
     if problem is not None:
-        unpatch_model_attention(model)
+        surgery.uninstall(AttentionWrappers)
         raise UnsupportedModelError(
             f"{type(model).__name__} cannot be served by batched decode: {problem} "
             f"({plan.describe()}); its attention must call cache.update_and_fetch and build "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -35,9 +35,8 @@ from ._engine_assembly import assemble
 from ._engine_config import EngineConfig
 from ._engine_core import PrefillCacheFactory
 from ._engine_stats import EngineMemoryReport, EngineStats
-from ._fast_mlp import unpatch_model_mlps
 from ._intake import UNSET, new_requests, short_sampling
-from ._patching import unpatch_model_attention
+from ._model_surgery import ModelChange
 from ._requests import RequestOutput, RequestStatus
 from ._sampling import SamplingParams, TokenLogprob
 from ._snapshot_policy import DEFAULT_STATE_CACHE_BYTES, rewind
@@ -89,8 +88,11 @@ class DecodeEngine:
     Building **modifies the model** (the fast layers' attention modules are wrapped, and
     with ``fast_activations`` on MLX's CPU the wide SiLU / tanh-GELU gated MLPs are swapped
     for :class:`~kv_batching._fast_mlp.FastGatedMLP`, the same function with a vectorised
-    activation, used only in the engine's own forwards: about a third of a Gemma 3 prefill);
-    :meth:`close` (or leaving a ``with`` block) puts the originals back.
+    activation, used only in the engine's own forwards: about a third of a Gemma 3 prefill;
+    ``changes``, the caller's own :class:`~kv_batching._model_surgery.ModelChange` list,
+    are installed first). Every change goes through one
+    :class:`~kv_batching._model_surgery.ModelSurgery`: a refusal while building undoes them
+    all, and :meth:`close` (or leaving a ``with`` block) puts the originals back.
 
     Prefill budget per step (``prefill_stall``): ``None`` prefills up to ``prefill_chunk``
     tokens a step. A positive number bounds how long a step's prefill may keep the running
@@ -138,6 +140,7 @@ class DecodeEngine:
         *,
         make_state_caches: StateCacheFactory | None = None,
         agreement: RankAgreement | None = None,
+        changes: Sequence[ModelChange] = (),
         **settings: Any,
     ) -> None:
         config = EngineConfig.from_settings(config, settings)
@@ -149,6 +152,7 @@ class DecodeEngine:
             config,
             make_state_caches=make_state_caches,
             agreement=agreement,
+            changes=changes,
         )
         self._config = config
         self._model = model
@@ -367,17 +371,14 @@ class DecodeEngine:
         return self._core.requests.get(request_id).output()
 
     def close(self) -> None:
-        """Abort what still runs and put the model's original attention modules back.
+        """Abort what still runs and undo every change made to the model, last first.
 
         The engine must not step after this; the model is as it was before the engine.
         """
         for request in self._core.scheduler.active():
             self._core.scheduler.finish(request, "aborted")
             self._core.stats.aborted += 1
-        unpatch_model_attention(self._model)
-        unpatch_model_mlps(self._model)
-        if self._core.runner.ragged_state_mixers is not None:
-            self._core.runner.ragged_state_mixers.uninstall()
+        self._core.runner.surgery.undo()
 
     def __enter__(self) -> DecodeEngine:
         return self

@@ -2,12 +2,15 @@
 
 :func:`assemble` does every check that can refuse a model (the layouts agree, the vocabulary
 is known, a decode path serves each layer: one probe step through the pool), changes the model
-where the config asks (attention wrappers, fast MLPs, ragged-state mixers) and builds the
+where the config asks (attention wrappers, fast MLPs, ragged-state mixers, and the caller's
+own :class:`~kv_batching._model_surgery.ModelChange` list first), all through one
+:class:`~kv_batching._model_surgery.ModelSurgery`, and builds the
 :class:`~kv_batching._engine_core.EngineCore` and the phases that act through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.nn as nn
@@ -32,13 +35,14 @@ from ._decode_step import PoolAddressing
 from ._engine_config import EngineConfig
 from ._engine_core import EngineCore, PrefillCacheFactory
 from ._engine_stats import EngineStats
-from ._fast_mlp import patch_model_mlps
+from ._fast_mlp import FastMLPs
 from ._model_forward import decode_forward, last_position_forward, vocabulary_size
 from ._model_runner import ModelRunner
+from ._model_surgery import ModelChange, ModelSurgery
 from ._outputs import StepOutputs
 from ._prefill_budget import PrefillBudget
 from ._prefill_phase import PrefillPhase
-from ._ragged_state import install_ragged_state_mixers
+from ._ragged_state import RaggedStateMixers
 from ._requests import RequestTable
 from ._sampling import Sampler
 from ._scheduler import Scheduler
@@ -106,12 +110,14 @@ def assemble(
     *,
     make_state_caches: StateCacheFactory | None,
     agreement: RankAgreement | None,
+    changes: Sequence[ModelChange] = (),
 ) -> EngineParts:
     """Check ``model`` against ``pool`` and ``config`` and build the engine's parts.
 
     Raises what :class:`~kv_batching.DecodeEngine` documents (``LayoutError``,
     ``UnsupportedModelError``, ``RequestStateError``) before the model is changed where a
-    check allows it; the decode paths' probe itself runs on the changed model.
+    check allows it; the decode paths' probe itself runs on the changed model. ``changes``
+    are installed before the engine's own; a refusal after any change undoes them all.
     """
     speculation = config.speculation
     if speculation is not None and agreement is not None:
@@ -157,20 +163,28 @@ def assemble(
         else None
     )
     head_decode_forward = decode_forward(model, vocab_size, quantized_head)
-    decode_plan = choose_decode_paths(
-        model,
-        pool,
-        kernels,
-        make_prefill_cache,
-        config.decode_path,
-        vocab_size=vocab_size,
-        num_layers=model_layout.num_layers,
-        state_caches=make_state_caches,
-        state_layer_ids=state_layer_ids,
-        nesting=nesting,
-        prefill_forward=prefill_forward,
-        decode_forward=head_decode_forward,
-    )
+    surgery = ModelSurgery(model)
+    try:
+        for change in changes:
+            surgery.install(change)
+        decode_plan = choose_decode_paths(
+            model,
+            pool,
+            kernels,
+            make_prefill_cache,
+            config.decode_path,
+            vocab_size=vocab_size,
+            num_layers=model_layout.num_layers,
+            state_caches=make_state_caches,
+            state_layer_ids=state_layer_ids,
+            nesting=nesting,
+            prefill_forward=prefill_forward,
+            decode_forward=head_decode_forward,
+            surgery=surgery,
+        )
+    except BaseException:
+        surgery.undo()
+        raise
     stats = EngineStats(window=config.stats_window)
     runner = ModelRunner(
         model,
@@ -181,15 +195,17 @@ def assemble(
         nesting=nesting,
         prefill_forward=prefill_forward,
         decode_forward=head_decode_forward,
-        # Outside the runner's forwards a swapped MLP is the model's own call.
-        fast_mlps=config.fast_activations and patch_model_mlps(model) > 0,
+        surgery=surgery,
     )
+    if config.fast_activations:
+        # Outside the runner's forwards a swapped MLP is the model's own call.
+        surgery.install(FastMLPs(kernel=getattr(kernels, "gated_activation", None)))
     EVALUATION_CLOCK.take()  # the construction probes' evaluations
     if speculation is not None and state_layer_ids and make_state_caches is not None:
         # Proposals verify inside the shared step when every recurrent mixer runs a
         # request's rows in order (else each verification is a forward of its own).
-        runner.ragged_state_mixers = install_ragged_state_mixers(
-            model, nesting, model_layout.num_layers, state_layer_ids, make_state_caches
+        surgery.install(
+            RaggedStateMixers(nesting, model_layout.num_layers, state_layer_ids, make_state_caches)
         )
     scheduler = Scheduler(
         pool,

@@ -10,21 +10,21 @@ them on :func:`kv_protocol.sigmoid` (adds, multiplies and shifts, which MLX vect
 compiled here: 8.7 against 28.6 ms (GELU) and 7.7 against 16.7 ms (SiLU) at 512 x 2048, to
 a relative error of about ``1e-6`` against float64 (MLX's own tanh GELU loses up to
 ``2.5e-4`` relative where ``1 + tanh`` cancels). Where the engine's kernel set carries a
-``gated_activation`` (``kv_protocol.GatedActivationKernel``, handed over by
-:func:`fast_mlps`) it computes the same bits as one operation instead of the compiled
-function's seven.
+``gated_activation`` (``kv_protocol.GatedActivationKernel``) it computes the same bits as
+one operation instead of the compiled function's seven.
 
-:func:`patch_model_mlps` swaps such a module for a :class:`FastGatedMLP` only where it pays
-and is the same function: on the CPU, float32 activations, a gate at least
-:data:`FAST_MLP_MIN_WIDTH` wide, and a probe whose outputs equal the module's own (to float
-rounding) for one of the two activations. Anything else keeps the model's own call.
+:class:`FastMLPs` (a :class:`~kv_batching._model_surgery.ModelChange`) swaps such a module
+for a :class:`FastGatedMLP` only where it pays and is the same function: on the CPU, float32
+activations, a gate at least :data:`FAST_MLP_MIN_WIDTH` wide, and a probe whose outputs
+equal the module's own (to float rounding) for one of the two activations. Anything else
+keeps the model's own call, and so does a swapped module until the change is engaged (the
+engine's :class:`~kv_batching._model_surgery.ModelSurgery` engages it around its forwards).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from functools import partial
 from typing import Any, cast
 
@@ -33,11 +33,13 @@ import mlx.nn as nn
 
 from kv_protocol import GATED_ACTIVATIONS, GatedActivationKernel, find_layers, gated_activation
 
+from ._model_surgery import ChangeReport
 from ._patching import unwrap_layer_children
 
 __all__ = [
     "FAST_MLP_MIN_WIDTH",
     "FastGatedMLP",
+    "FastMLPs",
     "fast_mlps",
     "patch_model_mlps",
     "unpatch_model_mlps",
@@ -49,26 +51,26 @@ FAST_MLP_MIN_WIDTH = 1024
 
 #: Names under which mlx-lm decoder layers hold their MLP.
 _MLP_CHILD_NAMES = ("mlp", "feed_forward")
-#: Whether forwards built now take the fast path, and the activation kernel they use.
-_ACTIVE: ContextVar[tuple[bool, GatedActivationKernel | None]] = ContextVar(
-    "kv_batching_fast_mlps", default=(False, None)
-)
 
 
 @contextmanager
-def fast_mlps(active: bool = True, kernel: GatedActivationKernel | None = None) -> Iterator[None]:
-    """Within the block, each :class:`FastGatedMLP` computes its own product (else ``inner``'s).
+def fast_mlps(*modules: nn.Module, kernel: GatedActivationKernel | None = None) -> Iterator[None]:
+    """Within the block, the :class:`FastGatedMLP` modules in ``modules`` compute their way.
 
-    The engine's runner builds its forwards inside it, so a swapped model called anywhere
-    else (an mlx-lm oracle, ``mlx_lm.generate``) computes exactly what mlx-lm computes. MLX
-    is lazy: what counts is when a forward is built, not when it is evaluated. ``kernel``
-    (the kernel set's ``gated_activation``) computes the activations it serves.
+    For a module or model used outside an engine (a benchmark, a test); the engine engages
+    its own through its :class:`~kv_batching._model_surgery.ModelSurgery`. ``kernel`` (a
+    kernel set's ``gated_activation``) computes the activations it serves.
     """
-    token = _ACTIVE.set((active, kernel))
+    found = [
+        m for module in modules for _, m in module.named_modules() if isinstance(m, FastGatedMLP)
+    ]
+    for module in found:
+        module.engage(kernel)
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        for module in found:
+            module.disengage()
 
 
 # Compiled, each product is one fused CPU kernel; shapes are traced as they come (the bit
@@ -86,9 +88,10 @@ def _gated(activation: str) -> Callable[[mx.array, mx.array], mx.array]:
     return fn
 
 
-def _activate(activation: str, gate: mx.array, up: mx.array) -> mx.array:
-    """``act(gate) * up``: the active kernel's where it serves, else the compiled function."""
-    kernel = _ACTIVE.get()[1]
+def _activate(
+    activation: str, gate: mx.array, up: mx.array, kernel: GatedActivationKernel | None
+) -> mx.array:
+    """``act(gate) * up``: ``kernel``'s where it serves, else the compiled function."""
     if kernel is not None:
         out = kernel(gate, up, activation=activation)
         if out is not None:
@@ -100,8 +103,9 @@ class FastGatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` of a wrapped mlx-lm MLP, ``act`` vectorised in float32.
 
     ``activation`` is ``"silu"`` or ``"gelu_approx"``. Holds the module it replaces as its
-    one child (``inner``: the weights are counted once, under ``inner``). Outside
-    :func:`fast_mlps`, and for input of another dtype than float32, it is ``inner``'s call.
+    one child (``inner``: the weights are counted once, under ``inner``). Until
+    :meth:`engage` (and after :meth:`disengage`), and for input of another dtype than
+    float32, it is ``inner``'s call.
     """
 
     def __init__(self, inner: nn.Module, activation: str) -> None:
@@ -112,11 +116,28 @@ class FastGatedMLP(nn.Module):
             )
         self.inner = inner
         self.activation = activation
+        self._engaged = False
+        self._kernel: GatedActivationKernel | None = None
+
+    def engage(self, kernel: GatedActivationKernel | None = None) -> None:
+        """Compute the vectorised form from now on (``kernel``: the activation's, if any)."""
+        self._engaged = True
+        self._kernel = kernel
+
+    def disengage(self) -> None:
+        """Back to ``inner``'s own call."""
+        self._engaged = False
+        self._kernel = None
+
+    @property
+    def engaged(self) -> bool:
+        """Whether calls compute the vectorised form now."""
+        return self._engaged
 
     def __call__(self, x: mx.array) -> mx.array:
         """The MLP's output for ``x`` (``(..., hidden)``)."""
         inner: Any = self.inner
-        if not _ACTIVE.get()[0]:
+        if not self._engaged:
             return cast(mx.array, inner(x))
         projections = (inner.gate_proj, inner.up_proj, inner.down_proj)
         rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
@@ -125,7 +146,8 @@ class FastGatedMLP(nn.Module):
         gate = inner.gate_proj(x)
         if gate.dtype != mx.float32:
             return cast(mx.array, inner(x))
-        return cast(mx.array, inner.down_proj(_activate(self.activation, gate, inner.up_proj(x))))
+        activated = _activate(self.activation, gate, inner.up_proj(x), self._kernel)
+        return cast(mx.array, inner.down_proj(activated))
 
     def _transposed(self, x: mx.array, gate: Any, up: Any, down: Any) -> mx.array:
         """The product with tokens as columns: ``W @ x.T``, MKL's faster order here.
@@ -141,7 +163,7 @@ class FastGatedMLP(nn.Module):
             g = g + gate.bias[:, None]
         if "bias" in up:
             u = u + up.bias[:, None]
-        out = (down.weight @ _activate(self.activation, g, u)).T
+        out = (down.weight @ _activate(self.activation, g, u, self._kernel)).T
         if "bias" in down:
             out = out + down.bias
         return cast(mx.array, out.reshape(*x.shape[:-1], out.shape[-1]))
@@ -195,8 +217,8 @@ def _probe(module: Any) -> str | None:
             return None
         for activation in GATED_ACTIVATIONS:
             candidate = FastGatedMLP(module, activation)
-            with fast_mlps():
-                got = [candidate(p) for p in probes]
+            candidate.engage()
+            got = [candidate(p) for p in probes]
             if all(
                 bool(
                     mx.allclose(
@@ -222,36 +244,82 @@ def _mlp_child(layer: Any) -> tuple[str, Any] | None:
     return None
 
 
+class FastMLPs:
+    """The change that swaps a model's gated MLPs for :class:`FastGatedMLP` modules.
+
+    See the module docstring for where a swap is made; ``kernel`` (the engine kernel set's
+    ``gated_activation``) computes the activations while the change is engaged.
+    """
+
+    name = "fast MLPs"
+
+    def __init__(
+        self,
+        *,
+        min_width: int = FAST_MLP_MIN_WIDTH,
+        kernel: GatedActivationKernel | None = None,
+    ) -> None:
+        self.min_width = min_width
+        self.kernel = kernel
+        self._held: list[FastGatedMLP] = []
+
+    def install(self, model: nn.Module) -> ChangeReport:
+        """Swap each gated MLP of ``model``'s decoder layers its probe accepts."""
+        if mx.default_device().type != mx.cpu:
+            return self._report(0, "only on MLX's CPU device")
+        try:
+            layers = find_layers(model)
+        except Exception as error:
+            return self._report(0, f"no decoder layers found ({error})")
+        refused: list[str] = []
+        for index, layer in enumerate(layers):
+            found = _mlp_child(layer)
+            if found is None:
+                continue
+            name, child = found
+            if isinstance(child, FastGatedMLP):
+                self._held.append(child)
+                continue
+            if _gate_width(child) < self.min_width:
+                refused.append(f"layer {index}: gate narrower than {self.min_width}")
+                continue
+            activation = _probe(child)
+            if activation is None:
+                refused.append(f"layer {index}: neither SiLU nor tanh-GELU matches its output")
+                continue
+            swapped = FastGatedMLP(child, activation)
+            setattr(layer, name, swapped)
+            self._held.append(swapped)
+        if not refused and not self._held:
+            refused.append("no gated MLP (gate_proj, up_proj, down_proj) found")
+        return self._report(len(self._held), "; ".join(refused[:3]) or None)
+
+    def _report(self, installed: int, reason: str | None) -> ChangeReport:
+        return ChangeReport(name=self.name, installed=installed, reason=reason)
+
+    def uninstall(self, model: nn.Module) -> int:
+        """Put the original MLP modules back; returns how many were restored."""
+        self._held.clear()
+        return unpatch_model_mlps(model)
+
+    def engage(self, *, prefill: bool) -> None:
+        """The swapped MLPs compute the vectorised form (in prompt chunks and decode steps)."""
+        for module in self._held:
+            module.engage(self.kernel)
+
+    def disengage(self) -> None:
+        """The swapped MLPs are their modules' own calls again."""
+        for module in self._held:
+            module.disengage()
+
+
 def patch_model_mlps(model: nn.Module, *, min_width: int = FAST_MLP_MIN_WIDTH) -> int:
     """Swap each gated MLP of ``model``'s decoder layers for a :class:`FastGatedMLP`.
 
-    Only on MLX's CPU device and where the probe finds the module's activation (see the
-    module docstring); already swapped modules are kept. Returns how many layers hold a
+    :class:`FastMLPs`' install, for use outside an engine; returns how many layers hold a
     :class:`FastGatedMLP` afterwards.
     """
-    if mx.default_device().type != mx.cpu:
-        return 0
-    try:
-        layers = find_layers(model)
-    except Exception:
-        return 0
-    patched = 0
-    for layer in layers:
-        found = _mlp_child(layer)
-        if found is None:
-            continue
-        name, child = found
-        if isinstance(child, FastGatedMLP):
-            patched += 1
-            continue
-        if _gate_width(child) < min_width:
-            continue
-        activation = _probe(child)
-        if activation is None:
-            continue
-        setattr(layer, name, FastGatedMLP(child, activation))
-        patched += 1
-    return patched
+    return FastMLPs(min_width=min_width).install(model).installed
 
 
 def unpatch_model_mlps(model: nn.Module) -> int:

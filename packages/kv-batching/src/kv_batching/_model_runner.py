@@ -16,7 +16,7 @@ from kv_protocol import KernelSet, KVPool, RequestStateError, Reservation
 
 from ._cache_nesting import CacheNesting
 from ._decode_step import DecodeStep, PoolAddressing
-from ._fast_mlp import fast_mlps
+from ._fast_mlp import FastMLPs
 from ._layer_cache import batched_layer_caches
 from ._model_forward import (
     DecodeForward,
@@ -24,7 +24,7 @@ from ._model_forward import (
     SplitDecodeForward,
     VocabularyHead,
 )
-from ._patching import wrapped_attention
+from ._model_surgery import ModelSurgery
 from ._ragged_state import RaggedRows, RaggedStateMixers
 from ._state_cache import StackedStateCache, install_stacked_states
 
@@ -99,8 +99,9 @@ class ModelRunner:
     prefill chunk when given; ``decode_forward`` (``_model_forward.decode_forward``) replaces
     the model's call in a batched decode when given. When ``kernels`` carry a
     ``prefill_attention``, the wrapped (fast-path) layers attend through it during
-    :meth:`prefill`. With ``fast_mlps`` every forward is built inside
-    :func:`~kv_batching._fast_mlp.fast_mlps` (swapped MLPs take their vectorised activation).
+    :meth:`prefill`. ``surgery`` holds the changes made to the model; every forward is built
+    inside its :meth:`~kv_batching._model_surgery.ModelSurgery.engaged` (prompt chunks and
+    verifications as prefill), so the changed modules compute their way only there.
     """
 
     def __init__(
@@ -114,10 +115,10 @@ class ModelRunner:
         nesting: CacheNesting | None = None,
         prefill_forward: LastPositionForward | None = None,
         decode_forward: DecodeForward | None = None,
-        fast_mlps: bool = False,
+        surgery: ModelSurgery | None = None,
     ) -> None:
         self.model = model
-        self.fast_mlps = fast_mlps
+        self.surgery = surgery if surgery is not None else ModelSurgery(model)
         self.pool = pool
         self.kernels = kernels
         self.state_layer_ids = tuple(state_layer_ids)
@@ -125,12 +126,16 @@ class ModelRunner:
         self.prefill_forward = prefill_forward
         self.decode_forward = decode_forward
         self.addressing = addressing
-        self.prefill_attention = getattr(kernels, "prefill_attention", None)
-        self._activation = getattr(kernels, "gated_activation", None)
-        self._wrappers = wrapped_attention(model) if self.prefill_attention is not None else []
-        #: The STATE layers' mixers swapped to run a verification's ragged rows (see
-        #: :func:`~kv_batching._ragged_state.install_ragged_state_mixers`), if installed.
-        self.ragged_state_mixers: RaggedStateMixers | None = None
+
+    @property
+    def ragged_state_mixers(self) -> RaggedStateMixers | None:
+        """The STATE layers' mixers swapped to run a verification's ragged rows, if installed."""
+        return self.surgery.find(RaggedStateMixers)
+
+    @property
+    def fast_mlps(self) -> bool:
+        """Whether the model's gated MLPs are swapped for their vectorised form."""
+        return self.surgery.find(FastMLPs) is not None
 
     @property
     def verifies_in_batch(self) -> bool:
@@ -158,17 +163,11 @@ class ModelRunner:
         """
         chunk = mx.array(list(tokens), dtype=mx.int32)[None]
         model_caches = self.nesting.nest(caches)
-        for wrapper in self._wrappers:
-            wrapper.prefill_attention = self.prefill_attention
-        try:
-            with fast_mlps(self.fast_mlps, self._activation):
-                if self.prefill_forward is not None and not every_position and sampled:
-                    return self.prefill_forward(chunk, model_caches)
-                logits: mx.array = self.model(chunk, cache=model_caches)
-                return logits
-        finally:
-            for wrapper in self._wrappers:
-                wrapper.prefill_attention = None
+        with self.surgery.engaged(prefill=True):
+            if self.prefill_forward is not None and not every_position and sampled:
+                return self.prefill_forward(chunk, model_caches)
+            logits: mx.array = self.model(chunk, cache=model_caches)
+            return logits
 
     def verify(self, tokens: Sequence[int], caches: list[Any]) -> mx.array:
         """Logits (lazy, ``(1, T, vocab)``) of every position of one request's ``tokens``.
@@ -179,16 +178,10 @@ class ModelRunner:
         """
         chunk = mx.array(list(tokens), dtype=mx.int32)[None]
         model_caches = self.nesting.nest(caches)
-        for wrapper in self._wrappers:
-            wrapper.prefill_attention = self.prefill_attention
-        try:
-            forward = self.decode_forward if self.decode_forward is not None else self.model
-            with fast_mlps(self.fast_mlps, self._activation):
-                logits: mx.array = forward(chunk, cache=model_caches)
-            return logits
-        finally:
-            for wrapper in self._wrappers:
-                wrapper.prefill_attention = None
+        forward = self.decode_forward if self.decode_forward is not None else self.model
+        with self.surgery.engaged(prefill=True):
+            logits: mx.array = forward(chunk, cache=model_caches)
+        return logits
 
     def decode(
         self,
@@ -234,7 +227,7 @@ class ModelRunner:
             for state in stacked:
                 RaggedStateMixers.mark(state.view, ragged)
         forward = self.decode_forward if self.decode_forward is not None else self.model
-        with fast_mlps(self.fast_mlps, self._activation):
+        with self.surgery.engaged():
             if isinstance(forward, SplitDecodeForward) and forward.head.picks_greedy:
                 hidden = forward.backbone(tokens, cache=self.nesting.nest(caches))
                 return DecodeOutput(

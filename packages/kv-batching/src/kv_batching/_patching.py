@@ -11,6 +11,7 @@ from kv_protocol import (
     ATTENTION_CHILD_NAMES,
     CacheLayout,
     LayerKind,
+    PrefillAttention,
     UnsupportedModelError,
     attention_module,
     find_layers,
@@ -20,8 +21,10 @@ from kv_protocol import (
 from ._attention_probe import probe_attention
 from ._attention_spec import inspect_attention
 from ._batched_attention import BatchedAttention
+from ._model_surgery import ChangeReport
 
 __all__ = [
+    "AttentionWrappers",
     "is_patched",
     "patch_model_attention",
     "unpatch_model_attention",
@@ -152,3 +155,50 @@ def unwrap_layer_children(
 def unpatch_model_attention(model: nn.Module) -> int:
     """Put the original attention modules back; returns how many were restored."""
     return unwrap_layer_children(model, ATTENTION_CHILD_NAMES, BatchedAttention)
+
+
+class AttentionWrappers:
+    """The change that wraps a model's attention modules for the paged fast path.
+
+    A :class:`~kv_batching._model_surgery.ModelChange` the engine cannot run without:
+    :meth:`install` is :func:`patch_model_attention` (``UnsupportedModelError`` for a module
+    the wrapper's probe refuses, nothing changed). Engaged for a prompt chunk, the wrappers
+    attend through ``prefill_attention`` (a kernel set's, when it carries one).
+    """
+
+    name = "attention"
+
+    def __init__(
+        self,
+        layout: CacheLayout | None = None,
+        *,
+        layers: Collection[int] | None = None,
+        prefill_attention: PrefillAttention | None = None,
+    ) -> None:
+        self.layout = layout
+        self.layers = layers
+        self.prefill_attention = prefill_attention
+        self._wrappers: list[BatchedAttention] = []
+
+    def install(self, model: nn.Module) -> ChangeReport:
+        """Wrap the chosen attention layers (every one by default)."""
+        installed = patch_model_attention(model, self.layout, layers=self.layers)
+        self._wrappers = wrapped_attention(model)
+        reason = None if installed else "no attention layer was chosen for the fast path"
+        return ChangeReport(name=self.name, installed=installed, reason=reason)
+
+    def uninstall(self, model: nn.Module) -> int:
+        """Put the original attention modules back; returns how many were restored."""
+        self._wrappers = []
+        return unpatch_model_attention(model)
+
+    def engage(self, *, prefill: bool) -> None:
+        """A prompt chunk's forward attends through the prefill kernel, if there is one."""
+        if prefill and self.prefill_attention is not None:
+            for wrapper in self._wrappers:
+                wrapper.prefill_attention = self.prefill_attention
+
+    def disengage(self) -> None:
+        """The wrappers attend their own way again."""
+        for wrapper in self._wrappers:
+            wrapper.prefill_attention = None

@@ -10,14 +10,16 @@ batched prompts: a ``(B, L)`` mask of real tokens and the cache's ``lengths``, b
 model's mixers take the convolution state at each request's last real token and leave the
 recurrent state as the padding found it. The mixer's output goes back to the rows.
 
-:func:`install_ragged_state_mixers` finds each STATE layer's mixer by tracing a short forward
-(the innermost module whose call is handed the layer's cache; the same one at every access),
+:class:`RaggedStateMixers` (a :class:`~kv_batching._model_surgery.ModelChange`) finds each
+STATE layer's mixer by tracing a short forward in which every module records its calls (the
+innermost module call handed the layer's cache; the same one at every access),
 accepts only a mixer called as ``(x, cache)`` or ``(x, mask, cache)``, checks each one on a
 probe (ragged rows against each request's tokens run alone, outputs and states) and swaps its
 class for a subclass that runs the rows when the cache carries :data:`RAGGED_ROWS_ATTRIBUTE`:
 right-padded in one call, or, where the probe finds the mixer does not keep mlx-lm's padding
 contract or it takes no mask, one call per group of requests with as many rows. A model
-where any of that fails gets ``None``: its requests verify by a forward of their own.
+where any of that fails keeps its mixers (the report says why): its requests verify by a
+forward of their own.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from types import FrameType
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -38,6 +39,7 @@ from kv_protocol import CacheStateError, flatten_caches
 
 from ._attention_probe import _max_rel_err, _tolerance
 from ._cache_nesting import CacheNesting
+from ._model_surgery import ChangeReport
 from ._speculative import MAX_SPECULATIVE_TOKENS
 from ._state_cache import StackedStateCache, StateCacheFactory
 
@@ -240,26 +242,40 @@ class _Found:
     dtype: mx.Dtype
 
 
-def _mixer_frame(cache: Any, start: FrameType | None) -> tuple[nn.Module, FrameType] | None:
-    """The innermost module whose ``__call__`` frame was handed ``cache``, and that frame.
+@dataclass(frozen=True, eq=False)
+class _Call:
+    """A module call in flight during the trace forward: the module, its class, its arguments."""
 
-    The innermost frame holding the cache names the module (it may be a helper method of
-    it, such as a convolution step); the module's own ``__call__`` must be on the stack too.
+    module: nn.Module
+    cls: type
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def holds(self, cache: Any) -> bool:
+        """Whether ``cache`` is one of the call's arguments."""
+        return any(a is cache for a in self.args) or any(v is cache for v in self.kwargs.values())
+
+
+def _recording_class(cls: type, calls: list[_Call]) -> type:
+    """``cls`` with a call that stands on ``calls`` (innermost last) while it runs."""
+    base_call: Callable[..., Any] = cls.__call__  # type: ignore[operator]
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(_Call(self, cls, args, kwargs))
+        try:
+            return base_call(self, *args, **kwargs)
+        finally:
+            calls.pop()
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
+def _traced_class(cls: type, calls: list[_Call]) -> type:
+    """``cls`` (a STATE layer's cache class) noting, at each access, the module that reads it.
+
+    The module is the innermost call in flight that was handed the cache (a helper method of
+    the mixer is part of the mixer's call).
     """
-    frame = start
-    module: nn.Module | None = None
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        holds = any(v is cache for k, v in frame.f_locals.items() if k != "self")
-        if module is None and isinstance(owner, nn.Module) and holds:
-            module = owner
-        if module is not None and owner is module and frame.f_code.co_name == "__call__":
-            return owner, frame
-        frame = frame.f_back
-    return None
-
-
-def _traced_class(cls: type) -> type:
     base_get: Callable[[Any, Any], Any] = getattr(cls, "__getitem__")  # noqa: B009
     base_set: Callable[[Any, Any, Any], None] = getattr(cls, "__setitem__")  # noqa: B009
 
@@ -268,22 +284,21 @@ def _traced_class(cls: type) -> type:
         # the MLP beside the mixer, say) has no one mixer to swap, and is refused.
         found: dict[int, _Found | None] = self.kv_trace_found
         layer_id: int = self.kv_trace_layer
-        seen = _mixer_frame(self, inspect.currentframe())
+        seen = next((call for call in reversed(calls) if call.holds(self)), None)
         if layer_id in found:
             known = found[layer_id]
-            if known is not None and (seen is None or seen[0] is not known.module):
+            if known is not None and (seen is None or seen.module is not known.module):
                 found[layer_id] = None
             return
         if seen is None:
             found[layer_id] = None
             return
-        module, frame = seen
-        signature = _signature(_original_class(type(module)))
-        x = frame.f_locals.get(signature.input_name)
+        signature = _signature(_original_class(seen.cls))
+        x = signature.bind(seen.args, seen.kwargs).get(signature.input_name)
         if not signature.supported or not isinstance(x, mx.array) or x.ndim < 3:
             found[layer_id] = None
             return
-        found[layer_id] = _Found(module=module, input_tail=tuple(x.shape[2:]), dtype=x.dtype)
+        found[layer_id] = _Found(module=seen.module, input_tail=tuple(x.shape[2:]), dtype=x.dtype)
 
     def __getitem__(self: Any, index: Any) -> Any:
         note(self)
@@ -299,22 +314,42 @@ def _traced_class(cls: type) -> type:
 def _trace_mixers(
     model: nn.Module, nesting: CacheNesting, num_layers: int, state_layer_ids: Sequence[int]
 ) -> dict[int, _Found | None]:
-    """Each STATE layer's mixer, seen in a two-token forward on the model's own caches."""
+    """Each STATE layer's mixer, seen in a two-token forward on the model's own caches.
+
+    For the forward every module's class records its calls (and is put back after it).
+    """
     make_cache = getattr(model, "make_cache", None)
     if not callable(make_cache):
         return {}
     flat = flatten_caches(list(make_cache()))
     if len(flat) != num_layers:
         return {}
+    calls: list[_Call] = []
     found: dict[int, _Found | None] = {}
     for layer_id in state_layer_ids:
         cache: Any = copy.copy(flat[layer_id])
-        cache.__class__ = _traced_class(type(cache))
+        cache.__class__ = _traced_class(type(cache), calls)
         cache.kv_trace_found = found
         cache.kv_trace_layer = layer_id
         flat[layer_id] = cache
-    forward: Any = model
-    mx.eval(forward(mx.array([[0, 1]], dtype=mx.int32), cache=nesting.nest(flat)))
+    recording: dict[type, type] = {}
+    originals: list[tuple[nn.Module, type]] = []
+    seen: set[int] = set()
+    try:
+        for _, module in model.named_modules():
+            if id(module) in seen:
+                continue  # a module held under two names is swapped once
+            seen.add(id(module))
+            cls = type(module)
+            if cls not in recording:
+                recording[cls] = _recording_class(cls, calls)
+            originals.append((module, cls))
+            module.__class__ = recording[cls]
+        forward: Any = model
+        mx.eval(forward(mx.array([[0, 1]], dtype=mx.int32), cache=nesting.nest(flat)))
+    finally:
+        for module, cls in originals:
+            module.__class__ = cls
     return found
 
 
@@ -381,12 +416,76 @@ _HOLDS: dict[int, int] = {}
 
 
 class RaggedStateMixers:
-    """The swapped mixers of a model's STATE layers; :meth:`uninstall` puts the classes back."""
+    """The change that swaps a model's STATE-layer mixers for ones that run ragged rows.
 
-    def __init__(self) -> None:
+    A :class:`~kv_batching._model_surgery.ModelChange`: :meth:`install` traces the mixers
+    and probes each swap (see the module docstring), :meth:`uninstall` puts the classes back.
+    ``make_state_caches`` gives fresh state caches, one per STATE layer, for the probe.
+    """
+
+    name = "ragged state mixers"
+
+    def __init__(
+        self,
+        nesting: CacheNesting,
+        num_layers: int,
+        state_layer_ids: Sequence[int],
+        make_state_caches: StateCacheFactory,
+    ) -> None:
+        self._nesting = nesting
+        self._num_layers = num_layers
+        self._state_layer_ids = tuple(state_layer_ids)
+        self._make_state_caches = make_state_caches
         self._modules: list[tuple[nn.Module, type]] = []
 
-    def hold(self, module: nn.Module, original: type) -> None:
+    def install(self, model: nn.Module) -> ChangeReport:
+        """Swap every STATE layer's mixer, or none (with the reason) if any cannot be."""
+        if self._modules:
+            return self._report(None)
+        if not self._state_layer_ids:
+            return self._report("the model has no STATE layers")
+        try:
+            found = _trace_mixers(model, self._nesting, self._num_layers, self._state_layer_ids)
+        except Exception as error:  # a model the trace does not fit verifies per request
+            return self._report(f"the trace forward raised {error!r}")
+        mixers = [found.get(layer_id) for layer_id in self._state_layer_ids]
+        if any(m is None for m in mixers):
+            missing = [i for i, m in zip(self._state_layer_ids, mixers, strict=True) if m is None]
+            return self._report(
+                f"no mixer called as (x, cache) or (x, mask, cache) found for layers {missing}"
+            )
+        chosen = [m for m in mixers if m is not None]
+        if len({id(m.module) for m in chosen}) != len(chosen):
+            return self._report("one mixer serves several layers")
+        try:
+            for k, (layer_id, mixer) in enumerate(zip(self._state_layer_ids, chosen, strict=True)):
+                original = _original_class(type(mixer.module))
+                self._hold(mixer.module, original)
+
+                def fresh(k: int = k) -> Any:
+                    return self._make_state_caches()[k]
+
+                modes: list[MixerMode] = ["grouped"]
+                if _signature(original).has_mask:
+                    modes.insert(0, "padded")
+                for mode in modes:
+                    mixer.module.__class__ = _ragged_class(original, mode)
+                    if _probe(mixer, layer_id, fresh):
+                        break
+                else:
+                    self.uninstall()
+                    return self._report(f"layer {layer_id}'s {original.__name__} fails the probe")
+        except Exception as error:
+            self.uninstall()
+            return self._report(f"the probe raised {error!r}")
+        return self._report(None)
+
+    def _report(self, reason: str | None) -> ChangeReport:
+        if reason is not None:
+            reason = f"proposals verify by a forward per request: {reason}"
+        return ChangeReport(name=self.name, installed=len(self._modules), reason=reason)
+
+    def _hold(self, module: nn.Module, original: type) -> None:
         """Count ``module`` (of class ``original`` before any swap) as swapped by this install."""
         self._modules.append((module, original))
         _HOLDS[id(module)] = _HOLDS.get(id(module), 0) + 1
@@ -405,8 +504,12 @@ class RaggedStateMixers:
         swapped = set(_SUBCLASSES.values())
         return bool(self._modules) and all(type(m) in swapped for m, _ in self._modules)
 
-    def uninstall(self) -> None:
-        """Let go of the mixers; one no other install holds gets its own class back."""
+    def uninstall(self, model: nn.Module | None = None) -> int:
+        """Let go of the mixers; one no other install holds gets its own class back.
+
+        Returns how many mixers this install held.
+        """
+        held = len(self._modules)
         for module, original in self._modules:
             left = _HOLDS.get(id(module), 1) - 1
             if left > 0:
@@ -415,6 +518,7 @@ class RaggedStateMixers:
                 _HOLDS.pop(id(module), None)
                 module.__class__ = original
         self._modules.clear()
+        return held
 
     def replay(
         self,
@@ -471,49 +575,14 @@ def install_ragged_state_mixers(
 ) -> RaggedStateMixers | None:
     """Swap each STATE layer's mixer for one that runs ragged rows, if all of them can.
 
-    ``None`` (nothing changed) when a mixer is not found by the trace, is shared by two
-    layers, is not called as ``(x, mask, cache)`` or fails its probe.
+    :class:`RaggedStateMixers`' install outside a :class:`~kv_batching._model_surgery.
+    ModelSurgery`: ``None`` (nothing changed, the reason logged) when a mixer is not found
+    by the trace, is shared by two layers, is not called as ``(x, mask, cache)`` or fails its
+    probe.
     """
-    if not state_layer_ids:
-        return None
-    try:
-        found = _trace_mixers(model, nesting, num_layers, state_layer_ids)
-    except Exception as error:  # a model the trace does not fit verifies per request
-        return _refused(f"the trace forward raised {error!r}")
-    mixers = [found.get(layer_id) for layer_id in state_layer_ids]
-    if any(m is None for m in mixers):
-        missing = [i for i, m in zip(state_layer_ids, mixers, strict=True) if m is None]
-        return _refused(
-            f"no mixer called as (x, cache) or (x, mask, cache) found for layers {missing}"
-        )
-    chosen = [m for m in mixers if m is not None]
-    if len({id(m.module) for m in chosen}) != len(chosen):
-        return _refused("one mixer serves several layers")
-    result = RaggedStateMixers()
-    try:
-        for k, (layer_id, mixer) in enumerate(zip(state_layer_ids, chosen, strict=True)):
-            original = _original_class(type(mixer.module))
-            result.hold(mixer.module, original)
-
-            def fresh(k: int = k) -> Any:
-                return make_state_caches()[k]
-
-            modes: list[MixerMode] = ["grouped"]
-            if _signature(original).has_mask:
-                modes.insert(0, "padded")
-            for mode in modes:
-                mixer.module.__class__ = _ragged_class(original, mode)
-                if _probe(mixer, layer_id, fresh):
-                    break
-            else:
-                result.uninstall()
-                return _refused(f"layer {layer_id}'s {original.__name__} fails the probe")
-    except Exception as error:
-        result.uninstall()
-        return _refused(f"the probe raised {error!r}")
-    return result
-
-
-def _refused(reason: str) -> RaggedStateMixers | None:
-    logger.info("proposals verify by a forward per request: %s", reason)
+    change = RaggedStateMixers(nesting, num_layers, state_layer_ids, make_state_caches)
+    report = change.install(model)
+    if report.installed:
+        return change
+    logger.info("%s", report.reason)
     return None

@@ -31,7 +31,7 @@ from kv_protocol import (
 
 from ._config import PoolConfig, split_settings
 from ._lockstep import LockstepEngine
-from ._native_norms import attach_native_norms
+from ._native_norms import NativeNorms
 from ._ranks import STARTUP_TIMEOUT, RankGroup
 from ._sizes import DEFAULT_KV_SLAB_BYTES, NGRAM_SPECULATIVE_TOKENS
 
@@ -285,7 +285,6 @@ def build_engine(
     elif sizes.kv_bits is not None:
         raise RequestStateError("give a pool or kv_bits, not both (build the pool quantized)")
     kernels = build_kernels(model, layout, fused_rope=sizes.fused_rope)
-    attach_native_norms(model)
     if ranks is not None:
         if speculation is not None:
             raise RequestStateError(
@@ -309,7 +308,9 @@ def build_engine(
     final = dataclasses.replace(
         engine, prefix_caching=None if use_prefix else False, speculation=speculation
     )
-    built = DecodeEngine(model, pool, kernels, pool_backed_cache, final, agreement=ranks)
+    built = DecodeEngine(
+        model, pool, kernels, pool_backed_cache, final, agreement=ranks, changes=[NativeNorms()]
+    )
     return built if ranks is None else LockstepEngine(built, ranks)
 
 

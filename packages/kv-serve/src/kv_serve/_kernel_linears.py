@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from kv_batching import ChangeReport, ModelSurgery
 from kv_metal_kernels import CpuQuantizedHead, CpuQuantizedLinear
 from kv_protocol import QuantizedHeadKernel
 
@@ -40,6 +41,7 @@ __all__ = [
     "KERNEL_MAX_ROWS",
     "LINEAR_MAX_ROWS",
     "SIBLING_LAYERS",
+    "KernelCodes",
     "KernelLinear",
     "SiblingRows",
     "attach_kernel_codes",
@@ -233,6 +235,105 @@ def kernel_max_rows(kernel: QuantizedHeadKernel) -> int:
     return LINEAR_MAX_ROWS if isinstance(kernel, CpuQuantizedLinear) else KERNEL_MAX_ROWS
 
 
+class KernelCodes:
+    """The change that replaces a model's float linear layers by :class:`KernelLinear` ones.
+
+    A ``kv_batching.ModelChange``: ``directory`` is a ``convert_gguf(keep_quantized="dual")``
+    conversion (no codes file: nothing is replaced). A layer is replaced only where it is a
+    float32 ``nn.Linear`` whose weight has the codes' shape and ``kernel`` serves the codes;
+    others stay as they are, and a :class:`KernelLinear` already there counts as installed.
+    ``max_rows`` (default :func:`kernel_max_rows`) is the most rows the kernel projects.
+    :meth:`uninstall` puts plain ``nn.Linear`` layers back, holding the same weight and bias.
+    """
+
+    name = "kernel linears"
+
+    def __init__(
+        self, directory: Path, kernel: QuantizedHeadKernel, *, max_rows: int | None = None
+    ) -> None:
+        self.directory = directory
+        self.kernel = kernel
+        self.max_rows = kernel_max_rows(kernel) if max_rows is None else max_rows
+        self._replaced: list[str] = []
+
+    def _report(self, installed: int, reason: str | None) -> ChangeReport:
+        return ChangeReport(name=self.name, installed=installed, reason=reason)
+
+    def install(self, model: nn.Module) -> ChangeReport:
+        """Replace every layer that has codes the kernel serves."""
+        directory, kernel = self.directory, self.kernel
+        path = directory / KERNEL_CODES_FILE
+        if not path.exists():
+            return self._report(0, f"no {KERNEL_CODES_FILE} in the model directory")
+        described = json.loads((directory / "kv-serve.json").read_text()).get("kernel_codes", {})
+        arrays = cast(dict[str, mx.array], mx.load(str(path)))
+        modules = dict(model.named_modules())
+        usable: dict[str, tuple[int, int]] = {}  # name -> (bits, group size)
+        held = []
+        for name, form in sorted(described.items()):
+            layer = modules.get(name)
+            if isinstance(layer, KernelLinear):
+                held.append(name)  # replaced already: counts as installed
+                continue
+            if type(layer) is not nn.Linear or layer.weight.dtype != mx.float32:
+                continue
+            codes = arrays[f"{name}.codes"]
+            bits, group = int(form["bits"]), int(form["group_size"])
+            if (
+                codes.shape[0] != layer.weight.shape[0]
+                or codes.shape[1] * 32 // bits != (layer.weight.shape[1])
+            ):
+                continue
+            usable[name] = (bits, group)
+        projections: dict[str, Callable[[mx.array], mx.array]] = {}
+        for names in _sibling_sets(list(usable)):
+            forms = {usable[name] for name in names}
+            widths = {int(modules[name].weight.shape[1]) for name in names}
+            if len(forms) == 1 and len(widths) == 1:
+                projections.update(_siblings(names, arrays, kernel, *forms.pop()))
+        for name, (bits, group) in usable.items():
+            if name not in projections:
+                single = kernel.prepare(
+                    arrays[f"{name}.codes"],
+                    arrays[f"{name}.scales"],
+                    arrays[f"{name}.biases"],
+                    group_size=group,
+                    bits=bits,
+                )
+                if single is not None:
+                    projections[name] = single
+        replaced: list[tuple[str, Any]] = []
+        for name, projection in sorted(projections.items()):
+            layer = modules[name]
+            bias = layer.get("bias")
+            replaced.append(
+                (name, KernelLinear(layer.weight, bias, projection, max_rows=self.max_rows))
+            )
+        if replaced:
+            model.update_modules(tree_unflatten(replaced))
+        self._replaced += [*held, *(name for name, _ in replaced)]
+        left = len(described) - len(self._replaced)
+        reason = f"{left} layers with codes kept their float product" if left else None
+        return self._report(len(self._replaced), reason)
+
+    def uninstall(self, model: nn.Module) -> int:
+        """Put plain ``nn.Linear`` layers back (the same weight and bias); returns how many."""
+        modules = dict(model.named_modules())
+        restored: list[tuple[str, Any]] = []
+        for name in self._replaced:
+            layer = modules.get(name)
+            if isinstance(layer, KernelLinear):
+                plain = nn.Linear(1, 1, bias="bias" in layer)
+                plain.weight = layer.weight
+                if "bias" in layer:
+                    plain.bias = layer["bias"]
+                restored.append((name, plain))
+        if restored:
+            model.update_modules(tree_unflatten(restored))
+        self._replaced = []
+        return len(restored)
+
+
 def attach_kernel_codes(
     model: nn.Module,
     directory: Path,
@@ -242,57 +343,10 @@ def attach_kernel_codes(
 ) -> int:
     """Replace ``model``'s float linear layers that have codes in ``directory``; returns how many.
 
-    ``directory`` is a ``convert_gguf(keep_quantized="dual")`` conversion (no codes file:
-    nothing is replaced). A layer is replaced only where it is a float32 ``nn.Linear`` whose
-    weight has the codes' shape and ``kernel`` serves the codes; others stay as they are.
-    ``max_rows`` (default :func:`kernel_max_rows`) is the most rows the kernel projects.
+    :class:`KernelCodes`' install through a ``kv_batching.ModelSurgery`` (what ``load_model``
+    does with a dual conversion): the loaded model keeps them.
     """
-    if max_rows is None:
-        max_rows = kernel_max_rows(kernel)
-    path = directory / KERNEL_CODES_FILE
-    if not path.exists():
-        return 0
-    described = json.loads((directory / "kv-serve.json").read_text()).get("kernel_codes", {})
-    arrays = cast(dict[str, mx.array], mx.load(str(path)))
-    modules = dict(model.named_modules())
-    usable: dict[str, tuple[int, int]] = {}  # name -> (bits, group size)
-    for name, form in sorted(described.items()):
-        layer = modules.get(name)
-        if type(layer) is not nn.Linear or layer.weight.dtype != mx.float32:
-            continue
-        codes = arrays[f"{name}.codes"]
-        bits, group = int(form["bits"]), int(form["group_size"])
-        if (
-            codes.shape[0] != layer.weight.shape[0]
-            or codes.shape[1] * 32 // bits != (layer.weight.shape[1])
-        ):
-            continue
-        usable[name] = (bits, group)
-    projections: dict[str, Callable[[mx.array], mx.array]] = {}
-    for names in _sibling_sets(list(usable)):
-        forms = {usable[name] for name in names}
-        widths = {int(modules[name].weight.shape[1]) for name in names}
-        if len(forms) == 1 and len(widths) == 1:
-            projections.update(_siblings(names, arrays, kernel, *forms.pop()))
-    for name, (bits, group) in usable.items():
-        if name not in projections:
-            single = kernel.prepare(
-                arrays[f"{name}.codes"],
-                arrays[f"{name}.scales"],
-                arrays[f"{name}.biases"],
-                group_size=group,
-                bits=bits,
-            )
-            if single is not None:
-                projections[name] = single
-    replaced: list[tuple[str, Any]] = []
-    for name, projection in sorted(projections.items()):
-        layer = modules[name]
-        bias = layer.get("bias")
-        replaced.append((name, KernelLinear(layer.weight, bias, projection, max_rows=max_rows)))
-    if replaced:
-        model.update_modules(tree_unflatten(replaced))
-    return len(replaced)
+    return ModelSurgery(model).install(KernelCodes(directory, kernel, max_rows=max_rows)).installed
 
 
 def _siblings(

@@ -1,11 +1,12 @@
 """RMS norms of a model computed as one native graph node each on MLX's CPU backend.
 
 ``mx.fast.rms_norm`` is about ten scheduled operations on MLX's CPU backend, and a decode
-step of a small model runs a hundred norms: :func:`attach_native_norms` swaps each norm
-module whose output ``kv_metal_kernels.CpuRmsNorm`` reproduces bit for bit (checked on a
-probe, with its weight as it is or plus one: Gemma's form) for a :class:`NativeRMSNorm`
-holding the same ``weight`` and ``eps``. The model computes the same values; other devices
-and dtypes take ``mx.fast.rms_norm``.
+step of a small model runs a hundred norms: :class:`NativeNorms` (a
+``kv_batching.ModelChange``: ``build_engine`` hands it to the engine, whose ``close`` puts
+the model's norms back) swaps each norm module whose output ``kv_metal_kernels.CpuRmsNorm``
+reproduces bit for bit (checked on a probe, with its weight as it is or plus one: Gemma's
+form) for a :class:`NativeRMSNorm` holding the same ``weight`` and ``eps``. The model
+computes the same values; other devices and dtypes take ``mx.fast.rms_norm``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from kv_batching import ChangeReport
 from kv_metal_kernels import CpuRmsNorm
 
-__all__ = ["NativeRMSNorm", "attach_native_norms"]
+__all__ = ["NativeNorms", "NativeRMSNorm", "attach_native_norms"]
 
 
 class NativeRMSNorm(nn.Module):
@@ -50,30 +52,62 @@ class NativeRMSNorm(nn.Module):
         return mx.fast.rms_norm(x, 1.0 + weight if self.add_one else weight, self.eps)
 
 
-def attach_native_norms(model: nn.Module, kernel: CpuRmsNorm | None = None) -> int:
-    """Swap ``model``'s RMS norms the native kernel reproduces; returns how many it holds.
+class NativeNorms:
+    """The change that swaps a model's RMS norms for :class:`NativeRMSNorm` where bit-exact.
 
     Only on MLX's CPU device with the kernel available; a candidate is a module with a
     one-dimensional float32 ``weight``, a float ``eps``, no ``bias`` and a call of ``x``
     alone, swapped only where its output on a probe equals the kernel's bit for bit.
-    Modules already swapped count.
+    Modules already swapped count as installed; :meth:`uninstall` puts back the ones this
+    change swapped.
     """
-    kernel = kernel or CpuRmsNorm()
-    if mx.default_device().type != mx.cpu or not kernel.available:
-        return 0
-    held = 0
-    swaps: list[tuple[str, NativeRMSNorm]] = []
-    for name, module in model.named_modules():
-        if isinstance(module, NativeRMSNorm):
-            held += 1
-            continue
-        form = _probe(module, kernel)
-        if form is not None and name:
-            weight = module["weight"]
-            swaps.append((name, NativeRMSNorm(weight, module.eps, add_one=form, kernel=kernel)))
-    if swaps:
-        model.update_modules(tree_unflatten(list(swaps)))
-    return held + len(swaps)
+
+    name = "native norms"
+
+    def __init__(self, kernel: CpuRmsNorm | None = None) -> None:
+        self.kernel = kernel
+        self._originals: list[tuple[str, nn.Module]] = []
+
+    def install(self, model: nn.Module) -> ChangeReport:
+        """Swap every norm the probe accepts."""
+        kernel = self.kernel = self.kernel or CpuRmsNorm()
+        if mx.default_device().type != mx.cpu:
+            return self._report(0, "only on MLX's CPU device")
+        if not kernel.available:
+            return self._report(0, "the native CPU kernels did not build here")
+        held = 0
+        swaps: list[tuple[str, NativeRMSNorm]] = []
+        for name, module in model.named_modules():
+            if isinstance(module, NativeRMSNorm):
+                held += 1
+                continue
+            form = _probe(module, kernel)
+            if form is not None and name:
+                weight = module["weight"]
+                swaps.append((name, NativeRMSNorm(weight, module.eps, add_one=form, kernel=kernel)))
+                self._originals.append((name, module))
+        if swaps:
+            model.update_modules(tree_unflatten(list(swaps)))
+        installed = held + len(swaps)
+        return self._report(installed, None if installed else "no RMS norm matched the kernel")
+
+    def _report(self, installed: int, reason: str | None) -> ChangeReport:
+        return ChangeReport(name=self.name, installed=installed, reason=reason)
+
+    def uninstall(self, model: nn.Module) -> int:
+        """Put back the norm modules this change swapped; returns how many."""
+        originals, self._originals = self._originals, []
+        if originals:
+            model.update_modules(tree_unflatten(originals))
+        return len(originals)
+
+
+def attach_native_norms(model: nn.Module, kernel: CpuRmsNorm | None = None) -> int:
+    """Swap ``model``'s RMS norms the native kernel reproduces; returns how many it holds.
+
+    :class:`NativeNorms`' install, for a model used outside an engine (kept swapped).
+    """
+    return NativeNorms(kernel).install(model).installed
 
 
 def _takes_one_argument(module: nn.Module) -> bool:
