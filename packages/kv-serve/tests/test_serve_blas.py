@@ -150,7 +150,7 @@ def _gemma_tokens(model: Any, tokenizer: Any) -> list[list[int]]:
         "for ten minutes, leave it to rise for an hour, shape it, and bake it in a hot oven. "
         "If the loaf comes out dense and heavy, the most likely reason is",
     ]
-    ids = [engine.submit(encode_prompt(tokenizer, t), 12) for t in texts]
+    ids = [engine.submit(encode_prompt(tokenizer, t), 6) for t in texts]
     while engine.has_work:
         engine.step()
     return [list(engine.output(i).tokens) for i in ids]
@@ -199,4 +199,4 @@ def test_gemma_tokens_identical_on_either_blas(
     here, there, tokens = _on_the_other_blas(_gemma_tokens, setup)
     assert here != there and "reference" in (here, there)
     assert tokens == _gemma_tokens(*gemma)
-    assert all(len(t) == 12 for t in tokens)
+    assert all(len(t) == 6 for t in tokens)

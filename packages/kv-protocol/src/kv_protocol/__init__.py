@@ -18,6 +18,19 @@ from ._errors import (
     UnknownRequestError,
     UnsupportedModelError,
 )
+from ._kernel_protocols import (
+    GatedActivationKernel,
+    GreedyHeadProjection,
+    KernelSet,
+    NormRopeKernel,
+    PagedDecodeAttention,
+    PagedQueryAttention,
+    PrefillAttention,
+    QuantizedHeadKernel,
+    RmsNormForm,
+    RopeScatterKernel,
+    SlotWriter,
+)
 from ._layer_spec import KVGeometry, LayerKind, LayerSpec
 from ._layout import CacheLayout
 from ._lifetime import KVLifetime
@@ -48,9 +61,6 @@ from ._pool_values import (
 )
 from ._protocols import (
     DecodeKVCache,
-    GatedActivationKernel,
-    GreedyHeadProjection,
-    KernelSet,
     KVBufferStorage,
     KVCache,
     KVPageAddressing,
@@ -62,16 +72,8 @@ from ._protocols import (
     KVRequestForking,
     LayerTransferCounter,
     MaskSpec,
-    NormRopeKernel,
     OffsetCache,
     PageAllocator,
-    PagedDecodeAttention,
-    PagedQueryAttention,
-    PrefillAttention,
-    QuantizedHeadKernel,
-    RmsNormForm,
-    RopeScatterKernel,
-    SlotWriter,
     TokenHashes,
 )
 from ._quantized_kv import (
