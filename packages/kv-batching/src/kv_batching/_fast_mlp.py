@@ -272,6 +272,7 @@ class FastMLPs:
         except Exception as error:
             return self._report(0, f"no decoder layers found ({error})")
         refused: list[str] = []
+        self._held = []  # what the model holds now, counted once however often installed
         for index, layer in enumerate(layers):
             found = _mlp_child(layer)
             if found is None:

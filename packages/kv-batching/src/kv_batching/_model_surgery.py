@@ -14,7 +14,7 @@ forwards, the changes that compute differently only there (:class:`EngagedChange
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
@@ -92,6 +92,9 @@ class ModelSurgery:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._installed: list[tuple[ModelChange, ChangeReport]] = []
+        # The installed changes that engage, known at install: a forward's engagement does
+        # no protocol checks (each runtime-checkable isinstance reads every member).
+        self._engaging: list[EngagedChange] = []
 
     def install(self, change: ModelChange) -> ChangeReport:
         """Install ``change`` (see :meth:`ModelChange.install`) and keep it if it holds any.
@@ -101,6 +104,8 @@ class ModelSurgery:
         report = change.install(self.model)
         if report.installed:
             self._installed.append((change, report))
+            if isinstance(change, EngagedChange):
+                self._engaging.append(change)
         if report.reason is not None:
             logger.info("%s: %s", type(self.model).__name__, report)
         return report
@@ -123,23 +128,27 @@ class ModelSurgery:
         for change, report in list(self._installed):
             if isinstance(change, kind):
                 restored += change.uninstall(self.model)
-                self._installed.remove((change, report))
+                self._forget(change, report)
         return restored
+
+    def _forget(self, change: ModelChange, report: ChangeReport) -> None:
+        self._installed.remove((change, report))
+        if change in self._engaging:
+            self._engaging.remove(change)  # type: ignore[arg-type]
 
     def undo(self) -> int:
         """Undo every change, last installed first; the model is as it was before them."""
         restored = 0
         while self._installed:
-            change, _ = self._installed.pop()
+            change, report = self._installed[-1]
             restored += change.uninstall(self.model)
+            self._forget(change, report)
         return restored
 
     @contextmanager
     def engaged(self, *, prefill: bool = False) -> Iterator[None]:
         """Within the block the engine builds a forward: engaged changes compute their way."""
-        engaged: Sequence[EngagedChange] = [
-            change for change, _ in self._installed if isinstance(change, EngagedChange)
-        ]
+        engaged = tuple(self._engaging)
         for change in engaged:
             change.engage(prefill=prefill)
         try:
